@@ -1,0 +1,33 @@
+"""Requests and responses as the engine sees them, whatever protocol carried them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.tensors import Tensor
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferRequest:
+    model: str
+    inputs: list[Tensor]
+    version: str | None = None
+    id: str | None = None
+    outputs: list[RequestedOutput] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferResponse:
+    model: str
+    version: str
+    outputs: list[Tensor]
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)

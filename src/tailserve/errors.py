@@ -1,0 +1,68 @@
+"""The one error tree of tailserve.
+
+    TailserveError
+    ├── InvalidInput          bad request data: JSON, shapes, datatypes, values (a field is named)
+    │   └── PayloadTooLarge   the body is over the configured limit
+    ├── Unauthorized          an admin route without the configured bearer token
+    ├── ModelNotFound         no such model, or no such version of it
+    ├── Unavailable           the model or server cannot take the request now
+    │   ├── ModelNotReady     known, but not loaded or not warm yet
+    │   └── Overloaded        a bounded queue is full; carries a retry-after hint
+    ├── ModelExecutionError   the runtime raised while predicting
+    └── ConfigError           a model.yaml or setting is invalid (names the file and field)
+        └── ModelLoadError    a model's artifact could not be loaded or warmed
+
+No web framework appears here: adapters map these to status codes (see `protocols/http/errors.py`).
+"""
+
+from __future__ import annotations
+
+
+class TailserveError(Exception):
+    """Base of every error tailserve raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(TailserveError):
+    pass
+
+
+class PayloadTooLarge(InvalidInput):
+    pass
+
+
+class Unauthorized(TailserveError):
+    pass
+
+
+class ModelNotFound(TailserveError):
+    pass
+
+
+class Unavailable(TailserveError):
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ModelNotReady(Unavailable):
+    pass
+
+
+class Overloaded(Unavailable):
+    pass
+
+
+class ModelExecutionError(TailserveError):
+    pass
+
+
+class ConfigError(TailserveError):
+    pass
+
+
+class ModelLoadError(ConfigError):
+    pass

@@ -1,0 +1,287 @@
+"""The worker's HTTP surface as a bare ASGI application.
+
+No web framework sits on the hot path: a route table lookup, a bounded body read, a codec and a
+call into the data plane. (benchmarks/http_overhead.py measures what this costs over a bare ASGI
+handler.) Handlers return ``(status, headers, body)``; errors from the data plane become
+``{"error": "..."}`` with the status `errors.status_of` gives.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from tailserve.engine.dataplane import DataPlane
+from tailserve.errors import InvalidInput, PayloadTooLarge, TailserveError, Unauthorized
+from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tailserve.observability.metrics import Metrics
+from tailserve.protocols.http import kserve_v1, oip
+from tailserve.protocols.http.errors import headers_of, status_of
+from tailserve.protocols.http.openapi import openapi_document
+from tailserve.protocols.http.routes import Router
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+Reply = tuple[int, Headers, bytes]
+
+_JSON: Headers = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class HttpRequest:
+    __slots__ = ("_receive", "_scope", "max_body_bytes", "params")
+
+    def __init__(
+        self, scope: Scope, receive: Receive, params: dict[str, str], max_body_bytes: int
+    ) -> None:
+        self._scope = scope
+        self._receive = receive
+        self.params = params
+        self.max_body_bytes = max_body_bytes
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self._scope["headers"]:
+            if key == name:
+                return bytes(value)
+        return None
+
+    async def body(self) -> bytes:
+        """The whole body, refused with 413 as soon as it passes the limit; decompressed."""
+        limit = self.max_body_bytes
+        declared = self.header(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(
+                f"request body of {int(declared)} bytes is over the {limit}-byte limit"
+            )
+        chunks = []
+        size = 0
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        encoding = self.header(b"content-encoding")
+        if encoding is not None and encoding not in (b"identity", b""):
+            body = _decompress(encoding, body, limit)
+        return body
+
+    async def json(self) -> Any:
+        body = await self.body()
+        if not body:
+            return {}
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+
+
+def _decompress(encoding: bytes, body: bytes, limit: int) -> bytes:
+    # "deflate" on the wire is zlib-wrapped; gzip has its own header. Both capped at the limit.
+    wbits = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}.get(encoding.lower())
+    if wbits is None:
+        raise InvalidInput(f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidInput(f"request body is not valid {encoding.decode()} data: {exc}") from None
+    if len(out) > limit:
+        raise PayloadTooLarge(f"decompressed request body is over the {limit}-byte limit")
+    return out
+
+
+class HttpApp:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        metrics: Metrics,
+        *,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        admin_token: str | None = None,
+        lifespan: Callable[[Receive, Send], Awaitable[None]] | None = None,
+    ) -> None:
+        self.dataplane = dataplane
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self._admin = f"Bearer {admin_token}".encode() if admin_token else None
+        self._lifespan = lifespan
+        self._router = Router()
+        self._openapi_body = orjson.dumps(openapi_document())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan" and self._lifespan is not None:
+            await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        route, params, path_known = self._router.match(scope["method"], scope["path"])
+        if route is None:
+            status = 405 if path_known else 404
+            what = "method not allowed" if path_known else "no such route"
+            await _send(send, status, _JSON, _error(f"{what}: {scope['method']} {scope['path']}"))
+            return
+        request = HttpRequest(scope, receive, params, self.max_body_bytes)
+        try:
+            if route.admin:
+                self._authorize(request)
+            status, headers, body = await getattr(self, "_" + route.handler)(request)
+        except ClientGone:
+            return
+        except TailserveError as exc:
+            status, headers, body = status_of(exc), [*_JSON, *headers_of(exc)], _error(exc.message)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            status, headers, body = 500, _JSON, _error(f"internal error: {type(exc).__name__}")
+        await _send(send, status, headers, body)
+        if route.protocol is not None:
+            model = params.get("model", "")
+            label = model if self._known(model) else "_unknown"
+            self.metrics.on_request(label, route.protocol, status, time.perf_counter() - started)
+
+    def _known(self, model: str) -> bool:
+        try:
+            self.dataplane.manager.state(model)
+        except TailserveError:
+            return False
+        return True
+
+    def _authorize(self, request: HttpRequest) -> None:
+        if self._admin is None:
+            return
+        given = request.header(b"authorization") or b""
+        if not hmac.compare_digest(given, self._admin):
+            raise Unauthorized("this admin route needs 'Authorization: Bearer <token>'")
+
+    # --- health and metadata ----------------------------------------------------------------
+
+    async def _live(self, request: HttpRequest) -> Reply:
+        return 200, _JSON, orjson.dumps({"live": self.dataplane.live()})
+
+    async def _ready(self, request: HttpRequest) -> Reply:
+        ready = self.dataplane.ready()
+        return (200 if ready else 503), _JSON, orjson.dumps({"ready": ready})
+
+    async def _server_metadata(self, request: HttpRequest) -> Reply:
+        return 200, _JSON, orjson.dumps(self.dataplane.server_metadata())
+
+    async def _model_metadata(self, request: HttpRequest) -> Reply:
+        p = request.params
+        return 200, _JSON, orjson.dumps(self.dataplane.model_metadata(p["model"], p.get("version")))
+
+    async def _model_ready(self, request: HttpRequest) -> Reply:
+        p = request.params
+        ready = self.dataplane.model_ready(p["model"], p.get("version"))
+        # OIP: 200 means ready, a 4xx means not.
+        document = {"name": p["model"], "ready": ready}
+        return (200 if ready else 400), _JSON, orjson.dumps(document)
+
+    async def _model_config(self, request: HttpRequest) -> Reply:
+        p = request.params
+        return 200, _JSON, orjson.dumps(self.dataplane.model_config(p["model"], p.get("version")))
+
+    # --- inference --------------------------------------------------------------------------
+
+    async def _infer(self, request: HttpRequest) -> Reply:
+        p = request.params
+        body = await request.body()
+        header_length = _header_length(request.header(b"inference-header-content-length"))
+        infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
+        response = await self.dataplane.infer(infer_request)
+        payload, headers = oip.encode_response(infer_request, response)
+        return 200, headers, payload
+
+    async def _predict_v1(self, request: HttpRequest) -> Reply:
+        name = request.params["model"]
+        config = self.dataplane.manager.get(name).config
+        infer_request = kserve_v1.decode_records(name, config, await request.body())
+        response = await self.dataplane.infer(infer_request)
+        params = response.parameters
+        headers = [
+            *_JSON,
+            (b"x-model-version", response.version.encode()),
+            (b"x-queue-us", str(params["queue_us"]).encode()),
+            (b"x-compute-us", str(params["compute_us"]).encode()),
+            (b"x-batch-size", str(params["batch_size"]).encode()),
+        ]
+        return 200, headers, kserve_v1.encode_predictions(response)
+
+    async def _model_status_v1(self, request: HttpRequest) -> Reply:
+        name = request.params["model"]
+        ready = self.dataplane.model_ready(name)
+        return 200, _JSON, orjson.dumps({"name": name, "ready": ready})
+
+    # --- repository (admin) -----------------------------------------------------------------
+
+    async def _repository_index(self, request: HttpRequest) -> Reply:
+        options = await request.json()
+        ready_only = bool(options.get("ready", False)) if isinstance(options, dict) else False
+        index = self.dataplane.repository_index(ready_only=ready_only)
+        return 200, _JSON, orjson.dumps(index)
+
+    async def _load_model(self, request: HttpRequest) -> Reply:
+        await request.body()
+        await self.dataplane.load_model(request.params["model"])
+        return 200, _JSON, b"{}"
+
+    async def _unload_model(self, request: HttpRequest) -> Reply:
+        await request.body()
+        await self.dataplane.unload_model(request.params["model"])
+        return 200, _JSON, b"{}"
+
+    # --- operations -------------------------------------------------------------------------
+
+    async def _metrics(self, request: HttpRequest) -> Reply:
+        return 200, [(b"content-type", METRICS_CONTENT_TYPE.encode())], self.metrics.render()
+
+    async def _openapi(self, request: HttpRequest) -> Reply:
+        return 200, _JSON, self._openapi_body
+
+
+def _header_length(value: bytes | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length must be a whole number, got {value!r}"
+        ) from None
+
+
+def _error(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+async def _send(send: Send, status: int, headers: Headers, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

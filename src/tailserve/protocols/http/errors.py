@@ -1,0 +1,39 @@
+"""Errors to HTTP status codes: the only place the two meet."""
+
+from __future__ import annotations
+
+import math
+
+from tailserve.errors import (
+    InvalidInput,
+    ModelExecutionError,
+    ModelNotFound,
+    PayloadTooLarge,
+    TailserveError,
+    Unauthorized,
+    Unavailable,
+)
+
+_STATUS: tuple[tuple[type[TailserveError], int], ...] = (
+    (PayloadTooLarge, 413),
+    (InvalidInput, 400),
+    (Unauthorized, 401),
+    (ModelNotFound, 404),
+    (Unavailable, 503),
+    (ModelExecutionError, 500),
+)
+
+
+def status_of(exc: TailserveError) -> int:
+    for kind, status in _STATUS:
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def headers_of(exc: TailserveError) -> list[tuple[bytes, bytes]]:
+    if isinstance(exc, Unavailable) and exc.retry_after_s is not None:
+        return [(b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode())]
+    if isinstance(exc, Unauthorized):
+        return [(b"www-authenticate", b"Bearer")]
+    return []

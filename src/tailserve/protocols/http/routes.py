@@ -1,0 +1,110 @@
+"""The HTTP route table: one list that both the dispatcher and the OpenAPI document read."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    method: str
+    template: str
+    handler: str
+    summary: str
+    # Requests on this route are counted in the request metrics under this protocol label.
+    protocol: str | None = None
+    admin: bool = False
+    body: str | None = None  # what the request body holds, for the OpenAPI document
+    pattern: re.Pattern[str] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # "/v2/models/{model}/infer" splits into literals and names, alternately.
+        parts = re.split(r"\{(\w+)\}", self.template)
+        regex = "".join(
+            re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+?)" for i, part in enumerate(parts)
+        )
+        object.__setattr__(self, "pattern", re.compile(f"^{regex}$"))
+
+    @property
+    def static(self) -> bool:
+        return "{" not in self.template
+
+
+_M = "/v2/models/{model}"
+_MV = "/v2/models/{model}/versions/{version}"
+
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/v2/health/live", "live", "Liveness: the process answers."),
+    Route("GET", "/v2/health/ready", "ready", "Readiness: every model has finished loading."),
+    Route("GET", "/v2", "server_metadata", "Server name, version and protocol extensions."),
+    Route(
+        "POST",
+        f"{_M}/infer",
+        "infer",
+        "Run inference (JSON or binary tensors).",
+        "v2",
+        body="infer",
+    ),
+    Route("POST", f"{_MV}/infer", "infer", "Run inference on one version.", "v2", body="infer"),
+    Route("GET", _M, "model_metadata", "Model metadata: inputs, outputs, versions."),
+    Route("GET", _MV, "model_metadata", "Metadata of one version."),
+    Route("GET", f"{_M}/ready", "model_ready", "Model readiness (200 ready, 400 not)."),
+    Route("GET", f"{_MV}/ready", "model_ready", "Readiness of one version."),
+    Route("GET", f"{_M}/config", "model_config", "The model's configuration (model.yaml)."),
+    Route("GET", f"{_MV}/config", "model_config", "Configuration of one version."),
+    Route(
+        "POST",
+        "/v2/repository/index",
+        "repository_index",
+        "Models in the repository and their state.",
+        admin=True,
+        body="index",
+    ),
+    Route(
+        "POST",
+        "/v2/repository/models/{model}/load",
+        "load_model",
+        "Load or reload a model from the repository.",
+        admin=True,
+    ),
+    Route(
+        "POST",
+        "/v2/repository/models/{model}/unload",
+        "unload_model",
+        "Unload a model (requests in flight finish).",
+        admin=True,
+    ),
+    Route(
+        "POST",
+        "/v1/models/{model}:predict",
+        "predict_v1",
+        "KServe v1 records: {instances: [...]}.",
+        "v1",
+        body="records",
+    ),
+    Route("GET", "/v1/models/{model}", "model_status_v1", "KServe v1 model status."),
+    Route("GET", "/metrics", "metrics", "Prometheus metrics."),
+    Route("GET", "/openapi.json", "openapi", "This document."),
+)
+
+
+class Router:
+    def __init__(self, routes: tuple[Route, ...] = ROUTES) -> None:
+        self._static = {(r.method, r.template): r for r in routes if r.static}
+        self._dynamic = [r for r in routes if not r.static]
+        self._paths = {r.template for r in routes if r.static}
+
+    def match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
+        """The route, its path parameters, and whether the path exists under another method."""
+        route = self._static.get((method, path))
+        if route is not None:
+            return route, {}, True
+        path_known = path in self._paths
+        for route in self._dynamic:
+            found = route.pattern.match(path)
+            if found is not None:
+                if route.method == method:
+                    return route, found.groupdict(), True
+                path_known = True
+        return None, {}, path_known

@@ -1,0 +1,192 @@
+"""The schema of ``model.yaml``, validated at load with errors that name the file and the field.
+
+A model folder holds ``model.yaml`` and numbered version folders::
+
+    name: churn
+    runtime: onnx                 # onnx | lightgbm | sklearn | python
+    max_batch_size: 256           # 0: the model takes no batch dimension
+    inputs:
+      - {name: tenure_months, datatype: INT64, shape: [1], range: [1, 120]}
+      - {name: contract_type, datatype: BYTES, shape: [1], values: [monthly, annual]}
+    outputs:
+      - {name: churn_probability, datatype: FP32, shape: [1]}
+    batching: {enabled: true, max_queue_delay_ms: 1, max_queue_size: 1024}
+    instances: {count: 1, intra_op_threads: 1}
+    version_policy: {latest: 1}   # or {specific: [1, 2]} or {all: true}
+    warmup: {batch_sizes: [1, 8, 64], repeat: 2}
+    slo: {p99_ms: 50}
+
+Shapes in ``inputs``/``outputs`` leave out the batch dimension when ``max_batch_size > 0``;
+``-1`` marks a variable dimension.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from tailserve.errors import ConfigError
+from tailserve.tensors import DATATYPES
+
+RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python"]
+
+
+class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    datatype: str
+    shape: list[int]
+    # Value constraints checked on every request (400 naming the tensor when violated).
+    range: tuple[float, float] | None = None
+    values: list[str] | None = None
+    optional: bool = False
+
+
+class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    enabled: bool = True
+    max_queue_delay_ms: float = 1.0
+    max_queue_size: int = 1024
+
+
+class Instances(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    count: int = 1
+    intra_op_threads: int = 1
+    # ONNX Runtime execution providers in order of preference, e.g. [cuda, cpu].
+    providers: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+
+
+class VersionPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    latest: int | None = None
+    specific: list[int] | None = None
+    all: bool = False
+
+
+class WarmupRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    inputs: dict[str, Any]
+    count: int = 1
+
+
+class Warmup(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # Synthetic batches drawn from the input specs (ranges and allowed values), at these sizes.
+    batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1])
+    repeat: int = 1
+    requests: list[WarmupRequest] = msgspec.field(default_factory=list)
+
+
+class Slo(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    p99_ms: float = 50.0
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    runtime: RuntimeName
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    max_batch_size: int = 0
+    batching: Batching = Batching()
+    instances: Instances = Instances()
+    version_policy: VersionPolicy = VersionPolicy()
+    warmup: Warmup = Warmup()
+    slo: Slo = Slo()
+    # Runtimes that execute code from the artifact on load (pickles) refuse unless trusted.
+    trust: bool = False
+    # Runtime-specific settings, e.g. {method: predict_proba, column: 1} for sklearn.
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch_size > 0
+
+    def full_shape(self, spec: TensorSpec) -> list[int]:
+        """The shape clients see in metadata: a leading -1 when the model batches."""
+        return [-1, *spec.shape] if self.batched else list(spec.shape)
+
+    def input(self, name: str) -> TensorSpec | None:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+
+CONFIG_FILE = "model.yaml"
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Read and validate ``model_dir/model.yaml``; the folder name is the model's name."""
+    path = model_dir / CONFIG_FILE
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a mapping of fields, got {type(raw).__name__}")
+    raw.setdefault("name", model_dir.name)
+    return parse_model_config(raw, source=str(path))
+
+
+def parse_model_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
+    try:
+        config = msgspec.convert(raw, ModelConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_field_message(str(exc))}") from None
+    _check(config, source)
+    return config
+
+
+def _field_message(message: str) -> str:
+    # msgspec says "... - at `$.inputs[0].shape`"; say it as the field path of the YAML file.
+    text, sep, where = message.partition(" - at `")
+    if not sep:
+        return message
+    path = where.rstrip("`").removeprefix("$").removeprefix(".")
+    return f"field '{path}': {text}" if path else text
+
+
+def _check(config: ModelConfig, source: str) -> None:
+    def fail(field: str, message: str) -> ConfigError:
+        return ConfigError(f"{source}: field '{field}': {message}")
+
+    if config.max_batch_size < 0:
+        raise fail("max_batch_size", "must be >= 0")
+    for kind, specs in (("inputs", config.inputs), ("outputs", config.outputs)):
+        if not specs:
+            raise fail(kind, "must list at least one tensor")
+        seen: set[str] = set()
+        for i, spec in enumerate(specs):
+            where = f"{kind}[{i}]"
+            if spec.name in seen:
+                raise fail(f"{where}.name", f"duplicate tensor name {spec.name!r}")
+            seen.add(spec.name)
+            if spec.datatype not in DATATYPES:
+                raise fail(f"{where}.datatype", f"unknown datatype {spec.datatype!r}")
+            if any(d < -1 or d == 0 for d in spec.shape):
+                raise fail(f"{where}.shape", "dimensions must be positive or -1 (variable)")
+            if spec.range is not None and spec.range[0] > spec.range[1]:
+                raise fail(f"{where}.range", "lower bound is above the upper bound")
+            if spec.values is not None and spec.datatype != "BYTES":
+                raise fail(f"{where}.values", "allowed values apply to BYTES tensors only")
+    if config.batching.max_queue_delay_ms < 0:
+        raise fail("batching.max_queue_delay_ms", "must be >= 0")
+    if config.batching.max_queue_size < 1:
+        raise fail("batching.max_queue_size", "must be >= 1")
+    if config.instances.count < 1:
+        raise fail("instances.count", "must be >= 1")
+    if config.instances.intra_op_threads < 0:
+        raise fail("instances.intra_op_threads", "must be >= 0 (0: the runtime decides)")
+    policy = config.version_policy
+    chosen = sum([policy.latest is not None, policy.specific is not None, policy.all])
+    if chosen > 1:
+        raise fail("version_policy", "set one of 'latest', 'specific' or 'all'")
+    if policy.latest is not None and policy.latest < 1:
+        raise fail("version_policy.latest", "must be >= 1")
+    if policy.specific is not None and not policy.specific:
+        raise fail("version_policy.specific", "must list at least one version")
+    for i, size in enumerate(config.warmup.batch_sizes):
+        if size < 1 or (config.batched and size > config.max_batch_size):
+            raise fail(f"warmup.batch_sizes[{i}]", f"{size} is outside 1..max_batch_size")
+    if config.slo.p99_ms <= 0:
+        raise fail("slo.p99_ms", "must be > 0")

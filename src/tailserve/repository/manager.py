@@ -1,0 +1,277 @@
+"""Which models and versions serve: loading, warming, swapping and unloading them.
+
+A load builds every chosen version anew (runtimes loaded and warmed in a loader thread) while the
+versions already serving keep answering; only when all are warm does one assignment swap them in.
+The old versions then drain: requests already queued on them finish. A failed load leaves what
+was serving in place and records the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from tailserve.engine.batching import BatchPolicy, NoBatching, SizeOrTimeout
+from tailserve.engine.scheduler import BatchObserver, Scheduler
+from tailserve.engine.warmup import warmup_batches
+from tailserve.errors import (
+    ConfigError,
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    ModelNotReady,
+    TailserveError,
+)
+from tailserve.repository.config import ModelConfig, load_model_config
+from tailserve.repository.discovery import choose_versions, model_dirs, versions_on_disk
+from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
+
+log = logging.getLogger(__name__)
+
+
+class ModelStatus(StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(slots=True)
+class ServedVersion:
+    config: ModelConfig
+    version: int
+    runtimes: list[Runtime]
+    scheduler: Scheduler
+
+
+@dataclass(slots=True)
+class ModelState:
+    name: str
+    status: ModelStatus = ModelStatus.UNAVAILABLE
+    reason: str = ""
+    config: ModelConfig | None = None
+    versions: dict[int, ServedVersion] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def ready(self) -> bool:
+        # Versions are present only once warm, and stay while a reload builds their successors.
+        return bool(self.versions)
+
+
+class ModelManager:
+    def __init__(
+        self,
+        repository: Path,
+        *,
+        observer: BatchObserver | None = None,
+        on_ready_change: Callable[[str, bool], None] | None = None,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.repository = repository
+        self._observer = observer
+        self._on_ready_change = on_ready_change
+        self._drain_timeout_s = drain_timeout_s
+        self._models: dict[str, ModelState] = {}
+        # Loads read files and build sessions: off the event loop, one at a time (2 cores).
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailserve-loader")
+
+    # --- queries (on the request path: no awaits, no I/O) ---------------------------------
+
+    def get(self, name: str, version: str | None = None) -> ServedVersion:
+        state = self._models.get(name)
+        if state is None:
+            raise ModelNotFound(f"unknown model {name!r}")
+        if not state.versions:
+            detail = f": {state.reason}" if state.reason else ""
+            raise ModelNotReady(
+                f"model {name!r} is not ready ({state.status.value.lower()}){detail}",
+                retry_after_s=1.0,
+            )
+        if version is None:
+            return state.versions[max(state.versions)]
+        try:
+            served = state.versions.get(int(version))
+        except ValueError:
+            raise InvalidInput(f"model version must be a whole number, got {version!r}") from None
+        if served is None:
+            serving = sorted(state.versions)
+            raise ModelNotFound(
+                f"model {name!r} has no version {version} serving (serving: {serving})"
+            )
+        return served
+
+    def state(self, name: str) -> ModelState:
+        state = self._models.get(name)
+        if state is None:
+            raise ModelNotFound(f"unknown model {name!r}")
+        return state
+
+    def states(self) -> list[ModelState]:
+        return [self._models[name] for name in sorted(self._models)]
+
+    def known_on_disk(self) -> dict[str, Path]:
+        return model_dirs(self.repository)
+
+    @property
+    def all_ready(self) -> bool:
+        """Every model that has been asked to load is serving (failed ones count as not)."""
+        return all(state.ready for state in self._models.values())
+
+    # --- changes ----------------------------------------------------------------------------
+
+    async def load_all(self) -> list[str]:
+        """Load every model in the repository; return the names that failed (logged)."""
+        failed = []
+        for name in self.known_on_disk():
+            self._models.setdefault(name, ModelState(name, status=ModelStatus.LOADING))
+        for name in self.known_on_disk():
+            try:
+                await self.load(name)
+            except TailserveError as exc:
+                log.error("model %r failed to load: %s", name, exc.message)
+                failed.append(name)
+        return failed
+
+    async def load(self, name: str) -> None:
+        """(Re)load a model from disk: new versions warm first, then swap, then drain the old."""
+        model_dir = self.repository / name
+        if name not in self.known_on_disk():
+            raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
+        state = self._models.setdefault(name, ModelState(name))
+        async with state.lock:
+            state.status = ModelStatus.LOADING
+            try:
+                config = load_model_config(model_dir)
+                if config.name != name:
+                    raise ConfigError(
+                        f"{model_dir / 'model.yaml'}: field 'name': {config.name!r} does not "
+                        f"match its folder {name!r}"
+                    )
+                source = str(model_dir / "model.yaml")
+                chosen = choose_versions(config.version_policy, versions_on_disk(model_dir), source)
+                fresh: dict[int, ServedVersion] = {}
+                try:
+                    for version in chosen:
+                        fresh[version] = await self._build(
+                            config, version, model_dir / str(version)
+                        )
+                except BaseException:
+                    await asyncio.gather(*(self._retire(v) for v in fresh.values()))
+                    raise
+            except TailserveError as exc:
+                state.reason = exc.message
+                state.status = ModelStatus.READY if state.versions else ModelStatus.UNAVAILABLE
+                self._notify(state)
+                raise
+            old = state.versions
+            state.config, state.versions = config, fresh
+            state.status, state.reason = ModelStatus.READY, ""
+            self._notify(state)
+            log.info("model %r serving versions %s", name, sorted(fresh))
+            await asyncio.gather(*(self._retire(v) for v in old.values()))
+
+    async def unload(self, name: str) -> None:
+        state = self.state(name)
+        async with state.lock:
+            old, state.versions = state.versions, {}
+            state.status, state.reason = ModelStatus.UNLOADING, ""
+            self._notify(state)
+            await asyncio.gather(*(self._retire(v) for v in old.values()))
+            state.status = ModelStatus.UNAVAILABLE
+            log.info("model %r unloaded", name)
+
+    async def close(self) -> None:
+        for state in self._models.values():
+            old, state.versions = state.versions, {}
+            state.status = ModelStatus.UNAVAILABLE
+            await asyncio.gather(*(self._retire(v) for v in old.values()))
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    async def _build(self, config: ModelConfig, version: int, version_dir: Path) -> ServedVersion:
+        loop = asyncio.get_running_loop()
+        context = RuntimeContext(config=config, version=version, version_dir=version_dir)
+        runtimes = []
+        try:
+            for _ in range(config.instances.count):
+                runtimes.append(await loop.run_in_executor(self._loader, _load_and_warm, context))
+        except BaseException:
+            for runtime in runtimes:
+                runtime.unload()
+            raise
+        scheduler = Scheduler(
+            model=config.name,
+            runtimes=runtimes,
+            policy=_policy(config),
+            max_queue_size=config.batching.max_queue_size,
+            batched=config.batched,
+            observer=self._observer,
+        )
+        scheduler.start()
+        return ServedVersion(config, version, runtimes, scheduler)
+
+    async def _retire(self, served: ServedVersion) -> None:
+        await served.scheduler.close(drain_s=self._drain_timeout_s)
+        for runtime in served.runtimes:
+            runtime.unload()
+
+    def _notify(self, state: ModelState) -> None:
+        if self._on_ready_change is not None:
+            self._on_ready_change(state.name, state.ready)
+
+
+def _policy(config: ModelConfig) -> BatchPolicy:
+    if not config.batched or not config.batching.enabled:
+        return NoBatching()
+    return SizeOrTimeout(config.max_batch_size, config.batching.max_queue_delay_ms / 1000.0)
+
+
+def _load_and_warm(context: RuntimeContext) -> Runtime:
+    """In the loader thread: load one instance, check it against model.yaml, warm it up."""
+    config = context.config
+    where = f"model {config.name!r} version {context.version}"
+    runtime = create_runtime(context)
+    runtime.load()
+    try:
+        _check_signature(runtime, config, where)
+        for batch in warmup_batches(config):
+            rows = len(next(iter(batch.values()))) if config.batched else None
+            outputs = runtime.predict(batch)
+            for spec in config.outputs:
+                out = outputs.get(spec.name)
+                if out is None:
+                    raise ModelLoadError(f"{where}: warm-up gave no output {spec.name!r}")
+                if rows is not None and len(out) != rows:
+                    raise ModelLoadError(
+                        f"{where}: warm-up output {spec.name!r} has {len(out)} rows for {rows}"
+                    )
+    except TailserveError as exc:
+        runtime.unload()
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{where}: warm-up failed: {exc.message}") from exc
+    except Exception as exc:
+        runtime.unload()
+        raise ModelLoadError(f"{where}: warm-up failed: {exc}") from exc
+    return runtime
+
+
+def _check_signature(runtime: Runtime, config: ModelConfig, where: str) -> None:
+    signature = runtime.describe()
+    # Only artifacts with typed graphs (ONNX) name their tensors reliably enough to insist.
+    if not signature.inputs or any(spec.datatype is None for spec in signature.inputs):
+        return
+    have = {spec.name for spec in signature.inputs}
+    for spec in config.inputs:
+        if spec.name not in have:
+            raise ModelLoadError(
+                f"{where}: model.yaml input {spec.name!r} is not an input of the artifact "
+                f"(it has {sorted(have)})"
+            )

@@ -1,0 +1,55 @@
+"""The one small interface every model backend implements.
+
+A runtime is built from a `RuntimeContext`, loads its artifact, and predicts a batch of named
+arrays. Every method may block: the engine calls them from executor threads, never from the
+event loop. One runtime object is one model instance; the engine builds as many as the model's
+``instances.count`` and never calls ``predict`` on one object from two threads at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from tailserve.repository.config import ModelConfig
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class IOSpec:
+    """What the artifact itself says about a tensor (``None``: the artifact does not say)."""
+
+    name: str
+    datatype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    inputs: tuple[IOSpec, ...]
+    outputs: tuple[IOSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeContext:
+    config: ModelConfig
+    version: int
+    version_dir: Path
+
+
+class Runtime(Protocol):
+    def load(self) -> None:
+        """Read the artifact from ``context.version_dir``; raise ModelLoadError on failure."""
+
+    def describe(self) -> Signature:
+        """The inputs and outputs the loaded artifact declares (checked against model.yaml)."""
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        """Score one batch: arrays with a leading batch dimension when the model batches."""
+
+    def unload(self) -> None:
+        """Release what ``load`` took."""

@@ -1,0 +1,78 @@
+"""One settings object, read once at start-up and passed down.
+
+Sources, later ones winning: the defaults below, a YAML file (``--config``), environment
+variables ``TAILSERVE_<FIELD>`` (``TAILSERVE_HTTP_PORT=9000``), then command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from tailserve.errors import ConfigError
+
+ENV_PREFIX = "TAILSERVE_"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    repository: str | None = None
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    redis_url: str | None = None
+    # Admin routes (repository load/unload/index) need this bearer token when it is set.
+    admin_token: str | None = None
+    max_body_bytes: int = 64 * 1024 * 1024
+    # SIGTERM: stop accepting, let requests in flight finish for up to this long, exit 0.
+    drain_timeout_s: float = 30.0
+    # Strict: a model that failed to load keeps the whole server unready.
+    strict_readiness: bool = False
+    log_level: str = "info"
+    access_log: bool = False
+    backlog: int = 2048
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name for f in dataclasses.fields(Settings)}
+
+
+def load_settings(
+    *,
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(_from_file(config_file))
+    for key, value in (env or {}).items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX) :].lower()
+            if name in FIELDS:
+                merged[name] = value
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid setting: {exc}") from None
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read settings: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: settings must be a mapping")
+    unknown = sorted(set(raw) - FIELDS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting {unknown[0]!r} (known: {sorted(FIELDS)})")
+    return {str(k): v for k, v in raw.items()}

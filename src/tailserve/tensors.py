@@ -1,0 +1,225 @@
+"""Tensors as the Open Inference Protocol names them, and their numpy form.
+
+A tensor on the wire is a name, an OIP datatype, a shape and its data, either as JSON (a flat or
+nested list) or as raw little-endian bytes (the binary tensor extension). In the process it is a
+numpy array: numbers and BOOL as native dtypes, BYTES as an object array of ``bytes`` or ``str``
+(JSON gives ``str``, binary gives ``bytes``; runtimes normalise what they need).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tailserve.errors import InvalidInput
+
+DATATYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "BYTES": np.dtype(object),
+}
+
+_FROM_NUMPY: dict[str, str] = {
+    "b": "BOOL",
+    "i1": "INT8",
+    "i2": "INT16",
+    "i4": "INT32",
+    "i8": "INT64",
+    "u1": "UINT8",
+    "u2": "UINT16",
+    "u4": "UINT32",
+    "u8": "UINT64",
+    "f2": "FP16",
+    "f4": "FP32",
+    "f8": "FP64",
+}
+
+# Which numpy kinds of decoded JSON data a datatype accepts without losing meaning.
+_ACCEPTS_KINDS: dict[str, str] = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}
+
+
+@dataclass(slots=True)
+class Tensor:
+    """A named array with its OIP datatype; ``parameters`` are the tensor's OIP parameters."""
+
+    name: str
+    datatype: str
+    data: np.ndarray[Any, Any]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.data.shape)
+
+
+def datatype_of(array: np.ndarray[Any, Any]) -> str:
+    """The OIP datatype of a numpy array (object and string arrays are BYTES)."""
+    if array.dtype.kind in "OSU":
+        return "BYTES"
+    key = "b" if array.dtype.kind == "b" else f"{array.dtype.kind}{array.dtype.itemsize}"
+    try:
+        return _FROM_NUMPY[key]
+    except KeyError:
+        raise InvalidInput(f"numpy dtype {array.dtype} has no OIP datatype") from None
+
+
+def numpy_dtype(datatype: str) -> np.dtype[Any]:
+    try:
+        return DATATYPES[datatype]
+    except KeyError:
+        known = ", ".join(DATATYPES)
+        raise InvalidInput(f"unknown datatype {datatype!r} (known: {known})") from None
+
+
+def element_count(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def check_shape(name: str, shape: Sequence[int]) -> None:
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise InvalidInput(f"tensor {name!r}: shape {list(shape)} must hold integers >= 0")
+
+
+# --- JSON -----------------------------------------------------------------------------------
+
+
+def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.ndarray[Any, Any]:
+    """Decode a tensor's JSON ``data`` (flat or nested, row-major) into an array of ``shape``."""
+    dtype = numpy_dtype(datatype)
+    check_shape(name, shape)
+    if data is None:
+        raise InvalidInput(f"tensor {name!r}: 'data' is missing")
+    if not isinstance(data, list):
+        data = [data]
+    if datatype == "BYTES":
+        flat = _flatten(name, data)
+        for item in flat:
+            if not isinstance(item, str | bytes):
+                raise InvalidInput(
+                    f"tensor {name!r}: BYTES data must be strings, got {type(item).__name__}"
+                )
+        array = np.empty(len(flat), dtype=object)
+        array[:] = flat
+    else:
+        try:
+            array = np.asarray(data)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"tensor {name!r}: data is not a regular nested list") from exc
+        accepts = _ACCEPTS_KINDS[dtype.kind]
+        if array.size and array.dtype.kind not in accepts:
+            found = "non-numeric values" if array.dtype.kind in "OUS" else f"{array.dtype} values"
+            raise InvalidInput(f"tensor {name!r}: datatype {datatype} cannot hold {found}")
+        try:
+            array = array.astype(dtype, copy=False)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}") from exc
+    count = element_count(shape)
+    if array.size != count:
+        raise InvalidInput(
+            f"tensor {name!r}: shape {list(shape)} needs {count} elements, data has {array.size}"
+        )
+    return array.reshape(shape)
+
+
+def _flatten(name: str, data: list[Any]) -> list[Any]:
+    if not any(isinstance(item, list) for item in data):
+        return data
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+        if len(stack) > 64:
+            raise InvalidInput(f"tensor {name!r}: data is nested too deeply")
+    return flat
+
+
+def to_json_data(array: np.ndarray[Any, Any]) -> Any:
+    """The flat row-major ``data`` list of an output tensor, ready for orjson."""
+    if array.dtype.kind == "O" or array.dtype.kind in "SU":
+        return [_text(item) for item in array.reshape(-1).tolist()]
+    if array.dtype.kind == "f" and array.dtype.itemsize == 2:
+        return array.astype(np.float32).reshape(-1)
+    return np.ascontiguousarray(array).reshape(-1)
+
+
+def _text(item: Any) -> str:
+    if isinstance(item, bytes):
+        return item.decode("utf-8", errors="replace")
+    return str(item)
+
+
+# --- binary tensor extension ----------------------------------------------------------------
+
+
+def from_binary(name: str, datatype: str, shape: Sequence[int], buffer: bytes | memoryview) -> Any:
+    """Decode raw little-endian bytes (BYTES: 4-byte length-prefixed items) into ``shape``."""
+    dtype = numpy_dtype(datatype)
+    check_shape(name, shape)
+    count = element_count(shape)
+    if datatype == "BYTES":
+        items = _split_bytes(name, buffer)
+        if len(items) != count:
+            raise InvalidInput(
+                f"tensor {name!r}: shape {list(shape)} needs {count} elements, "
+                f"binary data has {len(items)}"
+            )
+        array = np.empty(count, dtype=object)
+        array[:] = items
+        return array.reshape(shape)
+    expected = count * dtype.itemsize
+    if len(buffer) != expected:
+        raise InvalidInput(
+            f"tensor {name!r}: shape {list(shape)} of {datatype} needs {expected} bytes, "
+            f"got {len(buffer)}"
+        )
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def _split_bytes(name: str, buffer: bytes | memoryview) -> list[bytes]:
+    view = memoryview(buffer)
+    items: list[bytes] = []
+    offset, end = 0, len(view)
+    while offset < end:
+        if offset + 4 > end:
+            raise InvalidInput(f"tensor {name!r}: BYTES data ends inside a length prefix")
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + length > end:
+            raise InvalidInput(f"tensor {name!r}: BYTES item runs past the end of the data")
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    return items
+
+
+def to_binary(array: np.ndarray[Any, Any]) -> bytes:
+    """Raw bytes of an array for the binary extension (BYTES items are length-prefixed)."""
+    if array.dtype.kind in "OSU":
+        parts: list[bytes] = []
+        for item in array.reshape(-1).tolist():
+            raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+            parts.append(struct.pack("<I", len(raw)))
+            parts.append(raw)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
