@@ -111,7 +111,11 @@ class Worker:
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _load_models(self) -> None:
-        failed = await self.manager.load_all()
+        try:
+            failed = await self.manager.load_all()
+        except Exception:
+            log.exception("loading the model repository failed")
+            raise
         if failed:
             log.error("models that failed to load: %s", ", ".join(failed))
         # Objects that live as long as the models (sessions, boosters, configs) leave the

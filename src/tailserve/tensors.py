@@ -50,7 +50,7 @@ _FROM_NUMPY: dict[str, str] = {
 }
 
 # Which numpy kinds of decoded JSON data a datatype accepts without losing meaning.
-_ACCEPTS_KINDS: dict[str, str] = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}
+_ACCEPTS_KINDS: dict[str, str] = {"b": "bi", "i": "biu", "u": "biu", "f": "biuf"}
 
 
 @dataclass(slots=True)
@@ -125,6 +125,12 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
         if array.size and array.dtype.kind not in accepts:
             found = "non-numeric values" if array.dtype.kind in "OUS" else f"{array.dtype} values"
             raise InvalidInput(f"tensor {name!r}: datatype {datatype} cannot hold {found}")
+        narrower = dtype.itemsize < 8 or dtype.kind == "u"
+        if narrower and dtype.kind in "iu" and array.size and array.dtype.kind in "iu":
+            # astype wraps silently (300 -> 44 as UINT8): refuse values the type cannot hold.
+            info = np.iinfo(dtype)
+            if array.min() < info.min or array.max() > info.max:
+                raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}")
         try:
             array = array.astype(dtype, copy=False)
         except (ValueError, TypeError, OverflowError) as exc:

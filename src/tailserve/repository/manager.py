@@ -238,7 +238,13 @@ def _load_and_warm(context: RuntimeContext) -> Runtime:
     config = context.config
     where = f"model {config.name!r} version {context.version}"
     runtime = create_runtime(context)
-    runtime.load()
+    try:
+        runtime.load()
+    except TailserveError:
+        raise
+    except Exception as exc:
+        # Third-party loaders raise anything; it becomes a load error at this boundary.
+        raise ModelLoadError(f"{where}: load failed: {type(exc).__name__}: {exc}") from exc
     try:
         _check_signature(runtime, config, where)
         for batch in warmup_batches(config):

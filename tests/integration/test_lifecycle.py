@@ -1,0 +1,132 @@
+"""Warm-up gates readiness, SIGTERM drains without losing a request, reloads fail nothing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from pathlib import Path
+
+import httpx
+
+from support.models import add_version, doubler_config, write_model
+from support.servers import run_worker, wait_for, worker_process
+from tailserve.settings import Settings
+
+# Blocks in predict until a gate file exists, and marks each call: warm-up runs predict, so the
+# model cannot be ready before the gate opens.
+GATED = """
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, version_dir, config):
+        self.gate = Path(config.parameters["gate"])
+        self.marks = Path(config.parameters["marks"])
+        self.delay = float(config.parameters.get("delay", 0.0))
+
+    def predict(self, inputs):
+        while not self.gate.exists():
+            time.sleep(0.01)
+        with self.marks.open("a") as marks:
+            marks.write("predict\\n")
+        time.sleep(self.delay)
+        return {"y": (inputs["x"] * 2).astype(np.float32)}
+"""
+
+
+def body(value: float) -> dict[str, object]:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
+
+
+def test_not_ready_until_warm_up_has_run(tmp_path: Path) -> None:
+    gate, marks = tmp_path / "gate", tmp_path / "marks"
+    repo = tmp_path / "repo"
+    params = {"gate": str(gate), "marks": str(marks)}
+    write_model(repo, "gated", doubler_config(parameters=params), code=GATED)
+    with run_worker(Settings(repository=str(repo)), wait_ready=False) as running:
+        assert httpx.get(f"{running.url}/v2/health/ready").status_code == 503
+        assert httpx.get(f"{running.url}/v2/models/gated/ready").status_code == 400
+        reply = httpx.post(f"{running.url}/v2/models/gated/infer", json=body(1.0))
+        assert reply.status_code == 503
+        assert not marks.exists()
+        gate.touch()
+        wait_for(
+            lambda: httpx.get(f"{running.url}/v2/health/ready").status_code == 200,
+            what="readiness after warm-up",
+        )
+        # Warm-up ran every configured batch size before readiness was reported.
+        assert marks.read_text().count("predict") == 2
+        assert httpx.post(f"{running.url}/v2/models/gated/infer", json=body(1.0)).status_code == 200
+
+
+def test_sigterm_finishes_every_request_in_flight_and_exits_zero(tmp_path: Path) -> None:
+    gate, marks = tmp_path / "gate", tmp_path / "marks"
+    gate.touch()
+    repo = tmp_path / "repo"
+    config = doubler_config(
+        parameters={"gate": str(gate), "marks": str(marks), "delay": 0.4},
+        batching={"max_queue_delay_ms": 0, "max_queue_size": 64},
+        max_batch_size=2,
+        warmup={"batch_sizes": [1], "repeat": 0},
+    )
+    write_model(repo, "slow", config, code=GATED)
+    with worker_process(repo, tmp_path, "--drain-timeout", "20") as proc:
+
+        def call(i: int) -> httpx.Response:
+            return httpx.post(f"{proc.url}/v2/models/slow/infer", json=body(float(i)), timeout=30)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, i) for i in range(8)]
+            # The first batch is running (and the rest are queued behind it) before the signal.
+            wait_for(lambda: marks.exists(), what="the first batch to start")
+            code = proc.terminate(timeout=30)
+            replies = [f.result() for f in futures]
+        assert code == 0, proc.log()
+        assert [r.status_code for r in replies] == [200] * 8
+        assert [r.json()["outputs"][0]["data"] for r in replies] == [[2.0 * i] for i in range(8)]
+        assert "draining" in proc.log()
+        # The socket is closed: nothing new is accepted.
+        try:
+            refused = httpx.get(f"{proc.url}/v2/health/live", timeout=2).status_code != 200
+        except httpx.HTTPError:
+            refused = True
+        assert refused
+
+
+def test_reload_to_a_new_version_under_load_fails_no_request(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    folder = write_model(repo, "doubler", doubler_config())
+    with run_worker(Settings(repository=str(repo))) as running:
+        stop = threading.Event()
+        statuses: list[int] = []
+        versions: list[str] = []
+
+        def hammer() -> None:
+            with httpx.Client() as client:
+                while not stop.is_set():
+                    reply = client.post(f"{running.url}/v2/models/doubler/infer", json=body(1.0))
+                    statuses.append(reply.status_code)
+                    if reply.status_code == 200:
+                        versions.append(reply.json()["model_version"])
+
+        threads = [threading.Thread(target=hammer) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_for(lambda: len(statuses) > 50, what="traffic on version 1")
+            add_version(folder, 2)
+            load = httpx.post(f"{running.url}/v2/repository/models/doubler/load", timeout=60)
+            assert load.status_code == 200, load.text
+            seen = len(statuses)
+            wait_for(lambda: len(statuses) > seen + 50, what="traffic after the swap")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert set(statuses) == {200}
+        assert versions[0] == "1" and versions[-1] == "2"
+        assert httpx.get(f"{running.url}/v2/models/doubler").json()["versions"] == ["2"]

@@ -1,0 +1,86 @@
+"""Tensor codecs: JSON and binary round trips, BYTES, FP16, and the errors they raise."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from tailserve.errors import InvalidInput
+from tailserve.tensors import datatype_of, from_binary, from_json, to_binary, to_json_data
+
+NUMERIC = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64",
+           "FP16", "FP32", "FP64"]  # fmt: skip
+
+
+@pytest.mark.parametrize("datatype", NUMERIC)
+def test_binary_round_trip_keeps_values_and_shape(datatype: str) -> None:
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 2 if datatype == "BOOL" else 100, size=(3, 4))
+    array = from_json("x", datatype, [3, 4], values.tolist())
+    back = from_binary("x", datatype, [3, 4], to_binary(array))
+    assert back.shape == (3, 4)
+    assert datatype_of(back) == datatype
+    np.testing.assert_array_equal(back, array)
+
+
+@pytest.mark.parametrize("datatype", NUMERIC)
+def test_json_round_trip_is_flat_row_major(datatype: str) -> None:
+    nested = [[1, 0, 1], [0, 1, 1]]
+    array = from_json("x", datatype, [2, 3], nested)
+    flat = np.asarray(to_json_data(array)).tolist()
+    assert flat == [1, 0, 1, 0, 1, 1] or flat == [True, False, True, False, True, True]
+
+
+def test_flat_and_nested_json_give_the_same_tensor() -> None:
+    a = from_json("x", "FP32", [2, 2], [1.5, 2.5, 3.5, 4.5])
+    b = from_json("x", "FP32", [2, 2], [[1.5, 2.5], [3.5, 4.5]])
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == np.float32
+
+
+def test_bytes_binary_is_length_prefixed_and_round_trips() -> None:
+    array = from_json("s", "BYTES", [3], ["monthly", "", "multi-year ✓"])
+    raw = to_binary(array)
+    assert raw[:4] == struct.pack("<I", 7)
+    assert raw[4:11] == b"monthly"
+    back = from_binary("s", "BYTES", [3], raw)
+    assert back.tolist() == [b"monthly", b"", "multi-year ✓".encode()]
+    assert to_json_data(back) == ["monthly", "", "multi-year ✓"]
+
+
+def test_fp16_json_output_is_serialisable_floats() -> None:
+    array = from_json("h", "FP16", [2], [0.5, 1.25])
+    assert array.dtype == np.float16
+    assert np.asarray(to_json_data(array)).tolist() == [0.5, 1.25]
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape", "data", "message"),
+    [
+        ("FP32", [2], [1.0, 2.0, 3.0], "needs 2 elements, data has 3"),
+        ("INT64", [1], [1.5], "cannot hold float64"),
+        ("FP32", [1], ["a"], "cannot hold non-numeric"),
+        ("BYTES", [1], [5], "BYTES data must be strings"),
+        ("FP99", [1], [1], "unknown datatype 'FP99'"),
+        ("FP32", [-1], [1], "must hold integers >= 0"),
+        ("FP32", [2], [[1.0], [2.0, 3.0]], "regular nested list"),
+        ("UINT8", [1], [300], "does not fit datatype UINT8"),
+        ("FP32", [1], None, "'data' is missing"),
+    ],
+)
+def test_bad_json_tensors_name_the_tensor(
+    datatype: str, shape: list[int], data: object, message: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        from_json("field_x", datatype, shape, data)
+    assert "field_x" in info.value.message or "FP99" in info.value.message
+    assert message in info.value.message
+
+
+def test_binary_size_mismatch_is_an_error() -> None:
+    with pytest.raises(InvalidInput, match="needs 8 bytes, got 4"):
+        from_binary("x", "FP32", [2], b"\x00" * 4)
+    with pytest.raises(InvalidInput, match="runs past the end"):
+        from_binary("s", "BYTES", [1], struct.pack("<I", 10) + b"abc")
