@@ -91,9 +91,9 @@ def element_count(shape: Sequence[int]) -> int:
 
 
 def check_shape(name: str, shape: Sequence[int]) -> None:
-    for dim in shape:
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-            raise InvalidInput(f"tensor {name!r}: shape {list(shape)} must hold integers >= 0")
+    # Shapes arrive as lists of ints (the decoder checks the type); only the sign is left.
+    if shape and min(shape) < 0:
+        raise InvalidInput(f"tensor {name!r}: shape {list(shape)} must hold integers >= 0")
 
 
 # --- JSON -----------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
             array = array.astype(dtype, copy=False)
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}") from exc
-    count = element_count(shape)
+    count = math.prod(shape)
     if array.size != count:
         raise InvalidInput(
             f"tensor {name!r}: shape {list(shape)} needs {count} elements, data has {array.size}"

@@ -13,7 +13,6 @@ import numpy as np
 
 from tailserve import __version__
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.engine.validation import check_inputs
 from tailserve.errors import InvalidInput, ModelNotFound
 from tailserve.repository.config import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
@@ -79,7 +78,7 @@ class DataPlane:
         served = self.manager.get(request.model, request.version)
         config = served.config
         wanted = _wanted_outputs(config, request)
-        checked = check_inputs(config, request.inputs)
+        checked = served.plan.check(request.inputs)
         outputs, stats = await served.scheduler.infer(checked.arrays, checked.rows, checked.group)
         tensors = []
         for name, spec_datatype, parameters in wanted:

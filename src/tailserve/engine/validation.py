@@ -3,6 +3,8 @@
 Everything a client can get wrong is caught here with a message naming the tensor: a missing or
 unknown input, a datatype or shape that differs from model.yaml, a batch over the model's limit,
 rows that disagree between inputs, and values outside a declared range or set.
+
+An `InputPlan` is built once per model version, so the request path only compares.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from tailserve.tensors import Tensor
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
+# Below this many values, plain Python comparisons beat numpy's per-call overhead.
+_SMALL = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Checked:
@@ -28,97 +33,139 @@ class Checked:
     group: Hashable
 
 
-def check_inputs(config: ModelConfig, tensors: Sequence[Tensor]) -> Checked:
-    given: dict[str, Tensor] = {}
-    for item in tensors:
-        if item.name in given:
-            raise InvalidInput(f"input {item.name!r} is given twice")
-        given[item.name] = item
-    arrays: Arrays = {}
-    rows = 1
-    row_shapes: list[tuple[int, ...]] = []
-    for spec in config.inputs:
-        tensor = given.pop(spec.name, None)
-        if tensor is None:
-            if spec.optional:
-                continue
-            raise InvalidInput(f"model {config.name!r}: input {spec.name!r} is missing")
-        if tensor.datatype != spec.datatype:
-            raise InvalidInput(
-                f"input {spec.name!r}: datatype {tensor.datatype} does not match "
-                f"the model's {spec.datatype}"
-            )
-        array = _shaped(config, spec, tensor.data)
-        if config.batched:
-            if arrays and len(array) != rows:
+@dataclass(frozen=True, slots=True)
+class _InputRule:
+    name: str
+    datatype: str
+    expected: tuple[int, ...]  # full shape, -1 for "any"
+    exact_rows: tuple[int, ...] | None  # the per-row shape when it has no -1 (fast compare)
+    column: bool  # per-row shape [1]: a flat [N] column is accepted too
+    optional: bool
+    low: float | None
+    high: float | None
+    allowed: frozenset[Any] | None
+    allowed_text: str
+
+
+class InputPlan:
+    def __init__(self, config: ModelConfig) -> None:
+        self.model = config.name
+        self.batched = config.batched
+        self.max_rows = config.max_batch_size
+        self.rules = [_rule(config, spec) for spec in config.inputs]
+        self._names = {rule.name for rule in self.rules}
+
+    def check(self, tensors: Sequence[Tensor]) -> Checked:
+        given: dict[str, Tensor] = {}
+        for item in tensors:
+            if item.name in given:
+                raise InvalidInput(f"input {item.name!r} is given twice")
+            if item.name not in self._names:
+                raise InvalidInput(f"model {self.model!r} has no input named {item.name!r}")
+            given[item.name] = item
+        arrays: Arrays = {}
+        rows = -1
+        row_shapes = []
+        for rule in self.rules:
+            tensor = given.get(rule.name)
+            if tensor is None:
+                if rule.optional:
+                    continue
+                raise InvalidInput(f"model {self.model!r}: input {rule.name!r} is missing")
+            if tensor.datatype != rule.datatype:
                 raise InvalidInput(
-                    f"input {spec.name!r} has {len(array)} rows, other inputs have {rows}"
+                    f"input {rule.name!r}: datatype {tensor.datatype} does not match "
+                    f"the model's {rule.datatype}"
                 )
-            rows = len(array)
-        _check_values(spec, array)
-        arrays[spec.name] = array
-        row_shapes.append(array.shape[1:] if config.batched else array.shape)
-    if given:
-        names = ", ".join(repr(name) for name in given)
-        raise InvalidInput(f"model {config.name!r} has no input named {names}")
-    if config.batched and not 1 <= rows <= config.max_batch_size:
-        raise InvalidInput(
-            f"model {config.name!r}: a request holds 1 to {config.max_batch_size} rows, got {rows}"
-        )
-    return Checked(arrays, rows, (tuple(arrays), tuple(row_shapes)))
+            array = _shaped(rule, tensor.data)
+            if self.batched:
+                if rows == -1:
+                    rows = len(array)
+                elif len(array) != rows:
+                    raise InvalidInput(
+                        f"input {rule.name!r} has {len(array)} rows, other inputs have {rows}"
+                    )
+                row_shapes.append(array.shape[1:])
+            else:
+                row_shapes.append(array.shape)
+            _check_values(rule, array)
+            arrays[rule.name] = array
+        if self.batched and not 1 <= rows <= self.max_rows:
+            raise InvalidInput(
+                f"model {self.model!r}: a request holds 1 to {self.max_rows} rows, got {rows}"
+            )
+        return Checked(arrays, max(rows, 1), (tuple(arrays), tuple(row_shapes)))
 
 
-def _shaped(config: ModelConfig, spec: TensorSpec, array: np.ndarray[Any, Any]) -> Any:
-    expected = config.full_shape(spec)
+def check_inputs(config: ModelConfig, tensors: Sequence[Tensor]) -> Checked:
+    """One-off check (tests, tools); servers keep an `InputPlan` per model version."""
+    return InputPlan(config).check(tensors)
+
+
+def _rule(config: ModelConfig, spec: TensorSpec) -> _InputRule:
+    allowed = None
+    if spec.values is not None:
+        allowed = frozenset([*spec.values, *(v.encode() for v in spec.values)])
+    low, high = spec.range if spec.range is not None else (None, None)
+    return _InputRule(
+        name=spec.name,
+        datatype=spec.datatype,
+        expected=tuple(config.full_shape(spec)),
+        exact_rows=None if -1 in spec.shape else tuple(spec.shape),
+        column=config.batched and spec.shape == [1],
+        optional=spec.optional,
+        low=low,
+        high=high,
+        allowed=allowed,
+        allowed_text=", ".join(spec.values or []),
+    )
+
+
+def _shaped(rule: _InputRule, array: np.ndarray[Any, Any]) -> Any:
     shape = array.shape
-    # Per-row shape [1] may come as a flat [N] column: KServe clients and most users send that.
-    if config.batched and spec.shape == [1] and len(shape) == 1:
+    if rule.column and len(shape) == 1:
         array = array.reshape(-1, 1)
         shape = array.shape
-    fits = len(shape) == len(expected) and all(
-        want == -1 or want == got for want, got in zip(expected, shape, strict=True)
-    )
-    if not fits:
+    expected = rule.expected
+    if rule.exact_rows is not None and len(shape) == len(expected):
+        if (shape[1:] if len(expected) > len(rule.exact_rows) else shape) == rule.exact_rows:
+            return array
+    if len(shape) != len(expected) or any(
+        want != got and want != -1 for want, got in zip(expected, shape, strict=True)
+    ):
         raise InvalidInput(
-            f"input {spec.name!r}: shape {list(shape)} does not match the model's {expected}"
+            f"input {rule.name!r}: shape {list(shape)} does not match the model's {list(expected)}"
         )
     return array
 
 
-def _check_values(spec: TensorSpec, array: np.ndarray[Any, Any]) -> None:
-    if spec.range is not None and array.size:
-        low, high = spec.range
-        inside = (array >= low) & (array <= high)
-        if not inside.all():
-            bad = array[~inside].reshape(-1)[0]
-            raise InvalidInput(
-                f"input {spec.name!r}: value {bad.item()!r} is outside the allowed range "
-                f"[{_num(low)}, {_num(high)}]"
-            )
-    if spec.values is not None:
-        allowed = _allowed(spec)
+def _check_values(rule: _InputRule, array: np.ndarray[Any, Any]) -> None:
+    if rule.low is not None and rule.high is not None and array.size:
+        low, high = rule.low, rule.high
+        if array.size <= _SMALL:
+            # `low <= v <= high` is False for NaN, so NaN is refused as out of range too.
+            for value in array.reshape(-1).tolist():
+                if not low <= value <= high:
+                    _out_of_range(rule, value)
+        else:
+            inside = (array >= low) & (array <= high)
+            if not inside.all():
+                _out_of_range(rule, array[~inside].reshape(-1)[0].item())
+    if rule.allowed is not None:
         for item in array.reshape(-1).tolist():
-            if item not in allowed:
+            if item not in rule.allowed:
                 shown = item.decode("utf-8", "replace") if isinstance(item, bytes) else item
-                choices = ", ".join(spec.values)
                 raise InvalidInput(
-                    f"input {spec.name!r}: unknown value {shown!r} (allowed: {choices})"
+                    f"input {rule.name!r}: unknown value {shown!r} (allowed: {rule.allowed_text})"
                 )
 
 
-_ALLOWED_CACHE: dict[int, frozenset[Any]] = {}
+def _out_of_range(rule: _InputRule, value: Any) -> None:
+    raise InvalidInput(
+        f"input {rule.name!r}: value {value!r} is outside the allowed range "
+        f"[{_num(rule.low)}, {_num(rule.high)}]"
+    )
 
 
-def _allowed(spec: TensorSpec) -> frozenset[Any]:
-    # Specs are frozen and live as long as their config; keyed by id to avoid rebuilding per call.
-    key = id(spec)
-    allowed = _ALLOWED_CACHE.get(key)
-    if allowed is None:
-        values = spec.values or []
-        allowed = frozenset([*values, *(v.encode() for v in values)])
-        _ALLOWED_CACHE[key] = allowed
-    return allowed
-
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+def _num(value: float | None) -> str:
+    return str(int(value)) if value is not None and float(value).is_integer() else str(value)

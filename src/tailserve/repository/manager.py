@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tailserve.engine.batching import BatchPolicy, NoBatching, SizeOrTimeout
 from tailserve.engine.scheduler import BatchObserver, Scheduler
+from tailserve.engine.validation import InputPlan
 from tailserve.engine.warmup import warmup_batches
 from tailserve.errors import (
     ConfigError,
@@ -47,6 +48,7 @@ class ServedVersion:
     version: int
     runtimes: list[Runtime]
     scheduler: Scheduler
+    plan: InputPlan
 
 
 @dataclass(slots=True)
@@ -215,7 +217,7 @@ class ModelManager:
             observer=self._observer,
         )
         scheduler.start()
-        return ServedVersion(config, version, runtimes, scheduler)
+        return ServedVersion(config, version, runtimes, scheduler, InputPlan(config))
 
     async def _retire(self, served: ServedVersion) -> None:
         await served.scheduler.close(drain_s=self._drain_timeout_s)
