@@ -127,9 +127,9 @@ def _shaped(rule: _InputRule, array: np.ndarray[Any, Any]) -> Any:
         array = array.reshape(-1, 1)
         shape = array.shape
     expected = rule.expected
-    if rule.exact_rows is not None and len(shape) == len(expected):
-        if (shape[1:] if len(expected) > len(rule.exact_rows) else shape) == rule.exact_rows:
-            return array
+    rows_shape = shape[1:] if len(expected) > len(rule.exact_rows or ()) else shape
+    if len(shape) == len(expected) and rows_shape == rule.exact_rows:
+        return array
     if len(shape) != len(expected) or any(
         want != got and want != -1 for want, got in zip(expected, shape, strict=True)
     ):
