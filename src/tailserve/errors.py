@@ -66,3 +66,11 @@ class ConfigError(TailserveError):
 
 class ModelLoadError(ConfigError):
     pass
+
+
+def field_message(message: str) -> str:
+    """Say a decoder's "Expected `int`, got `str` - at `$.inputs[0].shape`" as
+    "field 'inputs[0].shape': Expected `int`, got `str`" (the form every config error takes)."""
+    text, sep, where = message.partition(" - at `")
+    path = where.rstrip("`").removeprefix("$").removeprefix(".")
+    return f"field '{path}': {text}" if sep and path else text

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, field_message
 from tailserve.tensors import DATATYPES
 
 RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python"]
@@ -132,18 +132,9 @@ def parse_model_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
     try:
         config = msgspec.convert(raw, ModelConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_field_message(str(exc))}") from None
+        raise ConfigError(f"{source}: {field_message(str(exc))}") from None
     _check(config, source)
     return config
-
-
-def _field_message(message: str) -> str:
-    # msgspec says "... - at `$.inputs[0].shape`"; say it as the field path of the YAML file.
-    text, sep, where = message.partition(" - at `")
-    if not sep:
-        return message
-    path = where.rstrip("`").removeprefix("$").removeprefix(".")
-    return f"field '{path}': {text}" if path else text
 
 
 def _check(config: ModelConfig, source: str) -> None:

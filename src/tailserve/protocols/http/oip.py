@@ -14,7 +14,7 @@ import msgspec
 import orjson
 
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
-from tailserve.errors import InvalidInput
+from tailserve.errors import InvalidInput, field_message
 from tailserve.tensors import Tensor, from_binary, from_json, to_binary, to_json_data
 
 
@@ -57,7 +57,7 @@ def decode_request(
     try:
         raw = _decoder.decode(header)
     except msgspec.ValidationError as exc:
-        raise InvalidInput(f"invalid inference request: {_where(str(exc))}") from None
+        raise InvalidInput(f"invalid inference request: {field_message(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     inputs = []
@@ -90,11 +90,6 @@ def decode_request(
         outputs=outputs,
         parameters=raw.parameters or {},
     )
-
-
-def _where(message: str) -> str:
-    text, sep, path = message.partition(" - at `")
-    return f"{text} at '{path.rstrip('`').removeprefix('$.')}'" if sep else message
 
 
 def encode_response(

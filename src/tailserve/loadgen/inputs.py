@@ -1,0 +1,224 @@
+"""Request bodies for a workload, built before the timed run so generation costs nothing then.
+
+Each field gets a generator: named in the workload (``{int: [1, 120]}``, ``{uniform: [0, 1]}``,
+``{normal: [mu, sigma]}``, ``{lognormal: [mu, sigma]}``, ``{choice: [a, b], weights: [3, 1]}``,
+``{constant: v}``, optional ``clip: [lo, hi]``), or else derived from the model's configuration
+(its ranges and allowed values), so any tailserve model can be driven without writing one.
+
+A *key* names one request's inputs. ``unique`` gives every request its own key; ``uniform`` and
+``zipf`` draw keys from ``size`` of them, so repeated inputs (cache hits) come as often as they
+would with that popularity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from tailserve.errors import ConfigError
+from tailserve.loadgen.workload import Workload
+from tailserve.tensors import numpy_dtype, to_binary
+
+Generator = Callable[[np.random.Generator, int], np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    datatype: str
+    row_shape: tuple[int, ...]
+    draw: Generator
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One request ready to send: its class, key, body and extra headers."""
+
+    cls: int
+    key: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+
+
+def fields_for(model_config: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> list[Field]:
+    """Fields from the model's configuration (``GET /v2/models/{m}/config``) and overrides."""
+    fields = []
+    known = set()
+    for spec in model_config["inputs"]:
+        name = spec["name"]
+        known.add(name)
+        row_shape = tuple(d if d > 0 else 8 for d in spec["shape"])
+        rule = overrides.get(name) or _auto_rule(spec)
+        fields.append(Field(name, spec["datatype"], row_shape, _generator(name, spec, rule)))
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"workload field {unknown[0]!r} is not an input of the model")
+    return fields
+
+
+def _auto_rule(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("values"):
+        return {"choice": list(spec["values"])}
+    kind = numpy_dtype(spec["datatype"]).kind
+    low, high = spec.get("range") or ((0, 100) if kind in "iu" else (0.0, 1.0))
+    if kind in "iu":
+        return {"int": [int(np.ceil(low)), int(np.floor(high))]}
+    if kind == "b":
+        return {"choice": [True, False]}
+    if kind == "O":
+        return {"choice": ["sample"]}
+    return {"uniform": [float(low), float(high)]}
+
+
+def _generator(name: str, spec: dict[str, Any], rule: dict[str, Any]) -> Generator:
+    dtype = numpy_dtype(spec["datatype"])
+    clip = rule.get("clip")
+
+    def finish(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        if clip is not None:
+            values = np.clip(values, clip[0], clip[1])
+        if dtype.kind in "iu":
+            values = np.rint(values)
+        return values.astype(dtype) if dtype.kind != "O" else values
+
+    if "int" in rule:
+        lo, hi = rule["int"]
+        return lambda rng, n: finish(rng.integers(lo, hi + 1, size=n))
+    if "uniform" in rule:
+        lo, hi = rule["uniform"]
+        return lambda rng, n: finish(rng.uniform(lo, hi, size=n))
+    if "normal" in rule:
+        mu, sigma = rule["normal"]
+        return lambda rng, n: finish(rng.normal(mu, sigma, size=n))
+    if "lognormal" in rule:
+        mu, sigma = rule["lognormal"]
+        return lambda rng, n: finish(rng.lognormal(mu, sigma, size=n))
+    if "choice" in rule:
+        options = np.array(rule["choice"], dtype=object)
+        weights = rule.get("weights")
+        p = None if weights is None else np.asarray(weights, dtype=float) / sum(weights)
+        return lambda rng, n: finish(options[rng.choice(len(options), size=n, p=p)])
+    if "constant" in rule:
+        value = rule["constant"]
+        return lambda rng, n: finish(np.full(n, value, dtype=object))
+    raise ConfigError(f"workload field {name!r}: unknown generator {sorted(rule)}")
+
+
+def draw_keys(workload: Workload, count: int, rng: np.random.Generator) -> np.ndarray[Any, Any]:
+    keys = workload.keys
+    if keys.space == "unique":
+        return np.arange(count)
+    if keys.space == "uniform":
+        return rng.integers(0, keys.size, size=count)
+    ranks = np.arange(1, keys.size + 1, dtype=float)
+    weights = ranks ** (-keys.s)
+    return rng.choice(keys.size, size=count, p=weights / weights.sum())
+
+
+def prepare(workload: Workload, fields: Sequence[Field], count: int) -> list[Prepared]:
+    """``count`` requests in send order: classes by weight, keys by the key space."""
+    rng = np.random.default_rng(workload.seed)
+    weights = np.array([c.weight for c in workload.classes], dtype=float)
+    classes = rng.choice(len(weights), size=count, p=weights / weights.sum())
+    keys = draw_keys(workload, count, rng)
+    headers = _option_headers(workload)
+    encoded: dict[tuple[int, int], tuple[bytes, int | None]] = {}
+    for cls_index, cls in enumerate(workload.classes):
+        wanted = sorted({int(k) for k, c in zip(keys, classes, strict=True) if c == cls_index})
+        if not wanted:
+            continue
+        # Every key's rows come from its own slot of one vectorised draw per field: the same
+        # key gives the same inputs, different keys different ones.
+        field_rng = np.random.default_rng([workload.seed, cls_index])
+        columns = {f.name: f.draw(field_rng, len(wanted) * cls.rows * _size(f)) for f in fields}
+        for slot, key in enumerate(wanted):
+            rows = {f.name: _slice(columns[f.name], slot, cls.rows, f) for f in fields}
+            encoded[(cls_index, key)] = _encode(workload, fields, rows, cls.rows)
+    plan = []
+    for cls_index, key in zip(classes.tolist(), keys.tolist(), strict=True):
+        body, header_length = encoded[(cls_index, key)]
+        extra = headers
+        if header_length is not None:
+            extra = (*headers, ("Inference-Header-Content-Length", str(header_length)))
+        plan.append(Prepared(cls_index, key, body, extra))
+    return plan
+
+
+def _size(field: Field) -> int:
+    return int(np.prod(field.row_shape)) if field.row_shape else 1
+
+
+def _slice(column: np.ndarray[Any, Any], slot: int, rows: int, field: Field) -> Any:
+    width = rows * _size(field)
+    return column[slot * width : (slot + 1) * width].reshape(rows, *field.row_shape)
+
+
+def _option_headers(workload: Workload) -> tuple[tuple[str, str], ...]:
+    options = workload.options
+    headers = dict(options.headers)
+    if options.deadline_ms is not None:
+        headers["X-Deadline-Ms"] = f"{options.deadline_ms:g}"
+    if workload.protocol == "v1-records":
+        if options.priority is not None:
+            headers["X-Priority"] = str(options.priority)
+        if options.cache is not None:
+            headers["X-Cache"] = options.cache
+    return tuple(headers.items())
+
+
+def _parameters(workload: Workload) -> dict[str, Any]:
+    options = workload.options
+    parameters: dict[str, Any] = {}
+    if options.priority is not None:
+        parameters["priority"] = options.priority
+    if options.cache is not None:
+        parameters["cache"] = options.cache
+    return parameters
+
+
+def _encode(
+    workload: Workload, fields: Sequence[Field], rows: dict[str, Any], count: int
+) -> tuple[bytes, int | None]:
+    """The body, and the length of its JSON header when binary tensors follow it."""
+    if workload.protocol == "v1-records":
+        columns = {name: values.reshape(count, -1).tolist() for name, values in rows.items()}
+        instances = [
+            {name: (col[i][0] if len(col[i]) == 1 else col[i]) for name, col in columns.items()}
+            for i in range(count)
+        ]
+        return orjson.dumps({"instances": instances}), None
+    parameters = _parameters(workload)
+    if workload.protocol == "v2-json":
+        inputs = [
+            {"name": f.name, "datatype": f.datatype, "shape": list(rows[f.name].shape),
+             "data": rows[f.name].reshape(-1).tolist()}
+            for f in fields
+        ]  # fmt: skip
+        document: dict[str, Any] = {"inputs": inputs}
+        if parameters:
+            document["parameters"] = parameters
+        return orjson.dumps(document), None
+    raws = [to_binary(rows[f.name]) for f in fields]
+    inputs = [
+        {"name": f.name, "datatype": f.datatype, "shape": list(rows[f.name].shape),
+         "parameters": {"binary_data_size": len(raw)}}
+        for f, raw in zip(fields, raws, strict=True)
+    ]  # fmt: skip
+    header: dict[str, Any] = {
+        "inputs": inputs,
+        **({"parameters": parameters} if parameters else {}),
+    }
+    head = orjson.dumps(header)
+    return b"".join([head, *raws]), len(head)
+
+
+def request_path(workload: Workload) -> str:
+    if workload.protocol == "v1-records":
+        return f"/v1/models/{workload.model}:predict"
+    if workload.version is not None:
+        return f"/v2/models/{workload.model}/versions/{workload.version}/infer"
+    return f"/v2/models/{workload.model}/infer"

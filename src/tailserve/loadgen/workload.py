@@ -1,0 +1,131 @@
+"""Workload files: what `tailserve bench` sends, to whom, on what schedule, against what SLO.
+
+```yaml
+name: churn-unique
+target: http://127.0.0.1:8080
+protocol: v2-json            # v2-json | v2-binary | v1-records
+model: churn
+keys: {space: unique}        # unique | uniform | zipf (size, s): how often inputs repeat
+fields:                      # per-field generators; fields not named are drawn from the
+  monthly_spend: {lognormal: [4.2, 0.6]}   # model's own config (ranges and allowed values)
+classes:                     # a mix of request shapes, by weight
+  - {name: single, weight: 9, rows: 1}
+  - {name: bulk, weight: 1, rows: 32}
+schedule: {kind: poisson, rate: 400}  # constant | poisson | steps | ramp | trace
+duration_s: 20
+warmup_s: 3
+slo: {p99_ms: 50}
+options: {deadline_ms: 100, priority: 1, cache: use, headers: {x-tenant: a}}
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from tailserve.errors import ConfigError, field_message
+
+Protocol = Literal["v2-json", "v2-binary", "v1-records"]
+
+
+class KeySpace(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # unique: every request's inputs differ; uniform/zipf: drawn from `size` distinct inputs.
+    space: Literal["unique", "uniform", "zipf"] = "unique"
+    size: int = 10_000
+    s: float = 1.1
+
+
+class RequestClass(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str = "default"
+    weight: float = 1.0
+    rows: int = 1
+
+
+class Schedule(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    kind: Literal["constant", "poisson", "steps", "ramp", "trace"] = "poisson"
+    rate: float = 100.0
+    # steps: [[rate, seconds], ...]; ramp: rate_from -> rate, over the duration
+    steps: list[tuple[float, float]] = msgspec.field(default_factory=list)
+    rate_from: float = 0.0
+    trace: str | None = None
+
+
+class Slo(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    p99_ms: float = 50.0
+
+
+class Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    deadline_ms: float | None = None
+    priority: int | None = None
+    cache: Literal["use", "bypass", "refresh"] | None = None
+    timeout_s: float = 10.0
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model: str
+    name: str = "workload"
+    target: str = "http://127.0.0.1:8080"
+    protocol: Protocol = "v2-json"
+    version: str | None = None
+    keys: KeySpace = KeySpace()
+    fields: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    classes: list[RequestClass] = msgspec.field(default_factory=lambda: [RequestClass()])
+    schedule: Schedule = Schedule()
+    duration_s: float = 20.0
+    warmup_s: float = 2.0
+    slo: Slo = Slo()
+    options: Options = Options()
+    seed: int = 1
+    connections: int = 256
+    processes: int = 1
+
+    def with_overrides(self, **changes: Any) -> Workload:
+        return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def load_workload(path: Path) -> Workload:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read the workload: {exc}") from None
+    return parse_workload(raw, source=str(path))
+
+
+def parse_workload(raw: Any, *, source: str) -> Workload:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: a workload is a mapping of fields")
+    try:
+        workload = msgspec.convert(raw, Workload, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {field_message(str(exc))}") from None
+    _check(workload, source)
+    return workload
+
+
+def _check(workload: Workload, source: str) -> None:
+    def fail(field: str, message: str) -> ConfigError:
+        return ConfigError(f"{source}: field '{field}': {message}")
+
+    if not workload.classes:
+        raise fail("classes", "list at least one request class")
+    for i, cls in enumerate(workload.classes):
+        if cls.rows < 1 or cls.weight <= 0:
+            raise fail(f"classes[{i}]", "rows must be >= 1 and weight > 0")
+    if workload.duration_s <= 0 or workload.warmup_s < 0:
+        raise fail("duration_s", "must be > 0 (and warmup_s >= 0)")
+    schedule = workload.schedule
+    if schedule.kind == "steps" and not schedule.steps:
+        raise fail("schedule.steps", "list [rate, seconds] pairs")
+    if schedule.kind == "trace" and not schedule.trace:
+        raise fail("schedule.trace", "name the recorded trace file")
+    if schedule.kind in ("constant", "poisson", "ramp") and schedule.rate <= 0:
+        raise fail("schedule.rate", "must be > 0")
+    if workload.keys.size < 1:
+        raise fail("keys.size", "must be >= 1")
+    if workload.processes < 1 or workload.connections < 1:
+        raise fail("processes", "processes and connections must be >= 1")
