@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", help="debug, info, warning, error")
     serve.add_argument("--access-log", action="store_true", default=None)
+    serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
+    serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
     serve.add_argument("--config", type=Path, help="YAML file of settings")
     serve.set_defaults(handler=_serve)
 
@@ -67,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
         for key in (
             "repository", "host", "http_port", "grpc_port", "redis_url", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
+            "trace_file", "trace_sample",
         )
     }  # fmt: skip
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

@@ -21,6 +21,7 @@ import uvicorn
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
 from tailserve.observability.metrics import Metrics
+from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http.app import HttpApp
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
@@ -55,12 +56,16 @@ class Worker:
             drain_timeout_s=settings.drain_timeout_s,
         )
         self.dataplane = DataPlane(self.manager, strict_readiness=settings.strict_readiness)
+        self.recorder = None
+        if settings.trace_file:
+            self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
         self.app = HttpApp(
             self.dataplane,
             self.metrics,
             max_body_bytes=settings.max_body_bytes,
             admin_token=settings.admin_token,
             lifespan=self._lifespan,
+            recorder=self.recorder,
         )
         self._loading: asyncio.Task[None] | None = None
         self._uvicorn: _Uvicorn | None = None
@@ -108,6 +113,8 @@ class Worker:
         if self._loading is not None:
             await asyncio.gather(self._loading, return_exceptions=True)
         await self.manager.close()
+        if self.recorder is not None:
+            self.recorder.close()
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _load_models(self) -> None:

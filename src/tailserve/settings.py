@@ -35,6 +35,9 @@ class Settings:
     strict_readiness: bool = False
     log_level: str = "info"
     access_log: bool = False
+    # Log sampled inference requests to this JSON-lines file, for `tailserve bench` to replay.
+    trace_file: str | None = None
+    trace_sample: float = 1.0
     backlog: int = 2048
 
     def replace(self, **changes: Any) -> Settings:

@@ -349,3 +349,20 @@ def test_unload_then_load_again(tmp_path: Path) -> None:
         assert_still_serving(running.url)
         missing = httpx.post(f"{running.url}/v2/repository/models/ghost/load")
         assert missing.status_code == 404
+
+
+def test_sampled_trace_log_records_infer_requests(tmp_path: Path) -> None:
+    from tailserve.observability.trace_log import read_trace
+
+    write_model(tmp_path / "repo", "doubler", doubler_config())
+    trace = tmp_path / "trace.jsonl"
+    settings = Settings(repository=str(tmp_path / "repo"), trace_file=str(trace))
+    with run_worker(settings) as running:
+        for value in (1.0, 2.0, 3.0):
+            httpx.post(f"{running.url}/v2/models/doubler/infer", json=infer_body([value]))
+        httpx.get(f"{running.url}/v2/health/ready")  # not an inference request: not logged
+    entries = read_trace(trace)
+    assert [e["path"] for e in entries] == ["/v2/models/doubler/infer"] * 3
+    assert [orjson.loads(e["body"])["inputs"][0]["data"] for e in entries] == [[1.0], [2.0], [3.0]]
+    assert entries[0]["t"] <= entries[1]["t"] <= entries[2]["t"]
+    assert entries[0]["headers"]["content-type"] == "application/json"

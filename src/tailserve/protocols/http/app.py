@@ -21,6 +21,7 @@ from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import InvalidInput, PayloadTooLarge, TailserveError, Unauthorized
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
+from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http import kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
 from tailserve.protocols.http.openapi import openapi_document
@@ -52,6 +53,21 @@ class HttpRequest:
         self._receive = receive
         self.params = params
         self.max_body_bytes = max_body_bytes
+
+    @property
+    def method(self) -> str:
+        method: str = self._scope["method"]
+        return method
+
+    @property
+    def path(self) -> str:
+        path: str = self._scope["path"]
+        return path
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        headers: list[tuple[bytes, bytes]] = self._scope["headers"]
+        return headers
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self._scope["headers"]:
@@ -120,12 +136,14 @@ class HttpApp:
         max_body_bytes: int = 64 * 1024 * 1024,
         admin_token: str | None = None,
         lifespan: Callable[[Receive, Send], Awaitable[None]] | None = None,
+        recorder: TraceRecorder | None = None,
     ) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self._admin = f"Bearer {admin_token}".encode() if admin_token else None
         self._lifespan = lifespan
+        self._recorder = recorder
         self._router = Router()
         self._openapi_body = orjson.dumps(openapi_document())
 
@@ -205,9 +223,15 @@ class HttpApp:
 
     # --- inference --------------------------------------------------------------------------
 
+    async def _read_traced(self, request: HttpRequest) -> bytes:
+        body = await request.body()
+        if self._recorder is not None:
+            self._recorder.record(request.method, request.path, request.headers, body)
+        return body
+
     async def _infer(self, request: HttpRequest) -> Reply:
         p = request.params
-        body = await request.body()
+        body = await self._read_traced(request)
         header_length = _header_length(request.header(b"inference-header-content-length"))
         infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
         response = await self.dataplane.infer(infer_request)
@@ -217,7 +241,7 @@ class HttpApp:
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
         config = self.dataplane.manager.get(name).config
-        infer_request = kserve_v1.decode_records(name, config, await request.body())
+        infer_request = kserve_v1.decode_records(name, config, await self._read_traced(request))
         response = await self.dataplane.infer(infer_request)
         params = response.parameters
         headers = [
