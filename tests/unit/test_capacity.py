@@ -1,0 +1,42 @@
+"""The capacity search converges on a simulated server of known capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailserve.loadgen.capacity import CapacitySearch, Step
+
+
+def simulated(capacity: float, offered: float) -> Step:
+    # Below capacity the p99 grows gently; past it the queue grows and p99 explodes.
+    if offered <= capacity:
+        return Step(offered, offered, 5 + 20 * offered / capacity, 0)
+    return Step(offered, capacity, 500.0, 0)
+
+
+@pytest.mark.parametrize("capacity", [37.0, 420.0, 2500.0])
+def test_converges_within_precision_of_a_known_capacity(capacity: float) -> None:
+    search = CapacitySearch(slo_ms=50, start_rps=50, precision=0.05)
+    while (rate := search.next_rate()) is not None:
+        search.record(simulated(capacity, rate))
+    found = search.capacity_rps
+    assert found is not None
+    assert capacity * 0.94 <= found <= capacity
+    assert len(search.steps) < search.max_steps
+
+
+def test_errors_and_falling_behind_fail_a_step() -> None:
+    search = CapacitySearch(slo_ms=50)
+    assert not Step(100, 100, 10, errors=1).passes(50, 0.95)
+    assert not Step(100, 80, 10, errors=0).passes(50, 0.95)
+    assert Step(100, 99, 10, errors=0).passes(50, 0.95)
+    search.record(Step(50, 50, 10, 3))
+    search.record(Step(25, 25, 10, 0))
+    assert search.capacity_rps == 25
+
+
+def test_a_server_that_fails_at_a_trickle_has_no_capacity() -> None:
+    search = CapacitySearch(slo_ms=50, start_rps=50)
+    while (rate := search.next_rate()) is not None:
+        search.record(Step(rate, rate, 900.0, 0))
+    assert search.capacity_rps is None
