@@ -55,6 +55,7 @@ def test_a_good_config_loads_with_defaults_filled(tmp_path: Path) -> None:
         ({"version_policy": {"latest": 1, "all": True}}, "version_policy"),
         ({"warmup": {"batch_sizes": [128]}}, "warmup.batch_sizes[0]"),
         ({"slo": {"p99_ms": -1}}, "slo.p99_ms"),
+        ({"instances": {"providers": ["gpu"]}}, "instances.providers[0]"),
         (
             {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "values": ["a"]}]},
             "inputs[0].values",

@@ -111,6 +111,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 CONFIG_FILE = "model.yaml"
+PROVIDERS = ("cpu", "cuda", "tensorrt")
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
@@ -166,6 +167,10 @@ def _check(config: ModelConfig, source: str) -> None:
         raise fail("batching.max_queue_size", "must be >= 1")
     if config.instances.count < 1:
         raise fail("instances.count", "must be >= 1")
+    for i, provider in enumerate(config.instances.providers):
+        if provider.lower() not in PROVIDERS:
+            raise fail(f"instances.providers[{i}]", f"unknown provider {provider!r} "
+                       f"(known: {', '.join(PROVIDERS)})")  # fmt: skip
     if config.instances.intra_op_threads < 0:
         raise fail("instances.intra_op_threads", "must be >= 0 (0: the runtime decides)")
     policy = config.version_policy

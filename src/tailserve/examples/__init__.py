@@ -1,0 +1,19 @@
+"""The example model repository that `tailserve examples DIR` writes.
+
+Models are trained on synthetic data from fixed seeds, so every run writes the same models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tailserve.examples.churn import write_churn
+
+__all__ = ["write_examples"]
+
+
+def write_examples(directory: Path | str) -> list[str]:
+    """Write every example model (model.yaml and version 1) into ``directory``; return names."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_churn(directory)

@@ -1,0 +1,190 @@
+"""ONNX Runtime: ``model.onnx`` in one inference session per model instance."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from tailserve.errors import InvalidInput, ModelLoadError
+from tailserve.runtimes.base import Arrays, IOSpec, RuntimeContext, Signature
+from tailserve.tensors import numpy_dtype
+
+log = logging.getLogger(__name__)
+
+ARTIFACT = "model.onnx"
+
+PROVIDERS: dict[str, str] = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+
+_DATATYPES: dict[str, str] = {
+    "tensor(bool)": "BOOL",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Feed:
+    name: str
+    datatype: str | None
+    dtype: np.dtype[Any] | None
+
+
+class OnnxRuntime:
+    def __init__(self, context: RuntimeContext) -> None:
+        self.context = context
+        self._session: ort.InferenceSession | None = None
+        self._feeds: tuple[_Feed, ...] = ()
+        self._outputs: list[str] = [spec.name for spec in context.config.outputs]
+
+    @property
+    def _where(self) -> str:
+        return f"model {self.context.config.name!r} version {self.context.version}"
+
+    def load(self) -> None:
+        config = self.context.config
+        path = self.context.version_dir / ARTIFACT
+        if not path.is_file():
+            raise ModelLoadError(f"{self._where}: {path} not found")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = config.instances.intra_op_threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Spinning intra-op threads burn a core between batches; on small shared machines that
+        # core belongs to the event loop.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        providers = choose_providers(config.instances.providers, self._where)
+        try:
+            session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        except Exception as exc:
+            raise ModelLoadError(f"{self._where}: cannot load {path}: {exc}") from exc
+        graph_outputs = [node.name for node in session.get_outputs()]
+        missing = [name for name in self._outputs if name not in graph_outputs]
+        if missing:
+            raise ModelLoadError(
+                f"{self._where}: {path} has no output {missing[0]!r} (it has {graph_outputs})"
+            )
+        self._feeds = tuple(self._feed(node.name, node.type) for node in session.get_inputs())
+        self._session = session
+
+    def _feed(self, name: str, ort_type: str) -> _Feed:
+        datatype = _DATATYPES.get(ort_type)
+        dtype = numpy_dtype(datatype) if datatype is not None else None
+        spec = self.context.config.input(name)
+        if spec is not None and datatype is not None and not _castable(spec.datatype, datatype):
+            raise ModelLoadError(
+                f"{self._where}: input {name!r} is {spec.datatype} in model.yaml but the graph "
+                f"wants {datatype}"
+            )
+        return _Feed(name, datatype, dtype)
+
+    def describe(self) -> Signature:
+        session = self._loaded()
+        return Signature(
+            inputs=tuple(_spec(node) for node in session.get_inputs()),
+            outputs=tuple(_spec(node) for node in session.get_outputs()),
+        )
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        session = self._loaded()
+        feed: dict[str, Any] = {}
+        for spec in self._feeds:
+            array = inputs.get(spec.name)
+            if array is not None:
+                feed[spec.name] = _convert(spec, array)
+        results = session.run(self._outputs, feed)
+        return dict(zip(self._outputs, results, strict=True))
+
+    def unload(self) -> None:
+        self._session = None
+
+    def _loaded(self) -> ort.InferenceSession:
+        if self._session is None:
+            raise RuntimeError(f"{self._where}: not loaded")
+        return self._session
+
+
+def choose_providers(wanted: list[str], where: str) -> list[str]:
+    """ORT provider names in preference order, skipping absent ones; CPU is always the last."""
+    available = set(ort.get_available_providers())
+    chosen: list[str] = []
+    for name in wanted:
+        provider = PROVIDERS.get(name.lower(), name)
+        if provider not in PROVIDERS.values():
+            known = ", ".join(PROVIDERS)
+            raise ModelLoadError(
+                f"{where}: field 'instances.providers': unknown provider {name!r} (known: {known})"
+            )
+        if provider not in available:
+            log.warning("%s: execution provider %s is not available; skipped", where, provider)
+        elif provider not in chosen:
+            chosen.append(provider)
+    if "CPUExecutionProvider" in chosen:
+        chosen.remove("CPUExecutionProvider")
+    return [*chosen, "CPUExecutionProvider"]
+
+
+def _spec(node: Any) -> IOSpec:
+    shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in node.shape)
+    return IOSpec(name=node.name, datatype=_DATATYPES.get(node.type), shape=shape)
+
+
+def _castable(source: str, target: str) -> bool:
+    """Whether data of OIP ``source`` feeds a graph input of ``target`` without losing meaning."""
+    if source == target:
+        return True
+    if "BYTES" in (source, target) or "BOOL" in (source, target):
+        return False
+    kind, want = numpy_dtype(source).kind, numpy_dtype(target).kind
+    # Width changes and signedness (bounds checked per batch), plus integers into floats.
+    return kind == want or {kind, want} == {"i", "u"} or (kind in "iu" and want == "f")
+
+
+def _convert(spec: _Feed, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if spec.datatype == "BYTES":
+        return _strings(spec.name, array)
+    if spec.dtype is None or array.dtype == spec.dtype:
+        return array
+    if array.dtype.kind in "OSU":
+        raise InvalidInput(f"input {spec.name!r}: the model wants {spec.datatype}, got strings")
+    want = spec.dtype
+    if want.kind in "iu" and array.dtype.kind in "iu" and array.size:
+        # astype wraps silently (2**40 as INT32); a value that does not fit is the client's error.
+        info = np.iinfo(want)
+        if array.min() < info.min or array.max() > info.max:
+            raise InvalidInput(f"input {spec.name!r}: a value does not fit {spec.datatype}")
+    return array.astype(want)
+
+
+def _strings(name: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # ORT reads an object array through str(), so b"annual" would arrive as "b'annual'".
+    if array.dtype.kind == "U":
+        return array
+    try:
+        items = [
+            item.decode("utf-8") if isinstance(item, bytes) else str(item)
+            for item in array.reshape(-1).tolist()
+        ]
+    except UnicodeDecodeError:
+        raise InvalidInput(f"input {name!r}: BYTES data is not valid UTF-8") from None
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out.reshape(array.shape)

@@ -1,0 +1,164 @@
+"""The example repository: both churn models load through their runtimes, agree, and stay fixed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightgbm
+import numpy as np
+import onnx
+import pytest
+
+from tailserve.engine.warmup import warmup_batches
+from tailserve.examples.churn import (
+    FIELDS,
+    as_inputs,
+    churn_labels,
+    draw_customers,
+    feature_matrix,
+    sample_inputs,
+    sample_rows,
+    training_data,
+)
+from tailserve.repository.config import ModelConfig, load_model_config
+from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
+
+MODELS = ("churn", "churn_lgbm")
+
+
+@pytest.fixture(scope="module")
+def runtimes(example_repository: Path) -> Iterator[dict[str, Runtime]]:
+    loaded = {}
+    for name in MODELS:
+        config = load_model_config(example_repository / name)
+        context = RuntimeContext(config, 1, example_repository / name / "1")
+        loaded[name] = create_runtime(context)
+        loaded[name].load()
+    yield loaded
+    for runtime in loaded.values():
+        runtime.unload()
+
+
+def as_bytes(inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, np.ndarray[Any, Any]]:
+    out = {}
+    for name, array in inputs.items():
+        if array.dtype.kind == "O":
+            array = np.array([item.encode() for item in array.reshape(-1)], dtype=object)
+            array = array.reshape(-1, 1)
+        out[name] = array
+    return out
+
+
+def test_the_repository_holds_both_models_with_their_configs(example_repository: Path) -> None:
+    for name in MODELS:
+        config = load_model_config(example_repository / name)
+        assert config.name == name
+        assert [spec.name for spec in config.inputs] == [field.name for field in FIELDS]
+        assert all(spec.shape == [1] for spec in config.inputs)
+        assert [(o.name, o.datatype, o.shape) for o in config.outputs] == [
+            ("churn_probability", "FP32", [1])
+        ]
+        assert config.max_batch_size == 256
+        assert config.instances.intra_op_threads == 1
+        assert config.warmup.batch_sizes == [1, 16, 256]
+        contract = config.input("contract_type")
+        assert contract is not None
+        assert contract.values == ["monthly", "annual", "multi-year"]
+    graph = onnx.load(str(example_repository / "churn" / "1" / "model.onnx")).graph
+    assert [output.name for output in graph.output] == ["churn_probability"]
+
+
+def test_the_onnx_graph_declares_the_configured_inputs(runtimes: dict[str, Runtime]) -> None:
+    signature = runtimes["churn"].describe()
+    assert [(s.name, s.datatype) for s in signature.inputs] == [
+        (field.name, field.datatype) for field in FIELDS
+    ]
+    assert [(s.name, s.shape) for s in signature.outputs] == [("churn_probability", (-1, 1))]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_probabilities_have_one_column_in_0_1_whatever_the_string_form(
+    runtimes: dict[str, Runtime], model: str
+) -> None:
+    inputs = sample_inputs(300, seed=21)
+    out = runtimes[model].predict(inputs)["churn_probability"]
+    assert out.shape == (300, 1)
+    assert out.dtype == np.float32
+    assert ((out >= 0) & (out <= 1)).all()
+    assert out.std() > 0.05  # the inputs matter
+    np.testing.assert_array_equal(
+        runtimes[model].predict(as_bytes(inputs))["churn_probability"], out
+    )
+
+
+def test_the_two_models_agree(runtimes: dict[str, Runtime]) -> None:
+    inputs = sample_inputs(1000, seed=5)
+    onnx_p = runtimes["churn"].predict(inputs)["churn_probability"][:, 0]
+    lgbm_p = runtimes["churn_lgbm"].predict(inputs)["churn_probability"][:, 0]
+    assert np.corrcoef(onnx_p, lgbm_p)[0, 1] > 0.8
+    assert abs(float(onnx_p.mean() - lgbm_p.mean())) < 0.05
+
+
+def test_models_rank_churners_above_stayers(runtimes: dict[str, Runtime]) -> None:
+    rng = np.random.default_rng(123)
+    customers = draw_customers(rng, 2000)
+    labels = churn_labels(customers, rng)
+    for runtime in runtimes.values():
+        p = runtime.predict(as_inputs(customers))["churn_probability"][:, 0]
+        assert p[labels == 1].mean() > p[labels == 0].mean() + 0.15
+
+
+def test_lightgbm_runtime_encodes_inputs_as_training_did(
+    example_repository: Path, runtimes: dict[str, Runtime]
+) -> None:
+    booster = lightgbm.Booster(
+        model_file=str(example_repository / "churn_lgbm" / "1" / "model.txt")
+    )
+    customers = draw_customers(np.random.default_rng(9), 64)
+    served = runtimes["churn_lgbm"].predict(as_inputs(customers))["churn_probability"][:, 0]
+    # float32 inputs on the wire: the booster sees spend and usage rounded to float32.
+    np.testing.assert_allclose(served, booster.predict(feature_matrix(customers)), atol=1e-3)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_warmup_batches_from_the_config_run(
+    example_repository: Path, runtimes: dict[str, Runtime], model: str
+) -> None:
+    config: ModelConfig = load_model_config(example_repository / model)
+    sizes = []
+    for batch in warmup_batches(config):
+        sizes.append(len(runtimes[model].predict(batch)["churn_probability"]))
+    assert sizes == [1, 16, 256, 1, 16, 256]
+
+
+def test_sample_rows_are_deterministic_valid_and_plain() -> None:
+    rows = sample_rows(200, seed=4)
+    assert rows == sample_rows(200, seed=4)
+    assert rows != sample_rows(200, seed=5)
+    assert list(rows) == [field.name for field in FIELDS]
+    for field in FIELDS:
+        column = rows[field.name]
+        assert len(column) == 200
+        if field.values is not None:
+            assert set(column) <= set(field.values)
+            assert all(type(value) is str for value in column)
+        else:
+            assert field.range is not None
+            low, high = field.range
+            assert all(low <= value <= high for value in column)
+            plain = float if field.datatype == "FP32" else int
+            assert all(type(value) is plain for value in column)
+    assert len(set(zip(*rows.values(), strict=True))) == 200  # unique requests
+    inputs = sample_inputs(200, seed=4)
+    assert inputs["tenure_months"][:, 0].tolist() == rows["tenure_months"]
+    assert inputs["plan_tier"][:, 0].tolist() == rows["plan_tier"]
+
+
+def test_training_data_is_fixed_and_balanced_enough() -> None:
+    customers, labels = training_data(rows=2000)
+    again, labels_again = training_data(rows=2000)
+    np.testing.assert_array_equal(labels, labels_again)
+    np.testing.assert_array_equal(customers["monthly_spend"], again["monthly_spend"])
+    assert 0.15 < labels.mean() < 0.6
