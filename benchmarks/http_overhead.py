@@ -136,12 +136,15 @@ async def drive(port: int, method: str, path: str, body: bytes, count: int, conn
 
 
 def wait_listening(port: int, path: str, timeout: float = 60.0) -> None:
+    """Until GET ``path`` answers 200 (tailserve's readiness), or anything at all for "*"."""
+    expect = b"HTTP/1.1 " if path == "*" else b"HTTP/1.1 200"
+    path = "/" if path == "*" else path
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
                 conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-                if conn.recv(64).startswith(b"HTTP/1.1 200"):
+                if conn.recv(64).startswith(expect):
                     return
         except OSError:
             pass
@@ -214,7 +217,7 @@ def main() -> None:
                 "Starlette": "apps:starlette_app",
                 "FastAPI+pydantic": "apps:fastapi_app",
             }[name]
-            return [*uvicorn, "--port", str(port), target], port, infer, "POST", infer, BODY
+            return [*uvicorn, "--port", str(port), target], port, "*", "POST", infer, BODY
         serve = [
             sys.executable,
             "-m",

@@ -85,6 +85,8 @@ class Worker:
             timeout_graceful_shutdown=int(self.settings.drain_timeout_s),
             backlog=self.settings.backlog,
             server_header=False,
+            # No X-Forwarded-* rewriting: it wraps every request, and a worker trusts no proxy.
+            proxy_headers=False,
         )
         self._uvicorn = _Uvicorn(config, on_exit=self._begin_drain)
         await self._uvicorn.serve(sockets=sockets)
