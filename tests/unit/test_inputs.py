@@ -1,0 +1,78 @@
+"""Generated requests are valid for the model (checked by the server's own codecs and rules),
+and key spaces repeat inputs as they promise."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import orjson
+import pytest
+
+from tailserve.engine.validation import InputPlan
+from tailserve.errors import ConfigError
+from tailserve.examples.churn import model_config
+from tailserve.loadgen.inputs import fields_for, prepare, request_path
+from tailserve.loadgen.workload import parse_workload
+from tailserve.protocols.http.kserve_v1 import decode_records
+from tailserve.protocols.http.oip import decode_request
+from tailserve.repository.config import parse_model_config
+
+CONFIG = {"name": "churn", **model_config("onnx")}
+PLAN_CONFIG = parse_model_config(CONFIG, source="churn")
+PLAN = InputPlan(PLAN_CONFIG)
+
+
+def workload(**fields: Any) -> Any:
+    raw = {"model": "churn", "fields": {"monthly_spend": {"lognormal": [4, 0.5], "clip": [0, 900]}}}
+    return parse_workload({**raw, **fields}, source="test")
+
+
+@pytest.mark.parametrize("protocol", ["v2-json", "v2-binary", "v1-records"])
+def test_every_generated_request_passes_the_servers_checks(protocol: str) -> None:
+    w = workload(protocol=protocol, classes=[{"rows": 1}, {"name": "bulk", "rows": 8}])
+    plan = prepare(w, fields_for(CONFIG, w.fields), 60)
+    assert {p.cls for p in plan} == {0, 1}
+    for prepared in plan:
+        headers = dict(prepared.headers)
+        if protocol == "v1-records":
+            request = decode_records("churn", PLAN_CONFIG, prepared.body)
+        else:
+            length = headers.get("Inference-Header-Content-Length")
+            request = decode_request("churn", None, prepared.body, int(length) if length else None)
+        checked = PLAN.check(request.inputs)
+        assert checked.rows == w.classes[prepared.cls].rows
+        spend = checked.arrays["monthly_spend"]
+        assert (spend >= 0).all() and (spend <= 900).all()
+
+
+def test_unique_keys_never_repeat_and_zipf_keys_do() -> None:
+    unique = prepare(workload(), fields_for(CONFIG, {}), 500)
+    assert len({p.body for p in unique}) == 500
+    zipf = prepare(
+        workload(keys={"space": "zipf", "size": 1000, "s": 1.1}), fields_for(CONFIG, {}), 2000
+    )
+    counts = Counter(p.key for p in zipf)
+    top_key, top_count = counts.most_common(1)[0]
+    assert top_key == 0  # rank 1 is the most popular
+    assert top_count > 2000 / 1000 * 10
+    bodies = {p.key: p.body for p in zipf}
+    assert all(bodies[p.key] == p.body for p in zipf)  # one key, one input
+    assert len(set(bodies.values())) == len(bodies)  # different keys, different inputs
+
+
+def test_options_travel_as_parameters_and_headers() -> None:
+    w = workload(options={"deadline_ms": 80, "priority": 2, "cache": "bypass"})
+    prepared = prepare(w, fields_for(CONFIG, {}), 1)[0]
+    assert dict(prepared.headers)["X-Deadline-Ms"] == "80"
+    assert orjson.loads(prepared.body)["parameters"] == {"priority": 2, "cache": "bypass"}
+    assert request_path(w) == "/v2/models/churn/infer"
+
+
+def test_bad_workloads_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"field 'schedule\.kind'"):
+        parse_workload({"model": "m", "schedule": {"kind": "burst"}}, source="w.yaml")
+    with pytest.raises(ConfigError, match="field 'classes"):
+        parse_workload({"model": "m", "classes": [{"rows": 0}]}, source="w.yaml")
+    with pytest.raises(ConfigError, match="'colour' is not an input"):
+        fields_for(CONFIG, {"colour": {"constant": 1}})
