@@ -10,9 +10,9 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from tailserve.examples.churn import sample_rows
 
 from support.servers import RunningWorker, run_worker
+from tailserve.examples.churn import sample_rows
 from tailserve.settings import Settings
 
 FIELDS = {
