@@ -47,6 +47,8 @@ class Worker:
     def __init__(self, settings: Settings) -> None:
         if not settings.repository:
             raise ConfigError("no model repository given (--repository DIR)")
+        if not Path(settings.repository).is_dir():
+            raise ConfigError(f"model repository {settings.repository} is not a folder")
         self.settings = settings
         self.metrics = Metrics()
         self.manager = ModelManager(

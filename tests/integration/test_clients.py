@@ -155,3 +155,17 @@ def test_kserve_v1_bad_records_name_the_field(
         reply = httpx.post(f"{worker.url}/v1/models/churn:predict", content=bad)
         assert reply.status_code == 400
         assert reply.json()["error"]
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_compressed_requests(worker: RunningWorker, algorithm: str) -> None:
+    client = triton.InferenceServerClient(f"127.0.0.1:{worker.port}")
+    inputs = []
+    for name, array in columns(3).items():
+        tensor = triton.InferInput(name, list(array.shape), FIELDS[name])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    plain = client.infer("churn", inputs).as_numpy("churn_probability")
+    packed = client.infer("churn", inputs, request_compression_algorithm=algorithm)
+    client.close()
+    np.testing.assert_allclose(packed.as_numpy("churn_probability"), plain, rtol=1e-6)
