@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tailserve.errors import ModelLoadError
 from tailserve.repository.config import ModelConfig
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -39,6 +40,18 @@ class RuntimeContext:
     config: ModelConfig
     version: int
     version_dir: Path
+
+    @property
+    def where(self) -> str:
+        """How errors name this model version."""
+        return f"model {self.config.name!r} version {self.version}"
+
+    def artifact(self, filename: str) -> Path:
+        """The version folder's file, or a load error naming the model, version and path."""
+        path = self.version_dir / filename
+        if not path.is_file():
+            raise ModelLoadError(f"{self.where}: {path} not found")
+        return path
 
 
 class Runtime(Protocol):

@@ -38,6 +38,7 @@ class _Column:
 class LightGBMRuntime:
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
+        self._where = context.where
         self._booster: lightgbm.Booster | None = None
         self._columns: tuple[_Column, ...] = ()
         self._width = 0
@@ -45,19 +46,13 @@ class LightGBMRuntime:
         # 0 leaves the thread count to OpenMP, as it does for ONNX Runtime.
         self._predict_options: dict[str, Any] = {"num_threads": threads} if threads else {}
 
-    @property
-    def _where(self) -> str:
-        return f"model {self.context.config.name!r} version {self.context.version}"
-
     def load(self) -> None:
         config = self.context.config
         if len(config.outputs) != 1:
             raise ModelLoadError(f"{self._where}: a LightGBM model has exactly one output")
         self._columns = self._plan(config.inputs)
         self._width = self._columns[-1].stop
-        path = self.context.version_dir / ARTIFACT
-        if not path.is_file():
-            raise ModelLoadError(f"{self._where}: {path} not found")
+        path = self.context.artifact(ARTIFACT)
         try:
             booster = lightgbm.Booster(model_file=str(path))
         except Exception as exc:

@@ -50,19 +50,14 @@ class _Feed:
 class OnnxRuntime:
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
+        self._where = context.where
         self._session: ort.InferenceSession | None = None
         self._feeds: tuple[_Feed, ...] = ()
         self._outputs: list[str] = [spec.name for spec in context.config.outputs]
 
-    @property
-    def _where(self) -> str:
-        return f"model {self.context.config.name!r} version {self.context.version}"
-
     def load(self) -> None:
         config = self.context.config
-        path = self.context.version_dir / ARTIFACT
-        if not path.is_file():
-            raise ModelLoadError(f"{self._where}: {path} not found")
+        path = self.context.artifact(ARTIFACT)
         options = ort.SessionOptions()
         options.intra_op_num_threads = config.instances.intra_op_threads
         options.inter_op_num_threads = 1

@@ -28,18 +28,13 @@ _instances = itertools.count(1)
 class PythonRuntime:
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
+        self._where = context.where
         self._model: Any = None
         self._module_name: str | None = None
 
-    @property
-    def _where(self) -> str:
-        return f"model {self.context.config.name!r} version {self.context.version}"
-
     def load(self) -> None:
         config = self.context.config
-        path = self.context.version_dir / ARTIFACT
-        if not path.is_file():
-            raise ModelLoadError(f"{self._where}: {path} not found")
+        path = self.context.artifact(ARTIFACT)
         module = self._import(path)
         class_name = str(config.parameters.get("class", "Model"))
         cls = getattr(module, class_name, None)

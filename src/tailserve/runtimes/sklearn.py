@@ -26,6 +26,7 @@ ARTIFACT = "model.joblib"
 class SklearnRuntime:
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
+        self._where = context.where
         self._estimator: Any = None
         self._method: Any = None
         self._take: int | None = None
@@ -33,13 +34,9 @@ class SklearnRuntime:
         self._frame: Any = None  # pandas.DataFrame, when the estimator was fitted on one
         self._limits: Callable[[], AbstractContextManager[Any]] = nullcontext
 
-    @property
-    def _where(self) -> str:
-        return f"model {self.context.config.name!r} version {self.context.version}"
-
     def load(self) -> None:
         config = self.context.config
-        path = self.context.version_dir / ARTIFACT
+        path = self.context.artifact(ARTIFACT)
         if not config.trust:
             raise ModelLoadError(
                 f"{self._where}: refusing to load {path}: pickles run code on load; if the file "
@@ -47,8 +44,6 @@ class SklearnRuntime:
             )
         if len(config.outputs) != 1:
             raise ModelLoadError(f"{self._where}: a scikit-learn model has exactly one output")
-        if not path.is_file():
-            raise ModelLoadError(f"{self._where}: {path} not found")
         try:
             estimator = joblib.load(path)
         except Exception as exc:
