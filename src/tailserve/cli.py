@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from tailserve.errors import TailserveError
 from tailserve.settings import load_settings
@@ -60,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     examples = commands.add_parser("examples", help="write the example model repository")
     examples.add_argument("directory", type=Path)
     examples.set_defaults(handler=_examples)
+
+    from tailserve.loadgen import command as bench
+
+    bench.add_parser(commands)
     return parser  # fmt: skip
 
 
@@ -77,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from tailserve.loops import run
     from tailserve.server import Worker
 
     worker = Worker(settings)
@@ -90,17 +93,6 @@ def _examples(args: argparse.Namespace) -> int:
     names = write_examples(args.directory)
     print(f"wrote {', '.join(names)} to {args.directory}")
     return 0
-
-
-def run(main: Coroutine[Any, Any, None]) -> None:
-    """Run a coroutine on uvloop where it is installed, else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@
     │   ├── ModelNotReady     known, but not loaded or not warm yet
     │   └── Overloaded        a bounded queue is full; carries a retry-after hint
     ├── ModelExecutionError   the runtime raised while predicting
+    ├── UpstreamError         a server this process calls (bench, router) did not answer
+    │   ├── ConnectFailed     no connection could be opened
+    │   ├── ConnectionLost    the connection closed or broke before the response was complete
+    │   └── UpstreamTimeout   no complete response within the request's time limit
     └── ConfigError           a model.yaml or setting is invalid (names the file and field)
         └── ModelLoadError    a model's artifact could not be loaded or warmed
 
@@ -57,6 +61,22 @@ class Overloaded(Unavailable):
 
 
 class ModelExecutionError(TailserveError):
+    pass
+
+
+class UpstreamError(TailserveError):
+    pass
+
+
+class ConnectFailed(UpstreamError):
+    pass
+
+
+class ConnectionLost(UpstreamError):
+    pass
+
+
+class UpstreamTimeout(UpstreamError):
     pass
 
 

@@ -40,3 +40,22 @@ def test_bad_settings_file_names_the_setting(tmp_path: Path) -> None:
     done = tailserve("serve", "--config", str(settings), "--repository", str(tmp_path))
     assert done.returncode == 2
     assert "unknown setting 'http_prot'" in done.stderr
+
+
+def test_bench_errors_name_the_file_field_or_server(tmp_path: Path) -> None:
+    done = tailserve("bench", str(tmp_path / "absent.yaml"))
+    assert done.returncode == 2
+    assert "absent.yaml: cannot read the workload" in done.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: m\nschedule: {kind: burst}\n")
+    done = tailserve("bench", str(bad))
+    assert done.returncode == 2
+    assert "field 'schedule.kind'" in done.stderr
+    down = tmp_path / "down.yaml"
+    down.write_text("model: m\ntarget: http://127.0.0.1:9\n")
+    done = tailserve("bench", str(down))
+    assert done.returncode == 2
+    assert "cannot read the model's configuration from http://127.0.0.1:9" in done.stderr
+    done = tailserve("bench", "compare", str(tmp_path / "a.json"))
+    assert done.returncode == 2
+    assert "two or more result files" in done.stderr

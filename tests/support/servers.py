@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tailserve.cli import run
+from tailserve.loops import run
 from tailserve.server import Worker
 from tailserve.settings import Settings
 

@@ -36,12 +36,13 @@ class Field:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """One request ready to send: its class, key, body and extra headers."""
+    """One request ready to send: its class, key, path, body and extra headers."""
 
     cls: int
     key: int
     body: bytes
     headers: tuple[tuple[str, str], ...]
+    path: str
 
 
 def fields_for(model_config: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> list[Field]:
@@ -139,12 +140,13 @@ def prepare(workload: Workload, fields: Sequence[Field], count: int) -> list[Pre
             rows = {f.name: _slice(columns[f.name], slot, cls.rows, f) for f in fields}
             encoded[(cls_index, key)] = _encode(workload, fields, rows, cls.rows)
     plan = []
+    path = request_path(workload)
     for cls_index, key in zip(classes.tolist(), keys.tolist(), strict=True):
         body, header_length = encoded[(cls_index, key)]
         extra = headers
         if header_length is not None:
             extra = (*headers, ("Inference-Header-Content-Length", str(header_length)))
-        plan.append(Prepared(cls_index, key, body, extra))
+        plan.append(Prepared(cls_index, key, body, extra, path))
     return plan
 
 
@@ -159,7 +161,9 @@ def _slice(column: np.ndarray[Any, Any], slot: int, rows: int, field: Field) -> 
 
 def _option_headers(workload: Workload) -> tuple[tuple[str, str], ...]:
     options = workload.options
-    headers = dict(options.headers)
+    binary = workload.protocol == "v2-binary"
+    headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
+    headers.update(options.headers)
     if options.deadline_ms is not None:
         headers["X-Deadline-Ms"] = f"{options.deadline_ms:g}"
     if workload.protocol == "v1-records":

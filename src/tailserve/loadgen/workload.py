@@ -12,11 +12,19 @@ classes:                     # a mix of request shapes, by weight
   - {name: single, weight: 9, rows: 1}
   - {name: bulk, weight: 1, rows: 32}
 schedule: {kind: poisson, rate: 400}  # constant | poisson | steps | ramp | trace
-duration_s: 20
-warmup_s: 3
+duration_s: 20               # measured seconds (a trace: its whole span unless set)
+warmup_s: 3                  # sent first, not measured
 slo: {p99_ms: 50}
 options: {deadline_ms: 100, priority: 1, cache: use, headers: {x-tenant: a}}
+processes: 1                 # generator processes sharing the schedule
+connections: 256             # keep-alive connections a process may open
+model_config: churn/model.yaml   # where the inputs are described (default: the target's
+                                 # GET /v2/models/{model}/config); a file or a URL
 ```
+
+A trace replay (``schedule: {kind: trace, trace: requests.jsonl, speed: 1.0}``) sends the
+recorded requests, paths and bodies at the recorded times (divided by ``speed``); ``model`` and
+``fields`` are then not needed.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import yaml
 from tailserve.errors import ConfigError, field_message
 
 Protocol = Literal["v2-json", "v2-binary", "v1-records"]
+DEFAULT_DURATION_S = 20.0
 
 
 class KeySpace(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -52,6 +61,8 @@ class Schedule(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     steps: list[tuple[float, float]] = msgspec.field(default_factory=list)
     rate_from: float = 0.0
     trace: str | None = None
+    # trace: replay this many times faster than recorded
+    speed: float = 1.0
 
 
 class Slo(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -67,7 +78,7 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    model: str
+    model: str = ""
     name: str = "workload"
     target: str = "http://127.0.0.1:8080"
     protocol: Protocol = "v2-json"
@@ -76,16 +87,27 @@ class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     fields: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     classes: list[RequestClass] = msgspec.field(default_factory=lambda: [RequestClass()])
     schedule: Schedule = Schedule()
-    duration_s: float = 20.0
+    # None: 20 s, or a trace's whole span
+    duration_s: float | None = None
     warmup_s: float = 2.0
     slo: Slo = Slo()
     options: Options = Options()
     seed: int = 1
     connections: int = 256
     processes: int = 1
+    model_config: str | None = None
 
     def with_overrides(self, **changes: Any) -> Workload:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @property
+    def measured_s(self) -> float:
+        """The measured duration of a generated schedule (steps: their sum unless set)."""
+        if self.duration_s is not None:
+            return self.duration_s
+        if self.schedule.kind == "steps":
+            return float(sum(seconds for _, seconds in self.schedule.steps))
+        return DEFAULT_DURATION_S
 
 
 def load_workload(path: Path) -> Workload:
@@ -116,13 +138,20 @@ def _check(workload: Workload, source: str) -> None:
     for i, cls in enumerate(workload.classes):
         if cls.rows < 1 or cls.weight <= 0:
             raise fail(f"classes[{i}]", "rows must be >= 1 and weight > 0")
-    if workload.duration_s <= 0 or workload.warmup_s < 0:
+    if workload.schedule.kind != "trace" and not workload.model:
+        raise fail("model", "name the model to send requests to")
+    if (workload.duration_s is not None and workload.duration_s <= 0) or workload.warmup_s < 0:
         raise fail("duration_s", "must be > 0 (and warmup_s >= 0)")
     schedule = workload.schedule
     if schedule.kind == "steps" and not schedule.steps:
         raise fail("schedule.steps", "list [rate, seconds] pairs")
     if schedule.kind == "trace" and not schedule.trace:
         raise fail("schedule.trace", "name the recorded trace file")
+    if schedule.speed <= 0:
+        raise fail("schedule.speed", "must be > 0")
+    for i, (rate, seconds) in enumerate(schedule.steps):
+        if rate < 0 or seconds <= 0:
+            raise fail(f"schedule.steps[{i}]", "a step is [rate >= 0, seconds > 0]")
     if schedule.kind in ("constant", "poisson", "ramp") and schedule.rate <= 0:
         raise fail("schedule.rate", "must be > 0")
     if workload.keys.size < 1:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from tailserve.engine.dataplane import DataPlane
+from tailserve.engine.messages import InferResponse
 from tailserve.errors import InvalidInput, PayloadTooLarge, TailserveError, Unauthorized
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
@@ -236,21 +237,14 @@ class HttpApp:
         infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
         response = await self.dataplane.infer(infer_request)
         payload, headers = oip.encode_response(infer_request, response)
-        return 200, headers, payload
+        return 200, [*headers, *_served_headers(response)], payload
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
         config = self.dataplane.manager.get(name).config
         infer_request = kserve_v1.decode_records(name, config, await self._read_traced(request))
         response = await self.dataplane.infer(infer_request)
-        params = response.parameters
-        headers = [
-            *_JSON,
-            (b"x-model-version", response.version.encode()),
-            (b"x-queue-us", str(params["queue_us"]).encode()),
-            (b"x-compute-us", str(params["compute_us"]).encode()),
-            (b"x-batch-size", str(params["batch_size"]).encode()),
-        ]
+        headers = [*_JSON, *_served_headers(response)]
         return 200, headers, kserve_v1.encode_predictions(response)
 
     async def _model_status_v1(self, request: HttpRequest) -> Reply:
@@ -283,6 +277,17 @@ class HttpApp:
 
     async def _openapi(self, request: HttpRequest) -> Reply:
         return 200, _JSON, self._openapi_body
+
+
+def _served_headers(response: InferResponse) -> Headers:
+    """How the request was served, as headers (v2 carries it in `parameters` as well)."""
+    params = response.parameters
+    return [
+        (b"x-model-version", response.version.encode()),
+        (b"x-queue-us", str(params["queue_us"]).encode()),
+        (b"x-compute-us", str(params["compute_us"]).encode()),
+        (b"x-batch-size", str(params["batch_size"]).encode()),
+    ]
 
 
 def _header_length(value: bytes | None) -> int | None:

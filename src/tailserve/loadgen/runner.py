@@ -1,0 +1,235 @@
+"""The open-loop sender: each request goes at its intended time, whatever came back before.
+
+A timer fires at each due time and hands every request then due to the connection pool; no
+request waits for an earlier one's reply (a request may wait for a free connection only when
+all ``connections`` are busy, and that wait is the server's doing, so it counts). Latency is
+measured from the *intended* send time, so a server that stalls cannot hide the stall in a
+handful of slow samples (coordinated omission).
+
+The runner also measures itself: how late the timer handed each request over (``lag``). A
+generator that cannot keep its schedule says so instead of reporting a quiet server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tailserve.errors import ConnectFailed, UpstreamError, UpstreamTimeout
+from tailserve.loadgen.plan import Plan
+from tailserve.transport.http1 import Pool, Response
+
+# A request may go this much before its time (see `_State.fire`).
+EARLY_S = 0.001
+
+# Negative status codes for requests that got no HTTP response.
+TIMEOUT, CONNECT, LOST = -1, -2, -3
+ERROR_KINDS = {TIMEOUT: "timeout", CONNECT: "connection", LOST: "connection"}
+
+# Response headers in which a tailserve server says how it served a request.
+SERVED_HEADERS = {
+    b"x-queue-us": "queue_us",
+    b"x-compute-us": "compute_us",
+    b"x-batch-size": "batch_size",
+}
+CACHE_HEADER = b"x-cache"
+CACHE_TIERS = ("", "miss", "l1", "l2", "stale", "coalesced", "precomputed")
+_CACHE_CODES = {tier.encode(): code for code, tier in enumerate(CACHE_TIERS) if tier}
+
+F64 = np.ndarray[Any, np.dtype[np.float64]]
+I32 = np.ndarray[Any, np.dtype[np.int32]]
+
+
+@dataclass(slots=True)
+class Samples:
+    """One entry per request of the plan, times in seconds from the run's start."""
+
+    intended: F64
+    dispatched: F64  # when the timer handed it to the pool (intended + generator lag)
+    done: F64  # when the response (or the error) came; NaN if never
+    status: I32  # HTTP status, or TIMEOUT / CONNECT / LOST
+    classes: I32
+    queue_us: I32  # the server's account, -1 where it gave none
+    compute_us: I32
+    batch_size: I32
+    cache: np.ndarray[Any, np.dtype[np.int8]]  # index into CACHE_TIERS, 0 where none given
+
+    @classmethod
+    def empty(cls, plan: Plan) -> Samples:
+        n = len(plan)
+        return cls(
+            intended=plan.offsets.astype(np.float64, copy=True),
+            dispatched=np.full(n, np.nan),
+            done=np.full(n, np.nan),
+            status=np.zeros(n, dtype=np.int32),
+            classes=plan.classes.astype(np.int32, copy=True),
+            queue_us=np.full(n, -1, dtype=np.int32),
+            compute_us=np.full(n, -1, dtype=np.int32),
+            batch_size=np.full(n, -1, dtype=np.int32),
+            cache=np.zeros(n, dtype=np.int8),
+        )
+
+    @classmethod
+    def merge(cls, parts: list[Samples]) -> Samples:
+        merged = cls(**{name: np.concatenate([getattr(p, name) for p in parts])
+                        for name in cls.__slots__})  # fmt: skip
+        order = np.argsort(merged.intended, kind="stable")
+        return cls(**{name: getattr(merged, name)[order] for name in cls.__slots__})
+
+    @property
+    def latency(self) -> F64:
+        """From the intended send time, or the actual one where that came (slightly) first."""
+        result: F64 = self.done - np.fmin(self.intended, self.dispatched)
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """A progress report: counts so far and the latencies (s) completed since the last one."""
+
+    sent: int
+    completed: int
+    errors: int
+    latencies: F64
+    lag_max_s: float
+
+
+class Runner:
+    def __init__(
+        self,
+        plan: Plan,
+        host: str,
+        port: int,
+        *,
+        connections: int,
+        timeout_s: float,
+        on_tick: Callable[[Tick], None] | None = None,
+        tick_s: float = 1.0,
+    ) -> None:
+        self.plan = plan
+        self.host, self.port = host, port
+        self.connections = connections
+        self.timeout_s = timeout_s
+        self.on_tick = on_tick
+        self.tick_s = tick_s
+        self.samples = Samples.empty(plan)
+        self.cpu_s = 0.0
+
+    async def run(self, start_at: float | None = None) -> Samples:
+        """Send the plan; ``start_at`` is the `time.monotonic()` of offset 0 (default: now).
+
+        The monotonic clock is one clock for every process of the machine, so several
+        generator processes can share a start; the loop's own clock is coarser (uvloop's
+        counts milliseconds) and serves only to schedule.
+        """
+        loop = asyncio.get_running_loop()
+        pool = Pool(self.host, self.port, max_connections=self.connections, loop=loop)
+        start = time.monotonic() if start_at is None else start_at
+        state = _State(self, pool, loop, start)
+        cpu_before = time.process_time()
+        try:
+            if len(self.plan):
+                state.schedule_fire()
+                state.ticker = loop.call_later(self.tick_s, state.tick)
+                # Every request ends by its timeout; past that (and a margin) something is
+                # stuck, and closing the pool ends what is left as lost.
+                limit = start + float(self.plan.offsets[-1]) + self.timeout_s + 5.0
+                await asyncio.wait([state.finished], timeout=max(0.0, limit - time.monotonic()))
+                state.ticker.cancel()
+                state.tick(final=True)
+        finally:
+            await pool.close()
+        lost = np.isnan(self.samples.done)
+        self.samples.status[lost & (self.samples.status == 0)] = LOST
+        self.cpu_s = time.process_time() - cpu_before
+        return self.samples
+
+
+class _State:
+    """The run's moving parts: the next request to fire, counts, the completion future."""
+
+    def __init__(self, runner: Runner, pool: Pool, loop: asyncio.AbstractEventLoop, start: float):
+        self.runner = runner
+        self.pool = pool
+        self.loop = loop
+        self.start = start
+        self.due = (runner.plan.offsets + start).tolist()
+        self.requests = runner.plan.requests
+        self.samples = runner.samples
+        self.next = 0
+        self.completed = 0
+        self.errors = 0
+        self.recent: list[float] = []
+        self.lag_max = 0.0
+        self.ticker: asyncio.TimerHandle | None = None
+        self.finished: asyncio.Future[None] = loop.create_future()
+
+    def fire(self) -> None:
+        """Hand over every request now due, then sleep until the next one is."""
+        now = time.monotonic()
+        due, n = self.due, len(self.due)
+        i = self.next
+        dispatched = self.samples.dispatched
+        timeout = self.runner.timeout_s
+        # The loop's timers have millisecond resolution and may fire a little early; taking
+        # what is due within that resolution keeps the loop from spinning until then. Those
+        # requests leave early by less than EARLY_S, and their latency counts from the send.
+        horizon = now + EARLY_S
+        while i < n and due[i] <= horizon:
+            dispatched[i] = now - self.start
+            self.pool.submit(self.requests[i], self._callback(i), timeout)
+            i += 1
+        if i > self.next:
+            self.lag_max = max(self.lag_max, now - due[self.next])
+        self.next = i
+        if i < n:
+            self.schedule_fire()
+
+    def schedule_fire(self) -> None:
+        self.loop.call_later(max(0.0, self.due[self.next] - time.monotonic()), self.fire)
+
+    def _callback(self, i: int) -> Callable[[Response | UpstreamError], None]:
+        return lambda result: self.complete(i, result)
+
+    def complete(self, i: int, result: Response | UpstreamError) -> None:
+        now = time.monotonic() - self.start
+        samples = self.samples
+        samples.done[i] = now
+        if isinstance(result, Response):
+            samples.status[i] = result.status
+            if result.status >= 400:
+                self.errors += 1
+            for name, value in result.headers:
+                name = name.lower()
+                field = SERVED_HEADERS.get(name)
+                if field is not None and value.isdigit():
+                    getattr(samples, field)[i] = min(int(value), 2**31 - 1)
+                elif name == CACHE_HEADER:
+                    samples.cache[i] = _CACHE_CODES.get(value.lower(), 0)
+        else:
+            self.errors += 1
+            samples.status[i] = (
+                TIMEOUT if isinstance(result, UpstreamTimeout)
+                else CONNECT if isinstance(result, ConnectFailed)
+                else LOST
+            )  # fmt: skip
+        if self.runner.on_tick is not None:
+            self.recent.append(now - min(samples.intended[i], samples.dispatched[i]))
+        self.completed += 1
+        if self.completed == len(self.due) and not self.finished.done():
+            self.finished.set_result(None)
+
+    def tick(self, final: bool = False) -> None:
+        if self.runner.on_tick is not None:
+            latencies = np.array(self.recent, dtype=np.float64)
+            self.recent = []
+            self.runner.on_tick(
+                Tick(self.next, self.completed, self.errors, latencies, self.lag_max)
+            )
+        if not final:
+            self.ticker = self.loop.call_later(self.runner.tick_s, self.tick)

@@ -1,0 +1,63 @@
+"""The HTTP/1.1 client pool against real servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from support.servers import free_port
+from support.stub import StubApp, run_stub
+from tailserve.errors import ConnectFailed, UpstreamTimeout
+from tailserve.transport.http1 import Pool, Response, frame_request
+
+
+def infer(port: int) -> bytes:
+    return frame_request("POST", "/v2/models/m/infer", f"127.0.0.1:{port}", b"{}",
+                         [("content-type", "application/json")])  # fmt: skip
+
+
+async def test_keep_alive_connections_are_reused_up_to_the_limit() -> None:
+    with run_stub(StubApp(service_s=0.002)) as stub:
+        pool = Pool("127.0.0.1", stub.port, max_connections=4)
+        try:
+            responses = await asyncio.gather(*(pool.request(infer(stub.port)) for _ in range(40)))
+            assert all(r.status == 200 and b'"outputs"' in r.body for r in responses)
+            assert pool.open_connections == 4
+            assert responses[0].header(b"content-type") == b"application/json"
+            # Sequential requests reuse what is open rather than opening more.
+            for _ in range(10):
+                await pool.request(infer(stub.port))
+            assert pool.open_connections == 4
+        finally:
+            await pool.close()
+    assert len(stub.app.arrivals) == 50
+
+
+async def test_a_slow_reply_times_out_and_the_pool_recovers() -> None:
+    with run_stub(StubApp(stall_after=1, stall_s=0.5)) as stub:
+        pool = Pool("127.0.0.1", stub.port, max_connections=2)
+        try:
+            with pytest.raises(UpstreamTimeout):
+                await pool.request(infer(stub.port), timeout_s=0.1)
+            assert pool.open_connections == 0  # a timed-out connection is not reused
+            await asyncio.sleep(0.5)
+            response = await pool.request(infer(stub.port), timeout_s=2.0)
+            assert response.status == 200
+        finally:
+            await pool.close()
+
+
+async def test_no_server_fails_each_request_with_a_connect_error() -> None:
+    pool = Pool("127.0.0.1", free_port(), max_connections=2)
+    results: list[Response | Exception] = []
+    try:
+        for _ in range(3):
+            try:
+                results.append(await pool.request(infer(1), timeout_s=2.0))
+            except ConnectFailed as exc:
+                results.append(exc)
+    finally:
+        await pool.close()
+    assert all(isinstance(r, ConnectFailed) for r in results)
+    assert "cannot connect to 127.0.0.1" in str(results[0])
