@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
 
     examples = commands.add_parser("examples", help="write the example model repository")
     examples.add_argument("directory", type=Path)
+    examples.add_argument(
+        "--sklearn",
+        action="store_true",
+        help="also write churn_sklearn: the pipeline pickled with joblib (trust: true)",
+    )
     examples.set_defaults(handler=_examples)
 
     from tailserve.loadgen import command as bench
@@ -90,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _examples(args: argparse.Namespace) -> int:
     from tailserve.examples import write_examples
 
-    names = write_examples(args.directory)
+    names = write_examples(args.directory, sklearn=args.sklearn)
     print(f"wrote {', '.join(names)} to {args.directory}")
     return 0
 

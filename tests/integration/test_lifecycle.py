@@ -74,14 +74,19 @@ def test_sigterm_finishes_every_request_in_flight_and_exits_zero(tmp_path: Path)
         warmup={"batch_sizes": [1], "repeat": 0},
     )
     write_model(repo, "slow", config, code=GATED)
-    with worker_process(repo, tmp_path, "--drain-timeout", "20") as proc:
+    trace = tmp_path / "received.jsonl"
+    options = ("--drain-timeout", "20", "--trace-file", str(trace))
+    with worker_process(repo, tmp_path, *options) as proc:
 
         def call(i: int) -> httpx.Response:
             return httpx.post(f"{proc.url}/v2/models/slow/infer", json=body(float(i)), timeout=30)
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(call, i) for i in range(8)]
-            # The first batch is running (and the rest are queued behind it) before the signal.
+            # Every request has arrived (the worker logs each one it receives) and the first
+            # batch is running, the rest queued behind it, before the signal.
+            wait_for(lambda: trace.exists() and trace.read_text().count("\n") == 8,
+                     what="all 8 requests to arrive")  # fmt: skip
             wait_for(lambda: marks.exists(), what="the first batch to start")
             code = proc.terminate(timeout=30)
             replies = [f.result() for f in futures]

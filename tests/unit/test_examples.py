@@ -162,3 +162,22 @@ def test_training_data_is_fixed_and_balanced_enough() -> None:
     np.testing.assert_array_equal(labels, labels_again)
     np.testing.assert_array_equal(customers["monthly_spend"], again["monthly_spend"])
     assert 0.15 < labels.mean() < 0.6
+
+
+def test_the_pickled_pipeline_is_the_one_the_onnx_graph_was_exported_from(tmp_path: Path) -> None:
+    from tailserve.examples import write_examples
+
+    names = write_examples(tmp_path, sklearn=True)
+    assert names == ["churn", "churn_lgbm", "churn_sklearn"]
+    config = load_model_config(tmp_path / "churn_sklearn")
+    assert config.runtime == "sklearn" and config.trust
+    loaded = {}
+    for name in ("churn", "churn_sklearn"):
+        context = RuntimeContext(load_model_config(tmp_path / name), 1, tmp_path / name / "1")
+        loaded[name] = create_runtime(context)
+        loaded[name].load()
+    inputs = sample_inputs(500, seed=9)
+    onnx_p = loaded["churn"].predict(inputs)["churn_probability"]
+    sklearn_p = loaded["churn_sklearn"].predict(as_bytes(inputs))["churn_probability"]
+    assert sklearn_p.shape == (500, 1)
+    np.testing.assert_allclose(sklearn_p, onnx_p, atol=1e-4)

@@ -12,8 +12,11 @@ from tailserve.examples.churn import write_churn
 __all__ = ["write_examples"]
 
 
-def write_examples(directory: Path | str) -> list[str]:
-    """Write every example model (model.yaml and version 1) into ``directory``; return names."""
+def write_examples(directory: Path | str, *, sklearn: bool = False) -> list[str]:
+    """Write every example model (model.yaml and version 1) into ``directory``; return names.
+
+    ``sklearn`` also writes ``churn_sklearn``, a pickled scikit-learn pipeline (trusted).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return write_churn(directory)
+    return write_churn(directory, sklearn=sklearn)

@@ -1,8 +1,10 @@
 """Training and export of the churn models (needs the `examples` extra).
 
-- ONNX: a scikit-learn pipeline (scaled numbers, one-hot categories, a small MLP) exported by
-  skl2onnx with one graph input per field. skl2onnx 1.20 with onnx 1.23 fails on tree ensembles,
-  so the tree model is LightGBM's own text format instead.
+- scikit-learn: a pipeline (scaled numbers, one-hot categories, a small MLP), pickled with
+  joblib for the sklearn runtime (``churn_sklearn``, written on request: a pickle runs code on
+  load, so its model.yaml says ``trust: true``).
+- ONNX: the same pipeline exported by skl2onnx with one graph input per field. skl2onnx 1.20
+  with onnx 1.23 fails on tree ensembles, so the tree model is LightGBM's own text format.
 - LightGBM: a binary booster on the matrix `feature_matrix` builds, categories as indices.
 """
 
@@ -21,10 +23,12 @@ _TOLERANCE = 1e-4
 _CHECK_ROWS = 512
 
 
-def churn_onnx(customers: Columns, labels: np.ndarray[Any, Any]) -> bytes:
-    import onnxruntime as ort
-    from skl2onnx import convert_sklearn
-    from skl2onnx.common.data_types import FloatTensorType, Int64TensorType, StringTensorType
+def churn_pipeline(customers: Columns, labels: np.ndarray[Any, Any]) -> Any:
+    """The fitted scikit-learn pipeline: scaled numbers, one-hot categories, a small MLP.
+
+    It takes one object array of the fields in FIELDS order (columns by position: without
+    pandas, one array carries numbers and strings together), as `SklearnRuntime` builds it.
+    """
     from sklearn.compose import ColumnTransformer
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.neural_network import MLPClassifier
@@ -33,10 +37,6 @@ def churn_onnx(customers: Columns, labels: np.ndarray[Any, Any]) -> bytes:
 
     numeric = [i for i, field in enumerate(FIELDS) if field.values is None]
     categorical = [i for i, field in enumerate(FIELDS) if field.values is not None]
-    # Columns by position: without pandas, an object array carries numbers and strings together.
-    features = np.empty((len(labels), len(FIELDS)), dtype=object)
-    for i, field in enumerate(FIELDS):
-        features[:, i] = customers[field.name]
     classifier = MLPClassifier(
         hidden_layer_sizes=(32, 16), early_stopping=True, max_iter=200, random_state=7
     )
@@ -49,8 +49,36 @@ def churn_onnx(customers: Columns, labels: np.ndarray[Any, Any]) -> bytes:
     pipeline = Pipeline([("prepare", prepare), ("classify", classifier)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        pipeline.fit(features, labels)
+        pipeline.fit(by_position(customers), labels)
+    return pipeline
 
+
+def pickled(pipeline: Any) -> bytes:
+    import io
+
+    import joblib
+
+    buffer = io.BytesIO()
+    joblib.dump(pipeline, buffer)
+    return buffer.getvalue()
+
+
+def by_position(customers: Columns) -> np.ndarray[Any, Any]:
+    """The fields as one object array, columns in FIELDS order."""
+    rows = len(customers[FIELDS[0].name])
+    features = np.empty((rows, len(FIELDS)), dtype=object)
+    for i, field in enumerate(FIELDS):
+        features[:, i] = customers[field.name]
+    return features
+
+
+def churn_onnx(pipeline: Any, customers: Columns) -> bytes:
+    """The pipeline as an ONNX graph with one input per field, checked against the pipeline."""
+    import onnxruntime as ort
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import FloatTensorType, Int64TensorType, StringTensorType
+
+    classifier = pipeline.named_steps["classify"]
     tensor_types = {"FP32": FloatTensorType, "INT64": Int64TensorType, "BYTES": StringTensorType}
     initial_types = [(field.name, tensor_types[field.datatype]([None, 1])) for field in FIELDS]
     model = convert_sklearn(
@@ -67,7 +95,7 @@ def churn_onnx(customers: Columns, labels: np.ndarray[Any, Any]) -> bytes:
     sample = {name: array[:_CHECK_ROWS] for name, array in customers.items()}
     feed = {name: _ort_ready(array) for name, array in as_inputs(sample).items()}
     (exported,) = session.run([OUTPUT], feed)
-    expected = pipeline.predict_proba(features[:_CHECK_ROWS])[:, 1]
+    expected = pipeline.predict_proba(by_position(sample))[:, 1]
     error = float(np.abs(exported[:, 0] - expected).max())
     if exported.shape != (len(expected), 1) or error > _TOLERANCE:
         raise RuntimeError(f"the exported churn graph differs from the pipeline by {error}")

@@ -89,7 +89,9 @@ def _metric(result: dict[str, Any], metric: str) -> float | None:
         value = capacity.get("rps")
         return None if value is None else float(value)
     value = result["overall"].get(metric)
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    return int(value) if metric == "errors" else float(value)
 
 
 def _num(value: Any) -> str:
@@ -112,13 +114,15 @@ def plots(results: Sequence[dict[str, Any]]) -> dict[str, bytes]:
 
     images: dict[str, bytes] = {}
 
+    colours = [f"C{i % 10}" for i in range(len(results))]
     figure, axis = plt.subplots(figsize=(7, 4))
-    for result in results:
-        steps = result.get("steps") or [result["overall"]]
+    for result, colour in zip(results, colours, strict=True):
+        # A capacity search visits rates out of order: plot them as a curve.
+        steps = sorted(result.get("steps") or [result["overall"]], key=lambda s: s["offered_rps"])
         offered = [s["offered_rps"] for s in steps]
         for key, style in (("p50_ms", ":"), ("p99_ms", "-"), ("p999_ms", "--")):
-            axis.plot(offered, [s.get(key) for s in steps], style, marker="o",
-                      label=f"{result.get('name', '')} {key[:-3]}")  # fmt: skip
+            axis.plot(offered, [s.get(key) for s in steps], style, marker="o", color=colour,
+                      markersize=3, label=f"{result.get('name', '')} {key[:-3]}")  # fmt: skip
     slo = results[0].get("workload", {}).get("slo", {}).get("p99_ms")
     if slo:
         axis.axhline(slo, color="grey", linewidth=0.8)
@@ -128,13 +132,13 @@ def plots(results: Sequence[dict[str, Any]]) -> dict[str, bytes]:
     images["latency_vs_load.png"] = _png(figure)
 
     figure, axis = plt.subplots(figsize=(7, 4))
-    for result in results:
+    for result, colour in zip(results, colours, strict=True):
         cdf = result.get("cdf") or []
         if cdf:
             percentiles, latency = zip(*cdf, strict=True)
             # x: the "nines" of the percentile, so the tail gets the room it deserves
             nines = [1.0 / max(1e-6, 1.0 - p / 100.0) for p in percentiles]
-            axis.plot(nines, latency, label=result.get("name", ""))
+            axis.plot(nines, latency, color=colour, label=result.get("name", ""))
     axis.set(xscale="log", xlabel="percentile", ylabel="latency (ms)",
              title="Latency by percentile (CDF)")  # fmt: skip
     ticks = [1, 2, 10, 100, 1000, 10000]
@@ -143,14 +147,16 @@ def plots(results: Sequence[dict[str, Any]]) -> dict[str, bytes]:
     images["latency_cdf.png"] = _png(figure)
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    for result in results:
+    for result, colour in zip(results, colours, strict=True):
         timeline = result.get("timeline") or []
         t = [point["t"] for point in timeline]
         name = result.get("name", "")
-        top.plot(t, [p.get("p99_ms") for p in timeline], label=f"{name} p99")
-        top.plot(t, [p.get("p50_ms") for p in timeline], ":", label=f"{name} p50")
-        bottom.plot(t, [p.get("completed") for p in timeline], label=f"{name} completed/s")
-        bottom.plot(t, [p.get("sent") for p in timeline], ":", label=f"{name} sent/s")
+        top.plot(t, [p.get("p99_ms") for p in timeline], color=colour, label=f"{name} p99")
+        top.plot(t, [p.get("p50_ms") for p in timeline], ":", color=colour, label=f"{name} p50")
+        bottom.plot(t, [p.get("completed") for p in timeline], color=colour,
+                    label=f"{name} completed/s")  # fmt: skip
+        bottom.plot(t, [p.get("sent") for p in timeline], ":", color=colour,
+                    label=f"{name} sent/s")  # fmt: skip
     top.set(ylabel="latency (ms)", title="Latency and throughput over time")
     bottom.set(xlabel="seconds", ylabel="req/s")
     top.legend(fontsize=7)

@@ -145,14 +145,15 @@ def timeline(samples: Samples, end_s: float, bin_s: float = 1.0) -> list[dict[st
     latency_ms = samples.latency * 1000.0
     points = []
     for b in range(bins):
+        width = min(bin_s, end_s - b * bin_s) if end_s > b * bin_s else bin_s  # the last is short
         chosen = latency_ms[(sent_bin == b) & ok]
         p50 = p99 = None
         if len(chosen):
             p50, p99 = (float(v) for v in np.percentile(chosen, [50, 99]))
         points.append({
             "t": b * bin_s,
-            "sent": float(sent[b] / bin_s),
-            "completed": float(completed[b] / bin_s),
+            "sent": float(sent[b] / width),
+            "completed": float(completed[b] / width),
             "errors": int(errors[b]),
             "p50_ms": p50,
             "p99_ms": p99,
