@@ -7,7 +7,9 @@
     ├── ModelNotFound         no such model, or no such version of it
     ├── Unavailable           the model or server cannot take the request now
     │   ├── ModelNotReady     known, but not loaded or not warm yet
-    │   └── Overloaded        a bounded queue is full; carries a retry-after hint
+    │   ├── Overloaded        a bounded queue is full; carries a retry-after hint
+    │   ├── DeadlineUnmeetable  refused at admission: its deadline cannot be met
+    │   └── DeadlineExceeded  its deadline passed (or came too close) while it was queued
     ├── ModelExecutionError   the runtime raised while predicting
     ├── UpstreamError         a server this process calls (bench, router) did not answer
     │   ├── ConnectFailed     no connection could be opened
@@ -57,6 +59,14 @@ class ModelNotReady(Unavailable):
 
 
 class Overloaded(Unavailable):
+    pass
+
+
+class DeadlineUnmeetable(Unavailable):
+    pass
+
+
+class DeadlineExceeded(Unavailable):
     pass
 
 

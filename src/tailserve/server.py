@@ -20,7 +20,7 @@ import uvicorn
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
-from tailserve.observability.metrics import Metrics
+from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http.app import HttpApp
 from tailserve.repository.manager import ModelManager
@@ -58,6 +58,7 @@ class Worker:
             drain_timeout_s=settings.drain_timeout_s,
         )
         self.dataplane = DataPlane(self.manager, strict_readiness=settings.strict_readiness)
+        self.metrics.cost_source = self._cost_rows
         self.recorder = None
         if settings.trace_file:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
@@ -72,6 +73,15 @@ class Worker:
         self._loading: asyncio.Task[None] | None = None
         self._uvicorn: _Uvicorn | None = None
         self.loaded = asyncio.Event()
+
+    def _cost_rows(self) -> list[CostRow]:
+        rows = []
+        for state in self.manager.states():
+            for version, served in list(state.versions.items()):
+                for label, cost in served.scheduler.batcher.costs().items():
+                    rows.append(CostRow(state.name, str(version), label, cost.fixed_s,
+                                        cost.per_row_s))  # fmt: skip
+        return rows
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         config = uvicorn.Config(

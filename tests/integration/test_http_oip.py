@@ -318,7 +318,10 @@ def test_metrics_are_prometheus_histograms(worker: RunningWorker) -> None:
     httpx.post(f"{worker.url}/v2/models/doubler/infer", json=infer_body([1.0]))
     text = httpx.get(f"{worker.url}/metrics").text
     assert 'tailserve_request_duration_seconds_bucket{le="0.005",model="doubler"' in text
-    assert 'tailserve_batch_size_rows_count{model="doubler"}' in text
+    assert 'tailserve_batch_size_rows_count{bucket="all",model="doubler"}' in text
+    assert 'tailserve_batch_duration_seconds_count{bucket="all",model="doubler"}' in text
+    assert 'tailserve_batch_predicted_seconds_count{bucket="all",model="doubler"}' in text
+    assert 'tailserve_cost_model_fixed_seconds{bucket="all",model="doubler",version="1"}' in text
     assert 'tailserve_queue_duration_seconds_count{model="doubler"}' in text
     assert 'tailserve_compute_duration_seconds_count{model="doubler"}' in text
     assert 'tailserve_requests_total{model="doubler",protocol="v2",status="200"}' in text

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tailserve.observability.metrics import Metrics
+from tailserve.engine.scheduler import BatchRecord
+from tailserve.observability.metrics import CostRow, Metrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -15,20 +16,43 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     return out
 
 
+def record(rows: int, queue_s: list[float], missed: int = 0) -> BatchRecord:
+    return BatchRecord("m", "all", rows, compute_s=0.003, wall_s=0.004, predicted_s=0.0035,
+                       queue_s=queue_s, missed=missed)  # fmt: skip
+
+
 def test_histogram_buckets_are_cumulative_with_le_semantics() -> None:
     metrics = Metrics()
-    metrics.on_batch("m", rows=1, compute_s=0.003, queue_s=[0.0004, 0.02])
-    metrics.on_batch("m", rows=3, compute_s=0.003, queue_s=[])
+    metrics.on_batch(record(1, [0.0004, 0.02]))
+    metrics.on_batch(record(3, [], missed=2))
     got = samples(metrics)
     rows = "tailserve_batch_size_rows_bucket"
-    assert got[(rows, (("le", "1.0"), ("model", "m")))] == 1  # 1 <= 1
-    assert got[(rows, (("le", "2.0"), ("model", "m")))] == 1
-    assert got[(rows, (("le", "4.0"), ("model", "m")))] == 2
-    assert got[(rows, (("le", "+Inf"), ("model", "m")))] == 2
-    assert got[("tailserve_batch_size_rows_sum", (("model", "m"),))] == 4
+    labels = (("bucket", "all"),)
+    assert got[(rows, (*labels, ("le", "1.0"), ("model", "m")))] == 1  # 1 <= 1
+    assert got[(rows, (*labels, ("le", "2.0"), ("model", "m")))] == 1
+    assert got[(rows, (*labels, ("le", "4.0"), ("model", "m")))] == 2
+    assert got[(rows, (*labels, ("le", "+Inf"), ("model", "m")))] == 2
+    assert got[("tailserve_batch_size_rows_sum", (*labels, ("model", "m")))] == 4
     assert got[("tailserve_queue_duration_seconds_count", (("model", "m"),))] == 2
     queue = "tailserve_queue_duration_seconds_bucket"
     assert got[(queue, (("le", "0.0005"), ("model", "m")))] == 1
+    assert got[("tailserve_batch_predicted_seconds_sum", (*labels, ("model", "m")))] == 0.007
+    assert got[("tailserve_deadline_misses_total", (("model", "m"),))] == 2
+
+
+def test_rejections_by_reason_and_cost_models() -> None:
+    metrics = Metrics()
+    metrics.on_reject("m", "deadline")
+    metrics.on_reject("m", "deadline")
+    metrics.on_reject("m", "expired")
+    metrics.cost_source = lambda: [CostRow("m", "1", "len<=16", 0.002, 0.00001)]
+    got = samples(metrics)
+    rejected = "tailserve_rejected_requests_total"
+    assert got[(rejected, (("model", "m"), ("reason", "deadline")))] == 2
+    assert got[(rejected, (("model", "m"), ("reason", "expired")))] == 1
+    labels = (("bucket", "len<=16"), ("model", "m"), ("version", "1"))
+    assert got[("tailserve_cost_model_fixed_seconds", labels)] == 0.002
+    assert got[("tailserve_cost_model_per_row_seconds", labels)] == 0.00001
 
 
 def test_requests_counted_by_status_and_outcome() -> None:

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tailserve.engine.batching import NoBatching, SizeOrTimeout
+from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
+from tailserve.engine.buckets import Bucket, Pad
+from tailserve.engine.deadline import DeadlineBatcher
 from tailserve.engine.scheduler import Scheduler
-from tailserve.errors import ModelExecutionError, ModelNotReady, Overloaded
+from tailserve.errors import (
+    DeadlineExceeded,
+    DeadlineUnmeetable,
+    ModelExecutionError,
+    ModelNotReady,
+    Overloaded,
+)
 from tailserve.runtimes import Arrays, Signature
 
 
@@ -45,14 +54,15 @@ def x(*values: float) -> Arrays:
     return {"x": np.array(values, dtype=np.float32).reshape(-1, 1)}
 
 
-def scheduler(runtime: Any, *, max_queue: int = 100, delay: float = 0.05) -> Scheduler:
-    s = Scheduler(
-        model="m",
-        runtimes=[runtime],
-        policy=SizeOrTimeout(8, delay),
-        max_queue_size=max_queue,
-        batched=True,
-    )
+ALL = Bucket("all", "all")
+
+
+def scheduler(
+    runtime: Any, *, max_queue: int = 100, delay: float = 0.05, batcher: Batcher | None = None
+) -> Scheduler:
+    if batcher is None:
+        batcher = SizeOrTimeout(max_rows=8, max_delay_s=delay, max_queue=max_queue)
+    s = Scheduler(model="m", runtimes=[runtime], batcher=batcher, batched=True)
     s.start()
     return s
 
@@ -60,7 +70,7 @@ def scheduler(runtime: Any, *, max_queue: int = 100, delay: float = 0.05) -> Sch
 async def test_concurrent_requests_batch_and_split_back_by_request() -> None:
     runtime = Recorder()
     s = scheduler(runtime)
-    results = await asyncio.gather(*(s.infer(x(i, i + 0.5), 2) for i in range(4)))
+    results = await asyncio.gather(*(s.infer(x(i, i + 0.5), 2, ALL) for i in range(4)))
     await s.close()
     assert runtime.batches == [8]
     for i, (outputs, stats) in enumerate(results):
@@ -71,7 +81,7 @@ async def test_concurrent_requests_batch_and_split_back_by_request() -> None:
 async def test_a_lone_request_goes_after_the_delay_not_before_the_batch_fills() -> None:
     runtime = Recorder()
     s = scheduler(runtime, delay=0.01)
-    _, stats = await asyncio.wait_for(s.infer(x(1.0), 1), timeout=5)
+    _, stats = await asyncio.wait_for(s.infer(x(1.0), 1, ALL), timeout=5)
     await s.close()
     assert runtime.batches == [1]
     assert stats.queue_s >= 0.009
@@ -80,11 +90,12 @@ async def test_a_lone_request_goes_after_the_delay_not_before_the_batch_fills() 
 async def test_a_runtime_error_fails_every_member_of_the_batch_and_the_next_batch_runs() -> None:
     runtime = Recorder(fail=True)
     s = scheduler(runtime)
-    results = await asyncio.gather(*(s.infer(x(i), 1) for i in range(3)), return_exceptions=True)
+    calls = [s.infer(x(i), 1, ALL) for i in range(3)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
     assert all(isinstance(r, ModelExecutionError) for r in results)
     assert "boom" in str(results[0])
     runtime.fail = False
-    outputs, _ = await s.infer(x(5.0), 1)
+    outputs, _ = await s.infer(x(5.0), 1, ALL)
     assert outputs["y"][0, 0] == 105.0
     await s.close()
 
@@ -93,13 +104,13 @@ async def test_full_queue_refuses_at_once() -> None:
     runtime = Recorder()
     runtime.release.clear()
     s = scheduler(runtime, max_queue=2, delay=0.0)
-    first = asyncio.create_task(s.infer(x(0.0), 1))
+    first = asyncio.create_task(s.infer(x(0.0), 1, ALL))
     # The first batch is in the runtime, holding the only instance.
     assert await asyncio.to_thread(runtime.entered.wait, 5)
-    queued = [asyncio.create_task(s.infer(x(1.0), 1)) for _ in range(2)]
+    queued = [asyncio.create_task(s.infer(x(1.0), 1, ALL)) for _ in range(2)]
     await asyncio.sleep(0)
     with pytest.raises(Overloaded, match="queue is full"):
-        await s.infer(x(2.0), 1)
+        await s.infer(x(2.0), 1, ALL)
     runtime.release.set()
     await asyncio.gather(first, *queued)
     await s.close()
@@ -108,19 +119,19 @@ async def test_full_queue_refuses_at_once() -> None:
 async def test_close_runs_what_is_queued_then_refuses() -> None:
     runtime = Recorder()
     s = scheduler(runtime, delay=10.0)  # would wait 10 s for company
-    pending = [asyncio.create_task(s.infer(x(float(i)), 1)) for i in range(3)]
+    pending = [asyncio.create_task(s.infer(x(float(i)), 1, ALL)) for i in range(3)]
     await asyncio.sleep(0)
     await asyncio.wait_for(s.close(), timeout=5)
     assert [p.result()[0]["y"][0, 0] for p in pending] == [100.0, 101.0, 102.0]
     with pytest.raises(ModelNotReady):
-        await s.infer(x(1.0), 1)
+        await s.infer(x(1.0), 1, ALL)
 
 
-async def test_different_groups_never_share_a_batch() -> None:
+async def test_different_classes_never_share_a_batch() -> None:
     runtime = Recorder()
     s = scheduler(runtime)
-    a = [s.infer(x(float(i)), 1, group="a") for i in range(3)]
-    b = [s.infer(x(float(i)), 1, group="b") for i in range(3)]
+    a = [s.infer(x(float(i)), 1, Bucket("a", "a")) for i in range(3)]
+    b = [s.infer(x(float(i)), 1, Bucket("b", "b")) for i in range(3)]
     await asyncio.gather(*a, *b)
     await s.close()
     assert sorted(runtime.batches) == [3, 3]
@@ -128,9 +139,78 @@ async def test_different_groups_never_share_a_batch() -> None:
 
 async def test_no_batching_runs_each_request_alone() -> None:
     runtime = Recorder()
-    s = Scheduler(model="m", runtimes=[runtime], policy=NoBatching(), max_queue_size=10,
-                  batched=True)  # fmt: skip
-    s.start()
-    await asyncio.gather(*(s.infer(x(float(i)), 1) for i in range(4)))
+    s = scheduler(runtime, batcher=NoBatching(10))
+    await asyncio.gather(*(s.infer(x(float(i)), 1, ALL) for i in range(4)))
     await s.close()
     assert runtime.batches == [1, 1, 1, 1]
+
+
+def deadline_batcher(max_queue: int = 100) -> DeadlineBatcher:
+    return DeadlineBatcher(max_rows=8, instances=1, max_queue=max_queue)
+
+
+async def test_a_deadline_that_cannot_be_met_is_refused_at_once() -> None:
+    runtime = Recorder()
+    s = scheduler(runtime, batcher=deadline_batcher())
+    s.seed(ALL, 1, 0.050)  # batches take ~50 ms
+    with pytest.raises(DeadlineUnmeetable, match="cannot be met"):
+        await s.infer(x(1.0), 1, ALL, deadline=time.monotonic() + 0.010)
+    assert runtime.batches == []  # nothing ran
+    assert s.stats.rejected == {"deadline": 1}
+    outputs, _ = await s.infer(x(1.0), 1, ALL, deadline=time.monotonic() + 5)
+    assert outputs["y"][0, 0] == 101.0
+    await s.close()
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_expires_and_is_not_run() -> None:
+
+    runtime = Recorder()
+    runtime.release.clear()
+    s = scheduler(runtime, batcher=deadline_batcher())
+    s.seed(ALL, 1, 0.001)
+    first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=time.monotonic() + 5))
+    assert await asyncio.to_thread(runtime.entered.wait, 5)
+    # Admitted (the running batch was predicted to end soon), but the instance stays busy.
+    late = asyncio.create_task(
+        s.infer(x(1.0), 1, ALL, deadline=time.monotonic() + 0.05, hard_deadline=True)
+    )
+    # A request with only the SLO's deadline waits too, and runs late rather than fail.
+    soft = asyncio.create_task(s.infer(x(2.0), 1, ALL, deadline=time.monotonic() + 0.05))
+    await asyncio.sleep(0.1)
+    runtime.release.set()
+    await first
+    with pytest.raises(DeadlineExceeded, match="deadline can no longer be met"):
+        await late
+    outputs, _ = await soft
+    assert outputs["y"][0, 0] == 102.0
+    assert runtime.batches == [1, 1]  # the expired request never reached the model
+    assert s.stats.rejected == {"expired": 1}
+    assert s.stats.deadline_misses == 1
+    await s.close()
+
+
+async def test_padded_classes_pad_to_the_edge_and_split_back() -> None:
+    class Lengths:
+        def __init__(self) -> None:
+            self.shapes: list[tuple[int, ...]] = []
+
+        def load(self) -> None: ...
+
+        def describe(self) -> Signature:
+            return Signature((), ())
+
+        def predict(self, inputs: Arrays) -> Arrays:
+            tokens = inputs["tokens"]
+            self.shapes.append(tokens.shape)
+            return {"n": (tokens != 0).sum(axis=1, keepdims=True).astype(np.int64)}
+
+        def unload(self) -> None: ...
+
+    runtime = Lengths()
+    s = scheduler(runtime, batcher=SizeOrTimeout(max_rows=8, max_delay_s=0.05, max_queue=10))
+    bucket = Bucket("len<=16", "tokens<=16", Pad("tokens", 1, 16, 0))
+    requests = [np.arange(1, n + 1, dtype=np.int64).reshape(1, n) for n in (3, 9, 5)]
+    results = await asyncio.gather(*(s.infer({"tokens": r}, 1, bucket) for r in requests))
+    await s.close()
+    assert runtime.shapes == [(3, 16)]
+    assert [int(out["n"][0, 0]) for out, _ in results] == [3, 9, 5]

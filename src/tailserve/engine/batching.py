@@ -1,87 +1,166 @@
-"""Batching policies: pure objects that look at a queue and a clock and say what to run.
+"""Batchers: pure objects that hold a model's queue and say what to run, and when.
 
-A policy never touches asyncio, a model or the network. The scheduler asks it, each time an
-instance is free or the queue changes, for a `Decision`: run the first ``take`` queued requests
-now, or wait until ``wait_until`` (or until something new arrives). Keeping the rule here lets it
-be tested with a fake clock and swapped (the deadline-aware batcher replaces this one).
+A batcher never touches asyncio, a model or the network; it is told the time and when each
+instance will be free. The scheduler `offer`s it each request (it may refuse: queue full, or
+a deadline it cannot meet), and `poll`s it whenever an instance is free or something changed:
+the answer is a batch to run now, requests to fail because their deadline has passed, or the
+time to look again. Keeping the rules here lets them be tested with a fake clock and swapped:
+
+- `DeadlineBatcher` (engine/deadline.py): cost classes, earliest deadline first, admission.
+- `SizeOrTimeout`: a batch goes when full or when its oldest request has waited long enough
+  (what Triton, MLServer and TorchServe do).
+- `NoBatching`: every request alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tailserve.engine.buckets import Bucket
+from tailserve.engine.cost import LinearCost
 
 
-class Queued(Protocol):
-    """What a policy may know of a queued request."""
+@dataclass(slots=True, eq=False)
+class Item:
+    """One queued request as a batcher sees it; ``payload`` is the scheduler's own."""
 
-    @property
-    def rows(self) -> int: ...
-
-    @property
-    def enqueued_at(self) -> float: ...
-
-    @property
-    def group(self) -> Hashable:
-        """Requests batch together only within a group (same per-row shapes)."""
-        ...
+    rows: int
+    bucket: Bucket
+    enqueued_at: float
+    deadline: float = math.inf
+    priority: int = 1  # 1 is the highest
+    payload: Any = None
+    taken: bool = False
+    # The client set the deadline (it gives up then): past it, the request expires. Without
+    # one, the model's SLO orders and admits the request, but a late answer still goes out.
+    hard: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
-    take: int = 0
+class Poll:
+    batch: list[Item] = field(default_factory=list)
+    # Queued requests whose deadline can no longer be met even if they ran now.
+    expired: list[Item] = field(default_factory=list)
+    # Poll again then (or at the next arrival or free instance); None: only then.
     wait_until: float | None = None
 
 
-class BatchPolicy(Protocol):
-    def decide(self, now: float, queue: Sequence[Queued], *, draining: bool = False) -> Decision:
-        """``draining``: the scheduler is shutting down, so waiting for company is pointless."""
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str  # "queue_full" | "deadline"
+    message: str
+    retry_after_s: float
+
+
+class Batcher(Protocol):
+    def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
+        """Queue the request, or say why not. ``free_at``: when each instance is free."""
         ...
 
+    def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
+        """What to do now that an instance is free (``draining``: no one else is coming)."""
+        ...
 
-@dataclass(frozen=True, slots=True)
-class SizeOrTimeout:
+    def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
+        """A batch of ``rows`` in ``bucket`` kept its instance busy ``seconds``; getting it
+        there and its results back to the loop took ``overhead_s`` more."""
+        ...
+
+    def predict(self, bucket: Bucket, rows: int) -> float: ...
+
+    def costs(self) -> dict[str, LinearCost]:
+        """The cost model of each cost class, by label."""
+        ...
+
+    def drain(self) -> list[Item]:
+        """Remove and return everything queued."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
+class _Fifo:
+    """The arrival-order queue and one cost model per class, shared by the simple batchers."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.queue: deque[Item] = deque()
+        self._costs: dict[Any, tuple[str, LinearCost]] = {}
+
+    def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
+        if len(self.queue) >= self.max_queue:
+            return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
+        self.queue.append(item)
+        return None
+
+    def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
+        self._cost(bucket).observe(rows, seconds)
+
+    def predict(self, bucket: Bucket, rows: int) -> float:
+        return self._cost(bucket).predict(rows)
+
+    def costs(self) -> dict[str, LinearCost]:
+        return dict(self._costs.values())
+
+    def drain(self) -> list[Item]:
+        items = list(self.queue)
+        self.queue.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def _cost(self, bucket: Bucket) -> LinearCost:
+        found = self._costs.get(bucket.key)
+        if found is None:
+            found = self._costs[bucket.key] = (bucket.label, LinearCost())
+        return found[1]
+
+
+class SizeOrTimeout(_Fifo):
     """Run a batch when it is full, or when its oldest request has waited ``max_delay_s``.
 
-    A batch takes queued requests of the head's group, in arrival order, while their rows fit in
-    ``max_batch_size``. A request is never split: one larger than the limit was refused earlier.
+    A batch takes queued requests of the head's class, in arrival order, while their rows fit
+    in ``max_rows``. A request is never split: one larger than the limit was refused earlier.
+    Deadlines are not looked at.
     """
 
-    max_batch_size: int
-    max_delay_s: float
+    def __init__(self, *, max_rows: int, max_delay_s: float, max_queue: int) -> None:
+        super().__init__(max_queue)
+        self.max_rows = max_rows
+        self.max_delay_s = max_delay_s
 
-    def decide(self, now: float, queue: Sequence[Queued], *, draining: bool = False) -> Decision:
-        if not queue:
-            return Decision()
-        take, full = _fill(queue, self.max_batch_size)
-        head = queue[0]
-        deadline = head.enqueued_at + self.max_delay_s
-        if full or draining or now >= deadline:
-            return Decision(take=take)
-        return Decision(wait_until=deadline)
-
-
-@dataclass(frozen=True, slots=True)
-class NoBatching:
-    """Every request runs alone, as soon as an instance is free."""
-
-    def decide(self, now: float, queue: Sequence[Queued], *, draining: bool = False) -> Decision:
-        return Decision(take=1) if queue else Decision()
+    def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
+        if not self.queue:
+            return Poll()
+        take, full = _fill(self.queue, self.max_rows)
+        due = self.queue[0].enqueued_at + self.max_delay_s
+        if full or draining or now >= due:
+            return Poll(batch=[self.queue.popleft() for _ in range(take)])
+        return Poll(wait_until=due)
 
 
-def _fill(queue: Sequence[Queued], max_rows: int) -> tuple[int, bool]:
-    """How many head-of-queue requests of the head's group fit; whether the batch is complete.
+class NoBatching(_Fifo):
+    """Every request runs alone, in arrival order, as soon as an instance is free."""
 
-    The batch is the run of same-group requests from the head, so arrival order is kept. A
-    request of another group ends the run: waiting longer could not grow this batch.
+    def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
+        return Poll(batch=[self.queue.popleft()]) if self.queue else Poll()
+
+
+def _fill(queue: Sequence[Item], max_rows: int) -> tuple[int, bool]:
+    """How many head-of-queue requests of the head's class fit; whether the batch is complete.
+
+    The batch is the run of same-class requests from the head, so arrival order is kept. A
+    request of another class ends the run: waiting longer could not grow this batch.
     """
-    group = queue[0].group
+    key = queue[0].bucket.key
     take = rows = 0
     for item in queue:
-        if item.group != group:
-            return take, True
-        if rows + item.rows > max_rows:
+        if item.bucket.key != key or rows + item.rows > max_rows:
             return take, True
         take += 1
         rows += item.rows

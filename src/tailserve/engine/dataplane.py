@@ -6,19 +6,21 @@ knows a status code or a header.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from tailserve import __version__
+from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.errors import InvalidInput, ModelNotFound
 from tailserve.repository.config import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
 from tailserve.tensors import Tensor, numpy_dtype
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
 
 class DataPlane:
@@ -78,8 +80,13 @@ class DataPlane:
         served = self.manager.get(request.model, request.version)
         config = served.config
         wanted = _wanted_outputs(config, request)
+        deadline, hard, priority = _deadline_and_priority(config, request)
         checked = served.plan.check(request.inputs)
-        outputs, stats = await served.scheduler.infer(checked.arrays, checked.rows, checked.group)
+        bucket = served.buckets.classify(checked)
+        outputs, stats = await served.scheduler.infer(
+            checked.arrays, checked.rows, bucket,
+            deadline=deadline, priority=priority, hard_deadline=hard,
+        )  # fmt: skip
         tensors = []
         for name, spec_datatype, parameters in wanted:
             array = np.asarray(outputs[name], dtype=numpy_dtype(spec_datatype))
@@ -96,6 +103,31 @@ class DataPlane:
                 "batch_size": stats.batch_size,
             },
         )
+
+    def model_stats(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics extension document, with tailserve's batching state added."""
+        state = self.manager.state(name)
+        if version is not None:
+            chosen = [self.manager.get(name, version)]
+        else:
+            chosen = [state.versions[v] for v in sorted(state.versions)]
+        documents = []
+        for served in chosen:
+            scheduler = served.scheduler
+            document = scheduler.stats.document(name, str(served.version))
+            document["batching"] = {
+                "policy": served.policy,
+                "queued": scheduler.queue_depth,
+                "busy_instances": scheduler.busy_instances,
+                "rejected": dict(scheduler.stats.rejected),
+                "deadline_misses": scheduler.stats.deadline_misses,
+                "cost_model": {
+                    label: _cost_document(cost, served.config.max_batch_size)
+                    for label, cost in scheduler.batcher.costs().items()
+                },
+            }
+            documents.append(document)
+        return {"model_stats": documents}
 
     # --- repository -------------------------------------------------------------------------
 
@@ -121,6 +153,47 @@ class DataPlane:
 
     async def unload_model(self, name: str) -> None:
         await self.manager.unload(name)
+
+
+def _deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[float, bool, int]:
+    """The absolute deadline (monotonic clock), whether the client set it, and the priority.
+
+    The budget is the tighter of the OIP ``timeout`` parameter (µs, Triton's name) and the
+    ``X-Deadline-Ms`` header, else the model's SLO; it counts from the request's arrival.
+    """
+    budgets = []
+    timeout = request.parameters.get("timeout")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise InvalidInput(
+                f"parameter 'timeout' must be a positive number of µs, got {timeout!r}"
+            )
+        budgets.append(timeout / 1e6)
+    if request.deadline_ms is not None:
+        budgets.append(request.deadline_ms / 1e3)
+    budget = min(budgets) if budgets else config.slo.p99_ms / 1e3
+    received = request.received_at if request.received_at is not None else time.monotonic()
+    levels = config.batching.priority_levels
+    priority = request.parameters.get("priority", request.priority)
+    hard = bool(budgets)
+    if priority is None or priority == 0:  # 0: the default level, as in Triton
+        return received + budget, hard, config.batching.default_priority
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 1 <= priority <= levels:
+        raise InvalidInput(
+            f"parameter 'priority' must be a whole number in 1..{levels} (1 is the highest; "
+            f"0 or none: the default {config.batching.default_priority}), got {priority!r}"
+        )
+    return received + budget, hard, priority
+
+
+def _cost_document(cost: LinearCost, max_rows: int) -> dict[str, Any]:
+    return {
+        "fixed_ms": cost.fixed_s * 1e3,
+        "per_row_us": cost.per_row_s * 1e6,
+        "error_ms": cost.error_s * 1e3,
+        "observations": cost.observations,
+        "predicted_ms": {str(rows): cost.predict(rows) * 1e3 for rows in sorted({1, max_rows})},
+    }
 
 
 def _wanted_outputs(

@@ -22,6 +22,12 @@ class InferRequest:
     id: str | None = None
     outputs: list[RequestedOutput] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    # When the request arrived (time.monotonic()); its deadline counts from here.
+    received_at: float | None = None
+    # Budget and priority from headers (X-Deadline-Ms, X-Priority); OIP parameters
+    # (`timeout` in µs, `priority`) carry the same and the tighter deadline wins.
+    deadline_ms: float | None = None
+    priority: int | None = None
 
 
 @dataclass(slots=True)

@@ -1,25 +1,34 @@
-"""The batch scheduler of one model version: a bounded queue and one worker task per instance.
+"""The batch scheduler of one model version: a batcher and one worker task per instance.
 
-The scheduler owns the asyncio side of batching; *what* to run and *when* is the policy's call
-(`engine.batching`). Merging a batch, running the model and splitting the result happen in an
-executor thread, so the event loop only moves futures.
+The scheduler owns the asyncio side of batching; *what* to run and *when* is the batcher's call
+(`engine.batching`, `engine.deadline`). Padding, merging a batch, running the model and
+splitting the result happen in an executor thread, so the event loop only moves futures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from tailserve.engine.batching import BatchPolicy
-from tailserve.errors import ModelExecutionError, ModelNotReady, Overloaded, TailserveError
+from tailserve.engine.batching import Batcher, Item
+from tailserve.engine.buckets import Bucket, pad_parts
+from tailserve.engine.stats import ModelStats
+from tailserve.errors import (
+    DeadlineExceeded,
+    DeadlineUnmeetable,
+    ModelExecutionError,
+    ModelNotReady,
+    Overloaded,
+    TailserveError,
+)
 from tailserve.runtimes import Arrays, Runtime
 
 log = logging.getLogger(__name__)
@@ -34,23 +43,32 @@ class BatchStats:
     batch_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """One batch run, for the metrics."""
+
+    model: str
+    bucket: str
+    rows: int
+    compute_s: float  # in the runtime (merge, predict, split)
+    wall_s: float  # from dispatch until the results were back on the loop
+    predicted_s: float
+    queue_s: Sequence[float]
+    missed: int  # members answered after their deadline
+
+
 class BatchObserver(Protocol):
-    def on_batch(
-        self, model: str, rows: int, compute_s: float, queue_s: Sequence[float]
-    ) -> None: ...
+    def on_batch(self, record: BatchRecord) -> None: ...
+
+    def on_reject(self, model: str, reason: str) -> None: ...
 
 
 class _Pending:
-    __slots__ = ("enqueued_at", "future", "group", "inputs", "rows")
+    __slots__ = ("future", "inputs")
 
-    def __init__(
-        self, inputs: Arrays, rows: int, group: Hashable, enqueued_at: float, future: Any
-    ) -> None:
+    def __init__(self, inputs: Arrays, future: asyncio.Future[tuple[Arrays, BatchStats]]):
         self.inputs = inputs
-        self.rows = rows
-        self.group = group
-        self.enqueued_at = enqueued_at
-        self.future: asyncio.Future[tuple[Arrays, BatchStats]] = future
+        self.future = future
 
 
 class Scheduler:
@@ -59,59 +77,86 @@ class Scheduler:
         *,
         model: str,
         runtimes: Sequence[Runtime],
-        policy: BatchPolicy,
-        max_queue_size: int,
+        batcher: Batcher,
         batched: bool,
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._model = model
         self._runtimes = list(runtimes)
-        self._policy = policy
-        self._max_queue_size = max_queue_size
+        self._batcher = batcher
         self._batched = batched
         self._observer = observer
         self._clock = clock
-        self._queue: deque[_Pending] = deque()
+        self.stats = ModelStats()
         self._waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
+        # When each instance is predicted to be free again (0: it is free now).
+        self._free_at = [0.0] * len(self._runtimes)
         self._executor = ThreadPoolExecutor(
             max_workers=len(self._runtimes), thread_name_prefix=f"tailserve-{model}"
         )
         self._closing = False
-        self._busy = 0
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self._batcher)
 
     @property
     def busy_instances(self) -> int:
-        return self._busy
+        now = self._clock()
+        return sum(1 for at in self._free_at if at > now)
+
+    @property
+    def batcher(self) -> Batcher:
+        return self._batcher
 
     def start(self) -> None:
         for index, runtime in enumerate(self._runtimes):
             task = asyncio.create_task(
-                self._worker(runtime), name=f"{self._model}-instance-{index}"
+                self._worker(index, runtime), name=f"{self._model}-instance-{index}"
             )
             self._workers.append(task)
 
+    def seed(self, bucket: Bucket, rows: int, seconds: float) -> None:
+        """A warm-up batch's time, so the cost model starts from a measurement."""
+        self._batcher.observe(bucket, rows, seconds, -1.0)
+
     async def infer(
-        self, inputs: Arrays, rows: int, group: Hashable = ()
+        self,
+        inputs: Arrays,
+        rows: int,
+        bucket: Bucket,
+        *,
+        deadline: float = math.inf,
+        priority: int = 1,
+        hard_deadline: bool = False,
     ) -> tuple[Arrays, BatchStats]:
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
-        if len(self._queue) >= self._max_queue_size:
-            raise Overloaded(
-                f"model {self._model!r}: queue is full ({self._max_queue_size} requests)",
-                retry_after_s=1.0,
-            )
+        now = self._clock()
         future: asyncio.Future[tuple[Arrays, BatchStats]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._queue.append(_Pending(inputs, rows, group, self._clock(), future))
+        item = Item(rows, bucket, now, deadline, priority, _Pending(inputs, future),
+                    hard=hard_deadline)  # fmt: skip
+        rejection = self._batcher.offer(item, now, self._free_times(now))
+        if rejection is not None:
+            self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1
+            if self._observer is not None:
+                self._observer.on_reject(self._model, rejection.reason)
+            message = f"model {self._model!r}: {rejection.message}"
+            if rejection.reason == "queue_full":
+                raise Overloaded(message, retry_after_s=rejection.retry_after_s)
+            raise DeadlineUnmeetable(message, retry_after_s=rejection.retry_after_s)
         self._wake()
-        return await future
+        try:
+            result = await future
+        except TailserveError:
+            self.stats.on_fail(self._clock() - now)
+            raise
+        self.stats.on_success(self._clock() - now, result[1].queue_s)
+        return result
 
     async def close(self, drain_s: float | None = None) -> None:
         """Stop taking requests, run what is queued, wait for the instances, then free them."""
@@ -123,36 +168,46 @@ class Scheduler:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-        while self._queue:
-            item = self._queue.popleft()
-            if not item.future.done():
-                item.future.set_exception(ModelNotReady(f"model {self._model!r} was unloaded"))
+        for item in self._batcher.drain():
+            _fail([item], ModelNotReady(f"model {self._model!r} was unloaded"))
         self._executor.shutdown(wait=False)
 
     # --- the instance loop ---------------------------------------------------------------
 
-    async def _worker(self, runtime: Runtime) -> None:
-        while True:
-            self._drop_cancelled()
-            if not self._queue:
-                if self._closing:
-                    return
-                await self._sleep(None)
-                continue
-            decision = self._policy.decide(self._clock(), self._queue, draining=self._closing)
-            if decision.take:
-                batch = [self._queue.popleft() for _ in range(decision.take)]
-                await self._run(runtime, batch)
-            else:
-                await self._sleep(decision.wait_until)
+    def _free_times(self, now: float) -> list[float]:
+        # A batch that overruns its prediction reads as "free now": the estimate, not a promise.
+        return [max(at, now) for at in self._free_at]
 
-    def _drop_cancelled(self) -> None:
-        # A caller that went away (client disconnect, server shutdown) cancels its future.
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()
+    async def _worker(self, index: int, runtime: Runtime) -> None:
+        while True:
+            now = self._clock()
+            poll = self._batcher.poll(now, self._free_times(now), draining=self._closing)
+            if poll.expired:
+                self._expire(poll.expired, now)
+            batch = [item for item in poll.batch if not item.payload.future.done()]
+            if batch:
+                await self._run(index, runtime, batch)
+            elif poll.batch:
+                continue  # every member had gone (client disconnects): look again
+            elif self._closing and not len(self._batcher):
+                return
+            else:
+                await self._sleep(poll.wait_until)
+
+    def _expire(self, items: list[Item], now: float) -> None:
+        self.stats.rejected["expired"] = self.stats.rejected.get("expired", 0) + len(items)
+        for item in items:
+            if self._observer is not None:
+                self._observer.on_reject(self._model, "expired")
+            late = (now - item.deadline) * 1000.0
+            _fail([item], DeadlineExceeded(
+                f"model {self._model!r}: the request's deadline can no longer be met "
+                f"(it waited {(now - item.enqueued_at) * 1000:.1f} ms; "
+                f"{'past it by ' + format(late, '.1f') + ' ms' if late > 0 else 'too close'})"
+            ))  # fmt: skip
 
     async def _sleep(self, until: float | None) -> None:
-        """Wait for a new arrival or until the clock reaches ``until``."""
+        """Wait for a new arrival, a free instance, or until the clock reaches ``until``."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.add(waiter)
@@ -170,17 +225,21 @@ class Scheduler:
         for waiter in self._waiters:
             _resolve(waiter)
 
-    async def _run(self, runtime: Runtime, batch: list[_Pending]) -> None:
+    async def _run(self, index: int, runtime: Runtime, batch: list[Item]) -> None:
         loop = asyncio.get_running_loop()
+        bucket = batch[0].bucket
+        rows = sum(item.rows for item in batch)
+        predicted = self._batcher.predict(bucket, rows)
         started = self._clock()
-        self._busy += 1
+        self._free_at[index] = started + predicted
         try:
             outputs, compute_s = await loop.run_in_executor(
                 self._executor,
                 self._execute,
                 runtime,
-                [p.inputs for p in batch],
-                [p.rows for p in batch],
+                [item.payload.inputs for item in batch],
+                [item.rows for item in batch],
+                bucket,
             )
         except TailserveError as exc:
             _fail(batch, exc)
@@ -190,20 +249,34 @@ class Scheduler:
             _fail(batch, ModelExecutionError(f"model {self._model!r} failed: {exc}"))
             return
         finally:
-            self._busy -= 1
-        rows = sum(p.rows for p in batch)
-        queue_times = [started - p.enqueued_at for p in batch]
+            self._free_at[index] = 0.0
+            # Another instance may be waiting on this one's time to start a deadline's batch.
+            self._wake()
+        done = self._clock()
+        wall = done - started
+        # The instance was busy for compute_s; the rest is the hand-off to and from its thread
+        # (and the loop's own delay in picking the results up).
+        self._batcher.observe(bucket, rows, compute_s, wall - compute_s)
+        self.stats.on_batch(rows, compute_s)
+        queue_times = [started - item.enqueued_at for item in batch]
+        missed = 0
+        for item, part, queue_s in zip(batch, outputs, queue_times, strict=True):
+            missed += done > item.deadline
+            future = item.payload.future
+            if not future.done():
+                future.set_result((part, BatchStats(queue_s, compute_s, rows)))
+        self.stats.deadline_misses += missed
         if self._observer is not None:
-            self._observer.on_batch(self._model, rows, compute_s, queue_times)
-        for pending, part, queue_s in zip(batch, outputs, queue_times, strict=True):
-            if not pending.future.done():
-                pending.future.set_result((part, BatchStats(queue_s, compute_s, rows)))
+            self._observer.on_batch(BatchRecord(self._model, bucket.label, rows, compute_s, wall,
+                                                predicted, queue_times, missed))  # fmt: skip
 
     def _execute(
-        self, runtime: Runtime, parts: list[Arrays], sizes: list[int]
+        self, runtime: Runtime, parts: list[Arrays], sizes: list[int], bucket: Bucket
     ) -> tuple[list[Arrays], float]:
-        """In an executor thread: merge the requests, predict, split the rows back."""
+        """In an executor thread: pad and merge the requests, predict, split the rows back."""
         started = time.perf_counter()
+        if bucket.pad is not None and (len(parts) > 1 or bucket.pad.length is not None):
+            parts = pad_parts(parts, bucket.pad)
         if len(parts) == 1:
             result = runtime.predict(parts[0])
             return [result], time.perf_counter() - started
@@ -221,8 +294,8 @@ class Scheduler:
                     f"for a batch of {total}"
                 )
             offset = 0
-            for index, size in enumerate(sizes):
-                split[index][name] = array[offset : offset + size]
+            for position, size in enumerate(sizes):
+                split[position][name] = array[offset : offset + size]
                 offset += size
         return split, compute_s
 
@@ -232,7 +305,8 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def _fail(batch: list[_Pending], exc: Exception) -> None:
-    for pending in batch:
-        if not pending.future.done():
-            pending.future.set_exception(exc)
+def _fail(batch: list[Item], exc: Exception) -> None:
+    for item in batch:
+        future: Any = item.payload.future
+        if not future.done():
+            future.set_exception(exc)

@@ -6,7 +6,7 @@ for lazy initialisation (ONNX Runtime's first run, allocator growth, imports ins
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,12 +17,21 @@ from tailserve.tensors import from_json, numpy_dtype
 Arrays = dict[str, np.ndarray[Any, Any]]
 
 
-def warmup_batches(config: ModelConfig, seed: int = 0) -> Iterator[Arrays]:
+def warmup_batches(
+    config: ModelConfig, vary: str | None = None, lengths: Sequence[int] = (), seed: int = 0
+) -> Iterator[Arrays]:
+    """Synthetic batches at each warm-up batch size (and, for a model that pads the variable
+    input ``vary``, at each of ``lengths`` of it: every cost class runs before readiness),
+    ``repeat`` times; then the explicit warm-up requests."""
     rng = np.random.default_rng(seed)
     sizes = config.warmup.batch_sizes if config.batched else [1]
     for _ in range(config.warmup.repeat):
         for size in sizes:
-            yield {spec.name: _synthetic(config, spec, size, rng) for spec in config.inputs}
+            for length in lengths or [1]:
+                yield {
+                    spec.name: _synthetic(config, spec, size, rng, _length(spec, vary, length))
+                    for spec in config.inputs
+                }
     for request in config.warmup.requests:
         arrays = {}
         for spec in config.inputs:
@@ -35,10 +44,14 @@ def warmup_batches(config: ModelConfig, seed: int = 0) -> Iterator[Arrays]:
             yield arrays
 
 
+def _length(spec: TensorSpec, vary: str | None, length: int) -> int:
+    return length if spec.name == vary else 1
+
+
 def _synthetic(
-    config: ModelConfig, spec: TensorSpec, rows: int, rng: np.random.Generator
+    config: ModelConfig, spec: TensorSpec, rows: int, rng: np.random.Generator, length: int = 1
 ) -> np.ndarray[Any, Any]:
-    dims = [d if d > 0 else 1 for d in spec.shape]
+    dims = [d if d > 0 else length for d in spec.shape]
     shape = [rows, *dims] if config.batched else dims
     dtype = numpy_dtype(spec.datatype)
     if spec.datatype == "BYTES":

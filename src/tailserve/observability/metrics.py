@@ -9,12 +9,20 @@ here); a collector turns them into Prometheus families when `/metrics` is scrape
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from tailserve.engine.scheduler import BatchRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -91,6 +99,39 @@ class _LoopCollector(Collector):
             yield metric.family()
 
 
+@dataclass(frozen=True, slots=True)
+class CostRow:
+    model: str
+    version: str
+    bucket: str
+    fixed_s: float
+    per_row_s: float
+
+
+class _CostCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        source = self._metrics.cost_source
+        labels = ["model", "version", "bucket"]
+        fixed = GaugeMetricFamily(
+            "tailserve_cost_model_fixed_seconds",
+            "The cost model's fixed time per batch, by cost class.",
+            labels=labels,
+        )
+        per_row = GaugeMetricFamily(
+            "tailserve_cost_model_per_row_seconds",
+            "The cost model's time per row of a batch, by cost class.",
+            labels=labels,
+        )
+        for row in source() if source is not None else ():
+            fixed.add_metric([row.model, row.version, row.bucket], row.fixed_s)
+            per_row.add_metric([row.model, row.version, row.bucket], row.per_row_s)
+        yield fixed
+        yield per_row
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -118,13 +159,41 @@ class Metrics:
             LATENCY_BUCKETS,
         )
         self.batch_size = LoopHistogram(
-            "tailserve_batch_size_rows", "Rows in each batch run.", ["model"], BATCH_BUCKETS
+            "tailserve_batch_size_rows",
+            "Rows in each batch run, by cost class.",
+            ["model", "bucket"],
+            BATCH_BUCKETS,
+        )
+        self.batch_time = LoopHistogram(
+            "tailserve_batch_duration_seconds",
+            "Time from a batch's dispatch until its results were back, by cost class.",
+            ["model", "bucket"],
+            LATENCY_BUCKETS,
+        )
+        self.batch_predicted = LoopHistogram(
+            "tailserve_batch_predicted_seconds",
+            "What the cost model predicted each batch would take, by cost class.",
+            ["model", "bucket"],
+            LATENCY_BUCKETS,
+        )
+        self.rejected = LoopCounter(
+            "tailserve_rejected_requests",
+            "Requests refused or dropped by the batcher: queue_full, deadline (at admission), "
+            "expired (in the queue).",
+            ["model", "reason"],
+        )
+        self.deadline_misses = LoopCounter(
+            "tailserve_deadline_misses", "Requests answered after their deadline.", ["model"]
         )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.request_latency, self.requests, self.queue_time, self.compute_time,
-            self.batch_size,
+            self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
+            self.deadline_misses,
         ]  # fmt: skip
         self.registry.register(_LoopCollector(loop_metrics))
+        # Set by the worker: the cost model of each (model, version, cost class).
+        self.cost_source: Callable[[], Iterable[CostRow]] | None = None
+        self.registry.register(_CostCollector(self))
         self.model_ready = Gauge(
             "tailserve_model_ready",
             "1 when the model's served versions are loaded and warm.",
@@ -137,12 +206,22 @@ class Metrics:
         self.request_latency.child(model, protocol, outcome).observe(seconds)
         self.requests.inc(model, protocol, str(status))
 
-    def on_batch(self, model: str, rows: int, compute_s: float, queue_s: Sequence[float]) -> None:
-        self.batch_size.child(model).observe(rows)
-        self.compute_time.child(model).observe(compute_s)
+    def on_batch(self, record: BatchRecord) -> None:
+        model, bucket = record.model, record.bucket
+        self.batch_size.child(model, bucket).observe(record.rows)
+        self.compute_time.child(model).observe(record.compute_s)
+        self.batch_time.child(model, bucket).observe(record.wall_s)
+        self.batch_predicted.child(model, bucket).observe(record.predicted_s)
         queue = self.queue_time.child(model)
-        for seconds in queue_s:
+        for seconds in record.queue_s:
             queue.observe(seconds)
+        if record.missed:
+            self.deadline_misses.values[(model,)] = (
+                self.deadline_misses.values.get((model,), 0) + record.missed
+            )
+
+    def on_reject(self, model: str, reason: str) -> None:
+        self.rejected.inc(model, reason)
 
     def set_model_ready(self, model: str, ready: bool) -> None:
         self.model_ready.labels(model).set(1 if ready else 0)

@@ -44,10 +44,35 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     optional: bool = False
 
 
+class CostRule(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # What a request's cost class is measured by: its rows, or the length of the variable
+    # dimension of one input (a sequence length, a candidate count).
+    by: str = "rows"
+    # Class edges: a request goes to the first edge at or above its measure (past the last,
+    # a class of its own shape); "auto": powers of two.
+    edges: list[int] | Literal["auto"] = "auto"
+
+
 class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     enabled: bool = True
+    # deadline: cost classes, earliest deadline first, dispatch as late as deadlines allow
+    # and only as late as throughput needs; size_or_timeout: a batch goes when full or when
+    # its oldest request has waited max_queue_delay_ms; none: every request alone.
+    policy: Literal["deadline", "size_or_timeout", "none"] = "deadline"
     max_queue_delay_ms: float = 1.0
     max_queue_size: int = 1024
+    # Cost classes (deadline policy): requests of different classes never share a batch.
+    cost: CostRule | None = None
+    # Variable-length input padding, so requests of different lengths can batch: with a
+    # value, the cost input is padded with it to its class's edge (size_or_timeout: to the
+    # longest request in the batch). The model must read that value as padding.
+    pad_value: float | None = None
+    # Priority levels 1 (highest) .. priority_levels; a request without one gets the default.
+    priority_levels: int = 1
+    default_priority: int = 1
+    # The share of the instances' time the deadline policy plans to use: below it, batches
+    # go as soon as an instance is free; above it, they wait to grow (never past a deadline).
+    target_utilization: float = 0.8
 
 
 class Instances(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -161,6 +186,7 @@ def _check(config: ModelConfig, source: str) -> None:
                 raise fail(f"{where}.range", "lower bound is above the upper bound")
             if spec.values is not None and spec.datatype != "BYTES":
                 raise fail(f"{where}.values", "allowed values apply to BYTES tensors only")
+    _check_batching(config, fail)
     if config.batching.max_queue_delay_ms < 0:
         raise fail("batching.max_queue_delay_ms", "must be >= 0")
     if config.batching.max_queue_size < 1:
@@ -186,3 +212,49 @@ def _check(config: ModelConfig, source: str) -> None:
             raise fail(f"warmup.batch_sizes[{i}]", f"{size} is outside 1..max_batch_size")
     if config.slo.p99_ms <= 0:
         raise fail("slo.p99_ms", "must be > 0")
+
+
+def variable_inputs(config: ModelConfig) -> list[TensorSpec]:
+    """Inputs with exactly one variable dimension in their per-row shape."""
+    return [spec for spec in config.inputs if spec.shape.count(-1) == 1]
+
+
+def cost_rule(config: ModelConfig) -> CostRule | None:
+    """The cost rule in force: the configured one, or by the one padded variable-length input."""
+    batching = config.batching
+    if batching.cost is not None:
+        return batching.cost
+    variable = variable_inputs(config)
+    if batching.pad_value is not None and len(variable) == 1:
+        return CostRule(by=variable[0].name)
+    return None
+
+
+def _check_batching(config: ModelConfig, fail: Any) -> None:
+    batching = config.batching
+    if batching.priority_levels < 1:
+        raise fail("batching.priority_levels", "must be >= 1")
+    if not 1 <= batching.default_priority <= batching.priority_levels:
+        raise fail("batching.default_priority", f"must be in 1..{batching.priority_levels}")
+    if not 0 < batching.target_utilization <= 1:
+        raise fail("batching.target_utilization", "must be in (0, 1]")
+    rule = batching.cost
+    if rule is not None:
+        if rule.by != "rows":
+            spec = config.input(rule.by)
+            if spec is None:
+                raise fail("batching.cost.by", f"{rule.by!r} is neither 'rows' nor an input")
+            if spec.shape.count(-1) != 1:
+                raise fail("batching.cost.by", f"input {rule.by!r} needs exactly one variable "
+                           "dimension (-1) in its shape")  # fmt: skip
+        if rule.edges != "auto" and (
+            not rule.edges
+            or any(e < 1 for e in rule.edges)
+            or list(rule.edges) != sorted(set(rule.edges))
+        ):
+            raise fail("batching.cost.edges", "list ascending positive edges, or 'auto'")
+    if batching.pad_value is not None:
+        padded = cost_rule(config)
+        if padded is None or padded.by == "rows":
+            raise fail("batching.pad_value", "padding needs one variable-length input to pad: "
+                       "set batching.cost.by to it")  # fmt: skip

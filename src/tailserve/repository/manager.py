@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from tailserve.engine.batching import BatchPolicy, NoBatching, SizeOrTimeout
+from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
+from tailserve.engine.buckets import Bucket, BucketRule
+from tailserve.engine.deadline import DeadlineBatcher
 from tailserve.engine.scheduler import BatchObserver, Scheduler
 from tailserve.engine.validation import InputPlan
 from tailserve.engine.warmup import warmup_batches
@@ -30,7 +33,8 @@ from tailserve.errors import (
 )
 from tailserve.repository.config import ModelConfig, load_model_config
 from tailserve.repository.discovery import choose_versions, model_dirs, versions_on_disk
-from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
+from tailserve.runtimes import Arrays, Runtime, RuntimeContext, create_runtime
+from tailserve.tensors import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class ServedVersion:
     runtimes: list[Runtime]
     scheduler: Scheduler
     plan: InputPlan
+    buckets: BucketRule
+    policy: str
 
 
 @dataclass(slots=True)
@@ -200,10 +206,18 @@ class ModelManager:
     async def _build(self, config: ModelConfig, version: int, version_dir: Path) -> ServedVersion:
         loop = asyncio.get_running_loop()
         context = RuntimeContext(config=config, version=version, version_dir=version_dir)
-        runtimes = []
+        policy = batching_policy(config)
+        plan = InputPlan(config)
+        buckets = BucketRule(config, classes=policy == "deadline")
+        runtimes: list[Runtime] = []
+        timings: list[tuple[Bucket, int, float]] = []
         try:
             for _ in range(config.instances.count):
-                runtimes.append(await loop.run_in_executor(self._loader, _load_and_warm, context))
+                runtime, measured = await loop.run_in_executor(
+                    self._loader, _load_and_warm, context, plan, buckets
+                )
+                runtimes.append(runtime)
+                timings += measured
         except BaseException:
             for runtime in runtimes:
                 runtime.unload()
@@ -211,13 +225,14 @@ class ModelManager:
         scheduler = Scheduler(
             model=config.name,
             runtimes=runtimes,
-            policy=_policy(config),
-            max_queue_size=config.batching.max_queue_size,
+            batcher=_batcher(config, policy),
             batched=config.batched,
             observer=self._observer,
         )
+        for bucket, rows, seconds in timings:
+            scheduler.seed(bucket, rows, seconds)
         scheduler.start()
-        return ServedVersion(config, version, runtimes, scheduler, InputPlan(config))
+        return ServedVersion(config, version, runtimes, scheduler, plan, buckets, policy)
 
     async def _retire(self, served: ServedVersion) -> None:
         await served.scheduler.close(drain_s=self._drain_timeout_s)
@@ -229,14 +244,38 @@ class ModelManager:
             self._on_ready_change(state.name, state.ready)
 
 
-def _policy(config: ModelConfig) -> BatchPolicy:
+def batching_policy(config: ModelConfig) -> str:
+    """The policy in force: the configured one, or none for a model that cannot batch."""
     if not config.batched or not config.batching.enabled:
-        return NoBatching()
-    return SizeOrTimeout(config.max_batch_size, config.batching.max_queue_delay_ms / 1000.0)
+        return "none"
+    return config.batching.policy
 
 
-def _load_and_warm(context: RuntimeContext) -> Runtime:
-    """In the loader thread: load one instance, check it against model.yaml, warm it up."""
+def _batcher(config: ModelConfig, policy: str) -> Batcher:
+    batching = config.batching
+    if policy == "none":
+        return NoBatching(batching.max_queue_size)
+    if policy == "size_or_timeout":
+        return SizeOrTimeout(
+            max_rows=config.max_batch_size,
+            max_delay_s=batching.max_queue_delay_ms / 1000.0,
+            max_queue=batching.max_queue_size,
+        )
+    return DeadlineBatcher(
+        max_rows=config.max_batch_size,
+        instances=config.instances.count,
+        max_queue=batching.max_queue_size,
+        target_utilization=batching.target_utilization,
+    )
+
+
+def _load_and_warm(
+    context: RuntimeContext, plan: InputPlan, buckets: BucketRule
+) -> tuple[Runtime, list[tuple[Bucket, int, float]]]:
+    """In the loader thread: load one instance, check it against model.yaml, warm it up.
+
+    Returns the instance and the warm-up batches' times by cost class (the first run of each
+    shape left out: it pays for lazy initialisation), to seed the cost models."""
     config = context.config
     where = f"model {config.name!r} version {context.version}"
     runtime = create_runtime(context)
@@ -247,11 +286,19 @@ def _load_and_warm(context: RuntimeContext) -> Runtime:
     except Exception as exc:
         # Third-party loaders raise anything; it becomes a load error at this boundary.
         raise ModelLoadError(f"{where}: load failed: {type(exc).__name__}: {exc}") from exc
+    timings: list[tuple[Bucket, int, float]] = []
+    seen: set[tuple[tuple[int, ...], ...]] = set()
     try:
         _check_signature(runtime, config, where)
-        for batch in warmup_batches(config):
+        for batch in warmup_batches(config, buckets.by, buckets.warmup_lengths()):
             rows = len(next(iter(batch.values()))) if config.batched else None
+            started = time.perf_counter()
             outputs = runtime.predict(batch)
+            seconds = time.perf_counter() - started
+            shapes = tuple(array.shape for array in batch.values())
+            if shapes in seen:
+                timings.append(_timing(config, plan, buckets, batch, seconds))
+            seen.add(shapes)
             for spec in config.outputs:
                 out = outputs.get(spec.name)
                 if out is None:
@@ -268,7 +315,16 @@ def _load_and_warm(context: RuntimeContext) -> Runtime:
     except Exception as exc:
         runtime.unload()
         raise ModelLoadError(f"{where}: warm-up failed: {exc}") from exc
-    return runtime
+    return runtime, timings
+
+
+def _timing(
+    config: ModelConfig, plan: InputPlan, buckets: BucketRule, batch: Arrays, seconds: float
+) -> tuple[Bucket, int, float]:
+    specs = {spec.name: spec for spec in config.inputs}
+    tensors = [Tensor(name, specs[name].datatype, array) for name, array in batch.items()]
+    checked = plan.check(tensors)
+    return buckets.classify(checked), checked.rows, seconds
 
 
 def _check_signature(runtime: Runtime, config: ModelConfig, where: str) -> None:

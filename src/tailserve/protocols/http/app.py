@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from tailserve.engine.dataplane import DataPlane
-from tailserve.engine.messages import InferResponse
+from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.errors import InvalidInput, PayloadTooLarge, TailserveError, Unauthorized
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
@@ -45,7 +45,7 @@ class ClientGone(Exception):
 
 
 class HttpRequest:
-    __slots__ = ("_receive", "_scope", "max_body_bytes", "params")
+    __slots__ = ("_receive", "_scope", "max_body_bytes", "params", "received_at")
 
     def __init__(
         self, scope: Scope, receive: Receive, params: dict[str, str], max_body_bytes: int
@@ -54,6 +54,8 @@ class HttpRequest:
         self._receive = receive
         self.params = params
         self.max_body_bytes = max_body_bytes
+        # Deadlines count from here: the clock is the scheduler's (time.monotonic).
+        self.received_at = time.monotonic()
 
     @property
     def method(self) -> str:
@@ -218,6 +220,16 @@ class HttpApp:
         document = {"name": p["model"], "ready": ready}
         return (200 if ready else 400), _JSON, orjson.dumps(document)
 
+    async def _model_stats(self, request: HttpRequest) -> Reply:
+        p = request.params
+        if "model" not in p:
+            documents = []
+            for state in self.dataplane.manager.states():
+                documents += self.dataplane.model_stats(state.name)["model_stats"]
+            return 200, _JSON, orjson.dumps({"model_stats": documents})
+        document = self.dataplane.model_stats(p["model"], p.get("version"))
+        return 200, _JSON, orjson.dumps(document)
+
     async def _model_config(self, request: HttpRequest) -> Reply:
         p = request.params
         return 200, _JSON, orjson.dumps(self.dataplane.model_config(p["model"], p.get("version")))
@@ -235,6 +247,7 @@ class HttpApp:
         body = await self._read_traced(request)
         header_length = _header_length(request.header(b"inference-header-content-length"))
         infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
+        _request_options(request, infer_request)
         response = await self.dataplane.infer(infer_request)
         payload, headers = oip.encode_response(infer_request, response)
         return 200, [*headers, *_served_headers(response)], payload
@@ -243,6 +256,7 @@ class HttpApp:
         name = request.params["model"]
         config = self.dataplane.manager.get(name).config
         infer_request = kserve_v1.decode_records(name, config, await self._read_traced(request))
+        _request_options(request, infer_request)
         response = await self.dataplane.infer(infer_request)
         headers = [*_JSON, *_served_headers(response)]
         return 200, headers, kserve_v1.encode_predictions(response)
@@ -277,6 +291,24 @@ class HttpApp:
 
     async def _openapi(self, request: HttpRequest) -> Reply:
         return 200, _JSON, self._openapi_body
+
+
+def _request_options(request: HttpRequest, infer: InferRequest) -> None:
+    """Arrival time, and the deadline and priority headers, onto the engine's request."""
+    infer.received_at = request.received_at
+    deadline = request.header(b"x-deadline-ms")
+    if deadline is not None:
+        try:
+            infer.deadline_ms = float(deadline)
+        except ValueError:
+            infer.deadline_ms = -1.0
+        if not infer.deadline_ms > 0:
+            raise InvalidInput(f"X-Deadline-Ms must be a positive number of ms, got {deadline!r}")
+    priority = request.header(b"x-priority")
+    if priority is not None:
+        if not priority.isdigit():
+            raise InvalidInput(f"X-Priority must be a whole number, got {priority!r}")
+        infer.priority = int(priority)
 
 
 def _served_headers(response: InferResponse) -> Headers:

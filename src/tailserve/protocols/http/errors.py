@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 from tailserve.errors import (
+    DeadlineExceeded,
+    DeadlineUnmeetable,
     InvalidInput,
     ModelExecutionError,
     ModelNotFound,
@@ -19,6 +21,9 @@ _STATUS: tuple[tuple[type[TailserveError], int], ...] = (
     (InvalidInput, 400),
     (Unauthorized, 401),
     (ModelNotFound, 404),
+    # 429: refused now, try later or elsewhere (a router sends it to another replica).
+    (DeadlineUnmeetable, 429),
+    (DeadlineExceeded, 504),
     (Unavailable, 503),
     (ModelExecutionError, 500),
 )

@@ -51,6 +51,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", _MV, "model_metadata", "Metadata of one version."),
     Route("GET", f"{_M}/ready", "model_ready", "Model readiness (200 ready, 400 not)."),
     Route("GET", f"{_MV}/ready", "model_ready", "Readiness of one version."),
+    Route("GET", "/v2/models/stats", "model_stats", "Statistics of every model."),
+    Route("GET", f"{_M}/stats", "model_stats", "Statistics: counts, times, batching, costs."),
+    Route("GET", f"{_MV}/stats", "model_stats", "Statistics of one version."),
     Route("GET", f"{_M}/config", "model_config", "The model's configuration (model.yaml)."),
     Route("GET", f"{_MV}/config", "model_config", "Configuration of one version."),
     Route(

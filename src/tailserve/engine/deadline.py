@@ -1,0 +1,307 @@
+"""Batch to the deadline: cost classes, earliest deadline first, admission by what can be met.
+
+Each cost class (bucket) keeps its queued requests in (priority, deadline) order, a cost model
+of its batches (`LinearCost`) and the rate its rows arrive at. Requests of different classes
+never share a batch.
+
+**Admission.** A request is refused at once (the scheduler answers 429) when its deadline cannot
+be met: not even by a batch of its rows alone started now, or not after the work already queued
+ahead of it (same or higher priority, every class, spread over the instances) and what the
+instances are still running. Refusing early keeps the queue at what can be served in time, so
+under overload the admitted requests keep their latency (goodput) instead of all getting slow.
+
+**Dispatch.** When an instance is free, a class's batch goes when it holds its target rows, or
+when waiting longer would make its most urgent member miss its deadline (the deadline minus the
+predicted time of the batch, with the model's error margin, and the hand-off overhead: getting
+a batch to its thread and the results back to the event loop). The target is the batch size at
+which the class's arrivals need no more than ``target_utilization`` of the instances' time:
+
+    rows arriving λ a second, batches costing a + b·n:   λ·(a/n + b) <= U·k   =>   n >= λa/(Uk - λb)
+
+At low load that is one row (no wait at all); as the load nears capacity it climbs to the
+maximum (full batches). A class that is ready goes before one that may still wait; among the
+ready, the higher priority and then the earlier latest start goes first.
+
+**Expiry.** A queued request with a client-set deadline that can no longer be met even if it
+ran now is returned as expired (the scheduler answers 504) rather than run to no one's benefit.
+A request whose deadline is only the model's SLO is never expired: it runs late.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from tailserve.engine.batching import Item, Poll, Rejection
+from tailserve.engine.buckets import Bucket
+from tailserve.engine.cost import LinearCost
+
+# The arrival rate is a count decayed with this time constant (seconds), over at least
+# _RATE_MIN_S (one arrival is not a rate of thousands a second).
+_RATE_TAU_S = 0.5
+_RATE_MIN_S = 0.05
+
+
+@dataclass(slots=True)
+class _Rate:
+    """Rows per second: a count decayed with time constant tau, divided by the decayed length
+    of time it covers (so the estimate is not low while the first tau seconds fill)."""
+
+    count: float = 0.0
+    at: float = 0.0
+    since: float | None = None
+
+    def add(self, now: float, rows: int) -> None:
+        if self.since is None:
+            self.since = now
+        self.count = self.count * math.exp(-max(0.0, now - self.at) / _RATE_TAU_S) + rows
+        self.at = now
+
+    def value(self, now: float) -> float:
+        if self.since is None:
+            return 0.0
+        covered = _RATE_TAU_S * -math.expm1(-max(now - self.since, _RATE_MIN_S) / _RATE_TAU_S)
+        return self.count * math.exp(-max(0.0, now - self.at) / _RATE_TAU_S) / covered
+
+
+@dataclass(slots=True)
+class _Class:
+    bucket: Bucket
+    cost: LinearCost
+    order: list[tuple[int, float, int, Item]] = field(default_factory=list)
+    urgent: list[tuple[float, int, Item]] = field(default_factory=list)
+    hard: list[tuple[float, int, Item]] = field(default_factory=list)
+    rows: int = 0
+    rows_by_priority: dict[int, int] = field(default_factory=dict)
+    rate: _Rate = field(default_factory=_Rate)
+
+    def push(self, item: Item, seq: int) -> None:
+        heapq.heappush(self.order, (item.priority, item.deadline, seq, item))
+        heapq.heappush(self.urgent, (item.deadline, seq, item))
+        if item.hard:
+            heapq.heappush(self.hard, (item.deadline, seq, item))
+        self.rows += item.rows
+        level = item.priority
+        self.rows_by_priority[level] = self.rows_by_priority.get(level, 0) + item.rows
+
+    def remove(self, item: Item) -> None:
+        item.taken = True
+        self.rows -= item.rows
+        self.rows_by_priority[item.priority] -= item.rows
+
+    def most_urgent(self) -> Item | None:
+        while self.urgent and self.urgent[0][2].taken:
+            heapq.heappop(self.urgent)
+        return self.urgent[0][2] if self.urgent else None
+
+    def most_urgent_hard(self) -> Item | None:
+        while self.hard and self.hard[0][2].taken:
+            heapq.heappop(self.hard)
+        return self.hard[0][2] if self.hard else None
+
+    def best_priority(self) -> int:
+        while self.order and self.order[0][3].taken:
+            heapq.heappop(self.order)
+        return self.order[0][0] if self.order else 0
+
+    def take(self, max_rows: int) -> list[Item]:
+        """The next batch in (priority, deadline) order, while the rows fit."""
+        batch: list[Item] = []
+        rows = 0
+        while self.order:
+            item = self.order[0][3]
+            if item.taken:
+                heapq.heappop(self.order)
+                continue
+            if rows + item.rows > max_rows:
+                break
+            heapq.heappop(self.order)
+            self.remove(item)
+            batch.append(item)
+            rows += item.rows
+        return batch
+
+    def next_batch_rows(self, max_rows: int) -> int:
+        return min(self.rows, max_rows)
+
+    def ahead(self, priority: int) -> int:
+        """Rows queued at this priority or a higher one."""
+        return sum(rows for level, rows in self.rows_by_priority.items() if level <= priority)
+
+
+class DeadlineBatcher:
+    def __init__(
+        self,
+        *,
+        max_rows: int,
+        instances: int,
+        max_queue: int,
+        target_utilization: float = 0.8,
+    ) -> None:
+        self.max_rows = max_rows
+        self.instances = instances
+        self.max_queue = max_queue
+        self.target_utilization = target_utilization
+        self._classes: dict[Hashable, _Class] = {}
+        self._queued = 0
+        self._seq = itertools.count()
+        # Exponentially weighted mean of a batch's hand-off overhead (seconds).
+        self.overhead_s = 0.0
+
+    def __len__(self) -> int:
+        return self._queued
+
+    # --- admission ------------------------------------------------------------------------
+
+    def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
+        if self._queued >= self.max_queue:
+            return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
+        queue = self._class(item.bucket)
+        alone = queue.cost.predict(item.rows) + self.overhead_s
+        budget = item.deadline - now
+        if budget < alone:
+            return Rejection(
+                "deadline",
+                f"deadline in {budget * 1000:.1f} ms cannot be met: a batch of its "
+                f"{item.rows} row(s) alone takes ~{alone * 1000:.1f} ms",
+                1.0,
+            )
+        finish = self._finish_estimate(item, queue, now, free_at)
+        if finish > item.deadline:
+            wait = finish - now
+            return Rejection(
+                "deadline",
+                f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
+                f"needs ~{wait * 1000:.1f} ms",
+                wait,
+            )
+        queue.push(item, next(self._seq))
+        queue.rate.add(now, item.rows)
+        self._queued += 1
+        return None
+
+    def _finish_estimate(
+        self, item: Item, queue: _Class, now: float, free_at: Sequence[float]
+    ) -> float:
+        """When the request would be done after everything queued ahead of it (fluid estimate:
+        the instances' remaining busy time and the queued work, shared between instances)."""
+        busy = sum(max(0.0, at - now) for at in free_at)
+        work = variance = 0.0
+        for other in self._classes.values():
+            rows = other.ahead(item.priority) + (item.rows if other is queue else 0)
+            if rows <= 0:
+                continue
+            full, rest = divmod(rows, self.max_rows)
+            cost = other.cost
+            work += full * cost.predict(self.max_rows) + (cost.predict(rest) if rest else 0.0)
+            variance += (full + (rest > 0)) * cost.error_s**2
+        # The batches' errors are independent: their sum grows as the square root of their count.
+        margin = 2.0 * math.sqrt(variance)
+        return now + (busy + work + margin) / max(1, len(free_at)) + self.overhead_s
+
+    # --- dispatch ---------------------------------------------------------------------------
+
+    def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
+        expired = self._expire(now)
+        if not self._queued or not any(at <= now for at in free_at):
+            return Poll(expired=expired)
+        chosen: tuple[int, float, _Class] | None = None
+        wake = math.inf
+        for queue in self._classes.values():
+            urgent = queue.most_urgent()
+            if urgent is None:
+                continue
+            rows = queue.next_batch_rows(self.max_rows)
+            latest = urgent.deadline - queue.cost.bound(rows) - self.overhead_s
+            target = self._target_rows(queue, now)
+            if draining or queue.rows >= target or now >= latest:
+                key = (queue.best_priority(), latest, queue)
+                if chosen is None or key[:2] < chosen[:2]:
+                    chosen = key
+                continue
+            rate = queue.rate.value(now)
+            filled = now + (target - queue.rows) / rate if rate > 0 else latest
+            wake = min(wake, latest, filled)
+        if chosen is not None:
+            batch = chosen[2].take(self.max_rows)
+            self._queued -= len(batch)
+            return Poll(batch=batch, expired=expired)
+        return Poll(expired=expired, wait_until=None if math.isinf(wake) else wake)
+
+    def _target_rows(self, queue: _Class, now: float) -> int:
+        rate = queue.rate.value(now)
+        if rate <= 0:
+            return 1
+        fixed, per_row = queue.cost.fixed_s, queue.cost.per_row_s
+        # The instance time the other classes need at the least (their per-row part).
+        others = sum(
+            other.rate.value(now) * other.cost.per_row_s
+            for other in self._classes.values()
+            if other is not queue
+        )
+        room = self.target_utilization * self.instances - others - rate * per_row
+        if room <= 0:
+            return self.max_rows
+        return max(1, min(self.max_rows, math.ceil(rate * fixed / room)))
+
+    def _expire(self, now: float) -> list[Item]:
+        expired: list[Item] = []
+        for queue in self._classes.values():
+            while True:
+                urgent = queue.most_urgent_hard()
+                if urgent is None or urgent.deadline >= now + queue.cost.predict(urgent.rows):
+                    break
+                queue.remove(urgent)
+                expired.append(urgent)
+        self._queued -= len(expired)
+        return expired
+
+    # --- cost models ----------------------------------------------------------------------
+
+    def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
+        self._class(bucket).cost.observe(rows, seconds)
+        if overhead_s >= 0:
+            self.overhead_s += 0.05 * (overhead_s - self.overhead_s)
+
+    def predict(self, bucket: Bucket, rows: int) -> float:
+        return self._class(bucket).cost.predict(rows)
+
+    def costs(self) -> dict[str, LinearCost]:
+        return {queue.bucket.label: queue.cost for queue in self._classes.values()}
+
+    def drain(self) -> list[Item]:
+        items = []
+        for queue in self._classes.values():
+            while (item := queue.most_urgent()) is not None:
+                queue.remove(item)
+                items.append(item)
+        self._queued = 0
+        return items
+
+    def _class(self, bucket: Bucket) -> _Class:
+        found = self._classes.get(bucket.key)
+        if found is None:
+            found = self._classes[bucket.key] = _Class(bucket, self._prior(bucket))
+        return found
+
+    def _prior(self, bucket: Bucket) -> LinearCost:
+        """A new class starts from the fit of the class nearest below it in padded length (a
+        longer class costs at least as much), else from the default guess."""
+        if bucket.pad is None or bucket.pad.length is None:
+            return LinearCost()
+        below = [
+            (queue.bucket.pad.length, queue.cost)
+            for queue in self._classes.values()
+            if queue.bucket.pad is not None
+            and queue.bucket.pad.length is not None
+            and queue.bucket.pad.length <= bucket.pad.length
+            and queue.cost.observations
+        ]
+        if not below:
+            return LinearCost()
+        length, cost = max(below, key=lambda pair: pair[0])
+        scale = bucket.pad.length / length
+        return LinearCost.with_prior(cost.fixed_s, cost.per_row_s * scale)

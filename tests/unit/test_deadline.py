@@ -1,0 +1,250 @@
+"""The deadline batcher with a fake clock: a small discrete-event simulation of one model with
+instances whose batches take exactly what a known cost function says. No asyncio, no model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from tailserve.engine.batching import Item
+from tailserve.engine.buckets import Bucket
+from tailserve.engine.deadline import DeadlineBatcher
+
+SHORT, LONG = Bucket("short", "len<=16"), Bucket("long", "len<=512")
+MAX_ROWS = 64
+
+
+def linear(fixed: float, per_row: float) -> Callable[[Bucket, int], float]:
+    return lambda bucket, rows: fixed + per_row * rows
+
+
+@dataclass
+class Arrival:
+    at: float
+    budget: float
+    rows: int = 1
+    bucket: Bucket = SHORT
+    priority: int = 1
+
+
+@dataclass
+class Run:
+    start: float
+    end: float
+    items: list[Item]
+
+
+@dataclass
+class Outcome:
+    runs: list[Run] = field(default_factory=list)
+    rejected: list[tuple[Item, str]] = field(default_factory=list)
+    expired: list[Item] = field(default_factory=list)
+
+    @property
+    def served(self) -> list[tuple[Item, Run]]:
+        return [(item, run) for run in self.runs for item in run.items]
+
+    def mean_rows(self) -> float:
+        return float(np.mean([sum(i.rows for i in run.items) for run in self.runs]))
+
+
+def batcher(instances: int = 1, max_queue: int = 10_000) -> DeadlineBatcher:
+    return DeadlineBatcher(max_rows=MAX_ROWS, instances=instances, max_queue=max_queue)
+
+
+def seeded(b: DeadlineBatcher, cost: Callable[[Bucket, int], float], *buckets: Bucket) -> None:
+    for bucket in buckets or (SHORT,):
+        for rows in (1, MAX_ROWS) * 4:
+            b.observe(bucket, rows, cost(bucket, rows), 0.0)
+
+
+def simulate(
+    b: DeadlineBatcher,
+    arrivals: list[Arrival],
+    cost: Callable[[Bucket, int], float],
+    instances: int = 1,
+) -> Outcome:
+    outcome = Outcome()
+    free_at = [0.0] * instances
+    wake: float | None = None
+    now, i = 0.0, 0
+    while True:
+        events = [f for f in free_at if f > now]
+        if i < len(arrivals):
+            events.append(arrivals[i].at)
+        if wake is not None and wake > now:
+            events.append(wake)
+        if not events:
+            if not len(b):
+                return outcome
+            events.append(now)
+        now = max(now, min(events))
+        while i < len(arrivals) and arrivals[i].at <= now:
+            a = arrivals[i]
+            item = Item(a.rows, a.bucket, now, now + a.budget, a.priority)
+            rejection = b.offer(item, now, [max(f, now) for f in free_at])
+            if rejection is not None:
+                outcome.rejected.append((item, rejection.reason))
+            i += 1
+        wake = None
+        for k in range(instances):
+            if free_at[k] > now:
+                continue
+            poll = b.poll(now, [max(f, now) for f in free_at], draining=i == len(arrivals))
+            outcome.expired += poll.expired
+            if poll.batch:
+                rows = sum(item.rows for item in poll.batch)
+                took = cost(poll.batch[0].bucket, rows)
+                free_at[k] = now + took
+                outcome.runs.append(Run(now, now + took, poll.batch))
+                b.observe(poll.batch[0].bucket, rows, took, 0.0)
+            elif poll.wait_until is not None:
+                wake = poll.wait_until if wake is None else min(wake, poll.wait_until)
+
+
+def poisson(rate: float, seconds: float, budget: float, seed: int = 0) -> list[Arrival]:
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * seconds * 1.2) + 10))
+    return [Arrival(float(t), budget) for t in times[times < seconds]]
+
+
+COST = linear(0.002, 0.00002)  # 2 ms a batch plus 20 µs a row: 64 rows take 3.28 ms
+
+
+def test_at_low_load_a_lone_request_goes_at_once() -> None:
+    b = batcher()
+    seeded(b, COST)
+    arrivals = [Arrival(0.1 * k, budget=0.050) for k in range(1, 30)]
+    outcome = simulate(b, arrivals, COST)
+    assert len(outcome.runs) == 29
+    waits = [run.start - item.enqueued_at for item, run in outcome.served]
+    assert max(waits) <= 0.0005  # no waiting for company that is not coming
+    assert outcome.mean_rows() == 1
+
+
+def test_at_high_load_batches_fill() -> None:
+    # Full batches serve 64 / 3.28 ms = 19,500 rows/s; offer 15,000 a second.
+    b = batcher()
+    seeded(b, COST)
+    outcome = simulate(b, poisson(15_000, 1.0, budget=0.100), COST)
+    assert not outcome.rejected and not outcome.expired
+    late = outcome.runs[len(outcome.runs) // 5 :]  # past the first fifth, the rate is known
+    assert np.mean([sum(i.rows for i in run.items) for run in late]) >= 0.75 * MAX_ROWS
+    # Batches grow with the load: just big enough to keep the instance 80% busy.
+    sizes = []
+    for rate in (300, 3_000):
+        light = batcher()
+        seeded(light, COST)
+        sizes.append(simulate(light, poisson(rate, 1.0, budget=0.100), COST).mean_rows())
+    assert sizes[0] < 2 < sizes[1] < 16 < 0.75 * MAX_ROWS
+
+
+def test_no_admitted_request_misses_a_deadline_the_rule_could_meet() -> None:
+    rng = np.random.default_rng(3)
+    arrivals = [
+        Arrival(a.at, budget=float(rng.uniform(0.010, 0.100)), priority=int(rng.integers(1, 3)))
+        for a in poisson(12_000, 1.0, budget=0.0, seed=4)
+    ]
+    b = batcher()
+    seeded(b, COST)
+    outcome = simulate(b, arrivals, COST)
+    assert len(outcome.served) > 0.9 * len(arrivals)
+    assert not outcome.expired
+    misses = [item for item, run in outcome.served if run.end > item.deadline + 1e-9]
+    assert misses == []
+
+
+def test_a_tight_deadline_cuts_a_wait_for_company_short() -> None:
+    b = batcher()
+    seeded(b, COST)
+    # Busy traffic for a while: the batcher expects company and lets batches grow.
+    busy = poisson(14_000, 0.3, budget=0.200)
+    tight = Arrival(0.3005, budget=0.004)  # 4 ms: only a batch started at once can make it
+    outcome = simulate(b, [*busy, tight], COST)
+    served = {id(item): run for item, run in outcome.served}
+    item = next(i for i, _ in outcome.served if i.deadline - i.enqueued_at == pytest.approx(0.004))
+    assert served[id(item)].end <= item.deadline
+
+
+def test_classes_never_share_a_batch() -> None:
+    cost = lambda bucket, rows: 0.001 + (0.0001 if bucket is LONG else 0.00001) * rows  # noqa: E731
+    b = batcher()
+    seeded(b, cost, SHORT, LONG)
+    arrivals = [Arrival(0.0001 * k, 0.2, bucket=SHORT if k % 3 else LONG) for k in range(3000)]
+    outcome = simulate(b, arrivals, cost)
+    assert len(outcome.served) == 3000
+    assert all(len({item.bucket.key for item in run.items}) == 1 for run in outcome.runs)
+    assert {run.items[0].bucket.key for run in outcome.runs} == {"short", "long"}
+
+
+def test_infeasible_requests_are_refused_at_once() -> None:
+    b = batcher()
+    seeded(b, COST)
+    # Even alone, one row takes 2.02 ms: a 1 ms deadline cannot be met.
+    alone = b.offer(Item(1, SHORT, 0.0, 0.001), 0.0, [0.0])
+    assert alone is not None and alone.reason == "deadline" and "alone takes" in alone.message
+    assert len(b) == 0
+    # 20 full batches queued ahead (~66 ms of work): a 30 ms deadline cannot be met after them.
+    for _ in range(20):
+        assert b.offer(Item(MAX_ROWS, SHORT, 0.0, 1.0), 0.0, [0.0]) is None
+    behind = b.offer(Item(1, SHORT, 0.0, 0.030), 0.0, [0.0])
+    assert behind is not None and "queued ahead" in behind.message
+    assert behind.retry_after_s == pytest.approx(20 * 0.00328 + 0.00202, rel=0.05)
+    # A higher priority does not wait behind lower ones, so it gets in.
+    assert b.offer(Item(1, SHORT, 0.0, 0.030, priority=1), 0.0, [0.0]) is not None
+    urgent = Item(1, LONG, 0.0, 0.030, priority=1)
+    b2 = batcher()
+    seeded(b2, COST)
+    for _ in range(20):
+        assert b2.offer(Item(MAX_ROWS, SHORT, 0.0, 1.0, priority=2), 0.0, [0.0]) is None
+    assert b2.offer(urgent, 0.0, [0.0]) is None
+
+
+def test_higher_priority_goes_first_within_a_class() -> None:
+    b = DeadlineBatcher(max_rows=2, instances=1, max_queue=100)
+    seeded(b, COST)
+    early = [Item(1, SHORT, 0.0, 0.5, priority=2) for _ in range(3)]
+    vip = Item(1, SHORT, 0.001, 0.9, priority=1)
+    for item in [*early, vip]:
+        assert b.offer(item, item.enqueued_at, [0.0]) is None
+    first = b.poll(0.001, [0.001], draining=True).batch
+    assert first[0] is vip and first[1] is early[0]
+
+
+def test_a_queued_request_whose_deadline_passes_expires() -> None:
+    b = batcher()
+    seeded(b, COST)
+    item = Item(1, SHORT, 0.0, 0.010, hard=True)
+    soft = Item(1, SHORT, 0.0, 0.010)
+    assert b.offer(item, 0.0, [0.0]) is None
+    assert b.offer(soft, 0.0, [0.0]) is None
+    # The only instance turned out busy far longer than predicted.
+    assert b.poll(0.005, [0.030]).expired == []
+    poll = b.poll(0.009, [0.030])
+    assert poll.expired == [item] and poll.batch == [] and len(b) == 1
+    # The one without a client deadline is still served, late.
+    assert b.poll(0.030, [0.030]).batch == [soft]
+
+
+def test_a_full_queue_refuses() -> None:
+    b = batcher(max_queue=2)
+    seeded(b, COST)
+    for _ in range(2):
+        assert b.offer(Item(1, SHORT, 0.0, 1.0), 0.0, [0.0]) is None
+    refused = b.offer(Item(1, SHORT, 0.0, 1.0), 0.0, [0.0])
+    assert refused is not None and refused.reason == "queue_full"
+
+
+def test_a_new_class_starts_from_the_nearest_shorter_class() -> None:
+    from tailserve.engine.buckets import Pad
+
+    b = batcher()
+    short = Bucket("s", "len<=16", Pad("t", 1, 16, 0))
+    longer = Bucket("l", "len<=64", Pad("t", 1, 64, 0))
+    seeded(b, linear(0.001, 0.0001), short)
+    assert b.predict(longer, 10) == pytest.approx(0.001 + 0.0001 * 4 * 10, rel=0.01)
+    assert math.isfinite(b.predict(Bucket("other", "x"), 1))
