@@ -20,6 +20,7 @@ import uvicorn
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
+from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http.app import HttpApp
@@ -51,11 +52,13 @@ class Worker:
             raise ConfigError(f"model repository {settings.repository} is not a folder")
         self.settings = settings
         self.metrics = Metrics()
+        self.loop_lag = LoopLag(on_sample=self.metrics.loop_lag.child().observe)
         self.manager = ModelManager(
             Path(settings.repository),
             observer=self.metrics,
             on_ready_change=self.metrics.set_model_ready,
             drain_timeout_s=settings.drain_timeout_s,
+            loop_lag=lambda: self.loop_lag.lag_s,
         )
         self.dataplane = DataPlane(self.manager, strict_readiness=settings.strict_readiness)
         self.metrics.cost_source = self._cost_rows
@@ -118,6 +121,7 @@ class Worker:
         self, receive: Callable[[], Awaitable[dict[str, Any]]], send: Callable[..., Awaitable[None]]
     ) -> None:
         await receive()  # lifespan.startup
+        self.loop_lag.start()
         self._loading = asyncio.create_task(self._load_models(), name="load-models")
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown: uvicorn has already waited for connections
@@ -127,6 +131,7 @@ class Worker:
         if self._loading is not None:
             await asyncio.gather(self._loading, return_exceptions=True)
         await self.manager.close()
+        self.loop_lag.stop()
         if self.recorder is not None:
             self.recorder.close()
         await send({"type": "lifespan.shutdown.complete"})

@@ -45,6 +45,9 @@ def doubler_config(**changes: Any) -> dict[str, Any]:
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
         "batching": {"max_queue_delay_ms": 2, "max_queue_size": 64},
         "warmup": {"batch_sizes": [1, 4]},
+        # In-process test servers share the GIL with the test's client threads: a 50 ms SLO
+        # (the default deadline) would turn that contention into refusals.
+        "slo": {"p99_ms": 1000},
     }
     config.update(changes)
     return config

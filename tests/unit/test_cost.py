@@ -68,3 +68,12 @@ def test_a_prior_is_used_until_data_arrives_and_bad_values_are_ignored() -> None
     assert cost.observations == 0
     cost.observe(10, 0.008)
     assert cost.predict(10) == pytest.approx(0.008)
+
+
+def test_one_wild_observation_does_not_blow_the_margin_up() -> None:
+    cost = LinearCost()
+    for _ in range(20):
+        cost.observe(1, 0.002)
+    cost.observe(64, 0.400)  # a first big batch paying for its allocations
+    assert cost.error_s < 0.003
+    assert cost.bound(1) < 0.010

@@ -52,8 +52,11 @@ class Outcome:
         return float(np.mean([sum(i.rows for i in run.items) for run in self.runs]))
 
 
-def batcher(instances: int = 1, max_queue: int = 10_000) -> DeadlineBatcher:
-    return DeadlineBatcher(max_rows=MAX_ROWS, instances=instances, max_queue=max_queue)
+def batcher(
+    instances: int = 1, max_queue: int = 10_000, admission_target: float = 0.5
+) -> DeadlineBatcher:
+    return DeadlineBatcher(max_rows=MAX_ROWS, instances=instances, max_queue=max_queue,
+                           admission_target=admission_target)  # fmt: skip
 
 
 def seeded(b: DeadlineBatcher, cost: Callable[[Bucket, int], float], *buckets: Bucket) -> None:
@@ -159,7 +162,7 @@ def test_no_admitted_request_misses_a_deadline_the_rule_could_meet() -> None:
 
 
 def test_a_tight_deadline_cuts_a_wait_for_company_short() -> None:
-    b = batcher()
+    b = batcher(admission_target=1.0)  # admit up to the deadline: the dispatch rule is tested
     seeded(b, COST)
     # Busy traffic for a while: the batcher expects company and lets batches grow.
     busy = poisson(14_000, 0.3, budget=0.200)
@@ -248,3 +251,32 @@ def test_a_new_class_starts_from_the_nearest_shorter_class() -> None:
     seeded(b, linear(0.001, 0.0001), short)
     assert b.predict(longer, 10) == pytest.approx(0.001 + 0.0001 * 4 * 10, rel=0.01)
     assert math.isfinite(b.predict(Bucket("other", "x"), 1))
+
+
+def test_a_batch_holds_no_more_rows_than_can_run_before_its_deadline() -> None:
+    slow = linear(0.001, 0.001)  # 1 ms a row: 64 rows would take 65 ms
+    b = batcher()
+    seeded(b, slow)
+    for _ in range(MAX_ROWS):
+        assert b.offer(Item(1, SHORT, 0.0, 0.200), 0.0, [0.0]) is None
+    urgent = Item(1, SHORT, 0.0, 0.020)
+    assert b.offer(urgent, 0.0, [0.0]) is not None  # 65 rows ahead: refused
+    b2 = batcher()
+    seeded(b2, slow)
+    assert b2.offer(urgent, 0.0, [0.0]) is None
+    for _ in range(40):
+        assert b2.offer(Item(1, SHORT, 0.0, 0.200), 0.0, [0.0]) is None
+    batch = b2.poll(0.0, [0.0]).batch
+    assert batch[0] is urgent
+    assert 10 <= len(batch) <= 19  # what fits in the 20 ms left, not all 41
+    assert slow(SHORT, len(batch)) <= 0.020
+
+
+def test_a_lost_deadline_does_not_shrink_the_batch() -> None:
+    slow = linear(0.001, 0.001)
+    b = batcher()
+    seeded(b, slow)
+    for _ in range(40):
+        assert b.offer(Item(1, SHORT, 0.0, 0.100), 0.0, [0.0]) is None
+    # 150 ms later every member is late already (soft deadlines): batch for throughput.
+    assert len(b.poll(0.150, [0.150]).batch) == 40

@@ -168,7 +168,7 @@ def test_the_pickled_pipeline_is_the_one_the_onnx_graph_was_exported_from(tmp_pa
     from tailserve.examples import write_examples
 
     names = write_examples(tmp_path, sklearn=True)
-    assert names == ["churn", "churn_lgbm", "churn_sklearn"]
+    assert names == ["churn", "churn_lgbm", "churn_sklearn", "sentiment"]
     config = load_model_config(tmp_path / "churn_sklearn")
     assert config.runtime == "sklearn" and config.trust
     loaded = {}
@@ -181,3 +181,34 @@ def test_the_pickled_pipeline_is_the_one_the_onnx_graph_was_exported_from(tmp_pa
     sklearn_p = loaded["churn_sklearn"].predict(as_bytes(inputs))["churn_probability"]
     assert sklearn_p.shape == (500, 1)
     np.testing.assert_allclose(sklearn_p, onnx_p, atol=1e-4)
+
+
+def test_the_sentiment_model_learnt_and_padding_changes_nothing(
+    example_repository: Path,
+) -> None:
+    from tailserve.examples.sentiment import (
+        EDGES,
+        INPUT,
+        OUTPUT,
+        SEED,
+        draw_reviews,
+        pad,
+        review_lengths,
+        train,
+    )
+
+    config = load_model_config(example_repository / "sentiment")
+    assert config.batching.pad_value == 0 and config.batching.cost is not None
+    assert config.batching.cost.edges == EDGES
+    runtime = create_runtime(RuntimeContext(config, 1, example_repository / "sentiment" / "1"))
+    runtime.load()
+    weights, _ = train()  # the same seed: the same weights as the written model
+    reviews, labels = draw_reviews(np.random.default_rng(SEED + 1), 400, weights["sentiment"])
+    tight = runtime.predict({INPUT: pad(reviews)})[OUTPUT][:, 0]
+    padded = runtime.predict({INPUT: pad(reviews, 600)})[OUTPUT][:, 0]
+    np.testing.assert_allclose(padded, tight, atol=1e-6)
+    assert ((tight > 0.5) == labels).mean() > 0.7  # it learnt something (held-out reviews)
+    lengths = review_lengths(np.random.default_rng(0), 10_000)
+    assert 18 <= np.median(lengths) <= 30 and np.percentile(lengths, 99) > 150  # skewed
+
+    runtime.unload()

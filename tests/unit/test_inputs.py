@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -76,3 +77,22 @@ def test_bad_workloads_name_the_field() -> None:
         parse_workload({"model": "m", "classes": [{"rows": 0}]}, source="w.yaml")
     with pytest.raises(ConfigError, match="'colour' is not an input"):
         fields_for(CONFIG, {"colour": {"constant": 1}})
+
+
+def test_variable_lengths_are_drawn_per_request_and_pass_the_servers_checks() -> None:
+    from tailserve.examples.sentiment import model_config as sentiment_config
+
+    config = {"name": "sentiment", **sentiment_config()}
+    plan = InputPlan(parse_model_config(config, source="sentiment"))
+    w = parse_workload({"model": "sentiment", "protocol": "v2-binary", "fields": {
+        "token_ids": {"int": [1, 1999], "length": {"lognormal": [3.18, 0.95], "clip": [1, 512]}},
+    }}, source="test")  # fmt: skip
+    prepared = prepare(w, fields_for(config, w.fields), 400)
+    lengths = []
+    for item in prepared:
+        length = int(dict(item.headers)["Inference-Header-Content-Length"])
+        checked = plan.check(decode_request("sentiment", None, item.body, length).inputs)
+        lengths.append(checked.arrays["token_ids"].shape[1])
+    assert 15 <= float(np.median(lengths)) <= 35 and max(lengths) > 100 and min(lengths) >= 1
+    with pytest.raises(ConfigError, match="'length' needs a variable dimension"):
+        fields_for(CONFIG, {"tenure_months": {"int": [1, 5], "length": {"constant": 3}}})

@@ -163,13 +163,15 @@ async def test_a_deadline_that_cannot_be_met_is_refused_at_once() -> None:
 
 
 async def test_a_request_whose_deadline_passes_in_the_queue_expires_and_is_not_run() -> None:
-
     runtime = Recorder()
     runtime.release.clear()
     s = scheduler(runtime, batcher=deadline_batcher())
     s.seed(ALL, 1, 0.001)
     first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=time.monotonic() + 5))
     assert await asyncio.to_thread(runtime.entered.wait, 5)
+    # The running batch has overrun its 1 ms prediction (a stall): nothing is handed over
+    # behind it, so what waits can still expire.
+    await asyncio.sleep(0.01)
     # Admitted (the running batch was predicted to end soon), but the instance stays busy.
     late = asyncio.create_task(
         s.infer(x(1.0), 1, ALL, deadline=time.monotonic() + 0.05, hard_deadline=True)
@@ -214,3 +216,26 @@ async def test_padded_classes_pad_to_the_edge_and_split_back() -> None:
     await s.close()
     assert runtime.shapes == [(3, 16)]
     assert [int(out["n"][0, 0]) for out, _ in results] == [3, 9, 5]
+
+
+async def test_the_next_batch_waits_in_the_instances_thread_not_on_the_loop() -> None:
+    now = [0.0]
+    runtime = Recorder()
+    runtime.release.clear()
+    s = Scheduler(model="m", runtimes=[runtime], batcher=deadline_batcher(), batched=True,
+                  clock=lambda: now[0])  # fmt: skip
+    s.start()
+    s.seed(ALL, 1, 0.010)  # batches take ~10 ms
+    first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=10.0))
+    assert await asyncio.to_thread(runtime.entered.wait, 5)
+    now[0] = 0.0099  # the running batch is due to end within the loop's hand-off time
+    second = asyncio.create_task(s.infer(x(1.0), 1, ALL, deadline=10.0))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert s.queue_depth == 0  # handed to the instance already, behind the running batch
+    runtime.release.set()
+    time.sleep(0.2)  # noqa: ASYNC251 - the loop is blocked on purpose: the thread goes on
+    assert runtime.batches == [1, 1]
+    results = await asyncio.gather(first, second)
+    assert [out["y"][0, 0] for out, _ in results] == [100.0, 101.0]
+    await s.close()

@@ -38,6 +38,8 @@ class Item:
     # The client set the deadline (it gives up then): past it, the request expires. Without
     # one, the model's SLO orders and admits the request, but a late answer still goes out.
     hard: bool = False
+    # When the batcher expected it to be answered, as it admitted it.
+    estimate: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,9 @@ class Rejection:
 
 
 class Batcher(Protocol):
+    # How late the event loop runs what is ready (set by the scheduler before each offer).
+    loop_delay_s: float
+
     def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
         """Queue the request, or say why not. ``free_at``: when each instance is free."""
         ...
@@ -65,12 +70,23 @@ class Batcher(Protocol):
         """What to do now that an instance is free (``draining``: no one else is coming)."""
         ...
 
+    def shed(
+        self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
+    ) -> Rejection | None:
+        """Before a request is even read: would the least request of that priority and
+        deadline be refused? (Refusing then costs a fraction of refusing after decoding.)"""
+        ...
+
     def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
         """A batch of ``rows`` in ``bucket`` kept its instance busy ``seconds``; getting it
         there and its results back to the loop took ``overhead_s`` more."""
         ...
 
     def predict(self, bucket: Bucket, rows: int) -> float: ...
+
+    def completed(self, item: Item, done: float) -> None:
+        """The request was answered at ``done`` (to check the admission's estimate)."""
+        ...
 
     def costs(self) -> dict[str, LinearCost]:
         """The cost model of each cost class, by label."""
@@ -88,6 +104,7 @@ class _Fifo:
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
+        self.loop_delay_s = 0.0
         self.queue: deque[Item] = deque()
         self._costs: dict[Any, tuple[str, LinearCost]] = {}
 
@@ -102,6 +119,16 @@ class _Fifo:
 
     def predict(self, bucket: Bucket, rows: int) -> float:
         return self._cost(bucket).predict(rows)
+
+    def completed(self, item: Item, done: float) -> None:
+        pass
+
+    def shed(
+        self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
+    ) -> Rejection | None:
+        if len(self.queue) >= self.max_queue:
+            return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
+        return None
 
     def costs(self) -> dict[str, LinearCost]:
         return dict(self._costs.values())

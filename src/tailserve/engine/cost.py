@@ -53,7 +53,11 @@ class LinearCost:
         if seconds < 0 or rows < 1 or not math.isfinite(seconds):
             return
         if self.observations:
-            self.error_s += 0.1 * (abs(seconds - self.predict(rows)) - self.error_s)
+            # One outlier (a first allocation, a page-fault storm) must not blow the margin
+            # up so far that the class's requests are all refused, and it never learns better.
+            predicted = self.predict(rows)
+            error = min(abs(seconds - predicted), predicted)
+            self.error_s += 0.1 * (error - self.error_s)
         self.observations += 1
         d = self.decay
         x, y = float(rows), seconds

@@ -76,6 +76,17 @@ class DataPlane:
 
     # --- inference --------------------------------------------------------------------------
 
+    def shed(
+        self, name: str, version: str | None, received_at: float, deadline_ms: float | None
+    ) -> None:
+        """Before reading a request: refuse it at once if its model is already too busy for
+        any request of its deadline (the header's, else the SLO). A priority or timeout in
+        the body is not known yet: the request is taken to have the highest priority."""
+        served = self.manager.get(name, version)
+        config = served.config
+        budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
+        served.scheduler.shed(deadline=received_at + budget, priority=1)
+
     async def infer(self, request: InferRequest) -> InferResponse:
         served = self.manager.get(request.model, request.version)
         config = served.config
@@ -120,6 +131,7 @@ class DataPlane:
                 "queued": scheduler.queue_depth,
                 "busy_instances": scheduler.busy_instances,
                 "rejected": dict(scheduler.stats.rejected),
+                "delays_ms": _delays(scheduler.batcher),
                 "deadline_misses": scheduler.stats.deadline_misses,
                 "cost_model": {
                     label: _cost_document(cost, served.config.max_batch_size)
@@ -184,6 +196,13 @@ def _deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[
             f"0 or none: the default {config.batching.default_priority}), got {priority!r}"
         )
     return received + budget, hard, priority
+
+
+def _delays(batcher: Any) -> dict[str, float]:
+    """What the batcher adds to its estimates for the time outside the model (ms)."""
+    names = {"event_loop": "loop_delay_s", "hand_off": "overhead_s",
+             "admission_correction": "correction_s"}  # fmt: skip
+    return {name: getattr(batcher, attribute, 0.0) * 1e3 for name, attribute in names.items()}
 
 
 def _cost_document(cost: LinearCost, max_rows: int) -> dict[str, Any]:

@@ -5,15 +5,18 @@ of its batches (`LinearCost`) and the rate its rows arrive at. Requests of diffe
 never share a batch.
 
 **Admission.** A request is refused at once (the scheduler answers 429) when its deadline cannot
-be met: not even by a batch of its rows alone started now, or not after the work already queued
-ahead of it (same or higher priority, every class, spread over the instances) and what the
-instances are still running. Refusing early keeps the queue at what can be served in time, so
-under overload the admitted requests keep their latency (goodput) instead of all getting slow.
+be met: not even by a batch of its rows alone started now, or not within ``admission_target``
+of the time left (the rest is headroom for what the worker cannot see) after the work already
+queued ahead of it (same or higher priority, every class, spread over the instances), what the
+instances are still running, and the event loop's delays. Refusing early keeps the queue at
+what can be served in time, so under overload the admitted requests keep their latency
+(goodput) instead of all getting slow.
 
 **Dispatch.** When an instance is free, a class's batch goes when it holds its target rows, or
 when waiting longer would make its most urgent member miss its deadline (the deadline minus the
 predicted time of the batch, with the model's error margin, and the hand-off overhead: getting
-a batch to its thread and the results back to the event loop). The target is the batch size at
+a batch to its thread and the results back to the event loop). A batch never holds more rows
+than can run before that member's deadline. The target is the batch size at
 which the class's arrivals need no more than ``target_utilization`` of the instances' time:
 
     rows arriving λ a second, batches costing a + b·n:   λ·(a/n + b) <= U·k   =>   n >= λa/(Uk - λb)
@@ -43,6 +46,10 @@ from tailserve.engine.cost import LinearCost
 # _RATE_MIN_S (one arrival is not a rate of thousands a second).
 _RATE_TAU_S = 0.5
 _RATE_MIN_S = 0.05
+_NOTHING = Bucket(None, "")
+
+# The weight of each answered request in the admission's correction.
+_CORRECTION_RATE = 0.01
 
 
 @dataclass(slots=True)
@@ -140,8 +147,10 @@ class DeadlineBatcher:
         instances: int,
         max_queue: int,
         target_utilization: float = 0.8,
+        admission_target: float = 0.5,
     ) -> None:
         self.max_rows = max_rows
+        self.admission_target = admission_target
         self.instances = instances
         self.max_queue = max_queue
         self.target_utilization = target_utilization
@@ -150,6 +159,12 @@ class DeadlineBatcher:
         self._seq = itertools.count()
         # Exponentially weighted mean of a batch's hand-off overhead (seconds).
         self.overhead_s = 0.0
+        # How late the event loop runs what is ready: an answer waits about that long before
+        # its request is seen, and again before it goes out.
+        self.loop_delay_s = 0.0
+        # How much later than estimated admitted requests were answered (moving average):
+        # what the estimate leaves out (idle gaps, contention) is learnt back into it.
+        self.correction_s = 0.0
 
     def __len__(self) -> int:
         return self._queued
@@ -160,7 +175,7 @@ class DeadlineBatcher:
         if self._queued >= self.max_queue:
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         queue = self._class(item.bucket)
-        alone = queue.cost.predict(item.rows) + self.overhead_s
+        alone = queue.cost.predict(item.rows) + self.overhead_s + 2 * self.loop_delay_s
         budget = item.deadline - now
         if budget < alone:
             return Rejection(
@@ -170,7 +185,7 @@ class DeadlineBatcher:
                 1.0,
             )
         finish = self._finish_estimate(item, queue, now, free_at)
-        if finish > item.deadline:
+        if finish > now + budget * self.admission_target:
             wait = finish - now
             return Rejection(
                 "deadline",
@@ -178,13 +193,35 @@ class DeadlineBatcher:
                 f"needs ~{wait * 1000:.1f} ms",
                 wait,
             )
+        item.estimate = finish
         queue.push(item, next(self._seq))
         queue.rate.add(now, item.rows)
         self._queued += 1
         return None
 
+    def shed(
+        self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
+    ) -> Rejection | None:
+        if self._queued >= self.max_queue:
+            return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
+        empty = Item(0, _NOTHING, now, deadline, priority)
+        finish = self._finish_estimate(empty, None, now, free_at)
+        budget = deadline - now
+        if finish > now + budget * self.admission_target:
+            return Rejection(
+                "deadline",
+                f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
+                f"needs ~{(finish - now) * 1000:.1f} ms",
+                finish - now,
+            )
+        return None
+
+    def completed(self, item: Item, done: float) -> None:
+        if item.estimate:
+            self.correction_s += _CORRECTION_RATE * (done - item.estimate - self.correction_s)
+
     def _finish_estimate(
-        self, item: Item, queue: _Class, now: float, free_at: Sequence[float]
+        self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
     ) -> float:
         """When the request would be done after everything queued ahead of it (fluid estimate:
         the instances' remaining busy time and the queued work, shared between instances)."""
@@ -200,7 +237,8 @@ class DeadlineBatcher:
             variance += (full + (rest > 0)) * cost.error_s**2
         # The batches' errors are independent: their sum grows as the square root of their count.
         margin = 2.0 * math.sqrt(variance)
-        return now + (busy + work + margin) / max(1, len(free_at)) + self.overhead_s
+        delays = self.overhead_s + 2 * self.loop_delay_s + max(0.0, self.correction_s)
+        return now + (busy + work + margin) / max(1, len(free_at)) + delays
 
     # --- dispatch ---------------------------------------------------------------------------
 
@@ -208,17 +246,18 @@ class DeadlineBatcher:
         expired = self._expire(now)
         if not self._queued or not any(at <= now for at in free_at):
             return Poll(expired=expired)
-        chosen: tuple[int, float, _Class] | None = None
+        chosen: tuple[int, float, _Class, int] | None = None
         wake = math.inf
         for queue in self._classes.values():
             urgent = queue.most_urgent()
             if urgent is None:
                 continue
-            rows = queue.next_batch_rows(self.max_rows)
+            limit = self._rows_in_time(queue, urgent.deadline - now)
+            rows = queue.next_batch_rows(limit)
             latest = urgent.deadline - queue.cost.bound(rows) - self.overhead_s
             target = self._target_rows(queue, now)
-            if draining or queue.rows >= target or now >= latest:
-                key = (queue.best_priority(), latest, queue)
+            if draining or queue.rows >= min(target, limit) or now >= latest:
+                key = (queue.best_priority(), latest, queue, limit)
                 if chosen is None or key[:2] < chosen[:2]:
                     chosen = key
                 continue
@@ -226,10 +265,23 @@ class DeadlineBatcher:
             filled = now + (target - queue.rows) / rate if rate > 0 else latest
             wake = min(wake, latest, filled)
         if chosen is not None:
-            batch = chosen[2].take(self.max_rows)
+            batch = chosen[2].take(chosen[3])
             self._queued -= len(batch)
             return Poll(batch=batch, expired=expired)
         return Poll(expired=expired, wait_until=None if math.isinf(wake) else wake)
+
+    def _rows_in_time(self, queue: _Class, remaining: float) -> int:
+        """The most rows a batch may hold and still end within ``remaining`` seconds.
+
+        When not even one row can (the deadline is already lost), shrinking the batch saves
+        nothing and costs throughput, just when the queue is longest: then it is the maximum.
+        """
+        cost = queue.cost
+        spare = remaining - self.overhead_s - cost.bound(0)
+        if cost.per_row_s <= 0:
+            return self.max_rows
+        fit = int(spare / cost.per_row_s)
+        return self.max_rows if fit < 1 else min(self.max_rows, fit)
 
     def _target_rows(self, queue: _Class, now: float) -> int:
         rate = queue.rate.value(now)

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
-from tailserve.engine.batching import Batcher, Item
+from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
 from tailserve.engine.stats import ModelStats
 from tailserve.errors import (
@@ -63,6 +63,28 @@ class BatchObserver(Protocol):
     def on_reject(self, model: str, reason: str) -> None: ...
 
 
+# Batches an instance may hold: the one running and the next, queued in its thread so that
+# it starts the moment the first ends, not when the (busy) event loop gets round to it.
+_LOOKAHEAD = 2
+_MAX_HANDOFF_S = 0.02
+_MIN_WINDOW_S = 0.0005
+
+
+class _Instance:
+    """One model instance: its runtime, its own thread, and the batches handed to it."""
+
+    def __init__(self, model: str, index: int, runtime: Runtime) -> None:
+        self.index = index
+        self.runtime = runtime
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}-{index}")
+        self.outstanding = 0
+        # When its handed-over batches are predicted to be done (0: idle), and how long the
+        # last one handed over was predicted to take.
+        self.free_at = 0.0
+        self.predicted = 0.0
+        self.tasks: set[asyncio.Task[None]] = set()
+
+
 class _Pending:
     __slots__ = ("future", "inputs")
 
@@ -81,6 +103,7 @@ class Scheduler:
         batched: bool,
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        loop_lag: Callable[[], float] | None = None,
     ) -> None:
         self._model = model
         self._runtimes = list(runtimes)
@@ -88,14 +111,13 @@ class Scheduler:
         self._batched = batched
         self._observer = observer
         self._clock = clock
+        self._loop_lag = loop_lag
         self.stats = ModelStats()
         self._waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
-        # When each instance is predicted to be free again (0: it is free now).
-        self._free_at = [0.0] * len(self._runtimes)
-        self._executor = ThreadPoolExecutor(
-            max_workers=len(self._runtimes), thread_name_prefix=f"tailserve-{model}"
-        )
+        self._instances = [_Instance(model, i, runtime) for i, runtime in enumerate(runtimes)]
+        # How long the loop takes to pick a finished batch's results up (moving average).
+        self._handoff_s = 0.0005
         self._closing = False
 
     @property
@@ -104,23 +126,44 @@ class Scheduler:
 
     @property
     def busy_instances(self) -> int:
-        now = self._clock()
-        return sum(1 for at in self._free_at if at > now)
+        return sum(1 for instance in self._instances if instance.outstanding)
 
     @property
     def batcher(self) -> Batcher:
         return self._batcher
 
     def start(self) -> None:
-        for index, runtime in enumerate(self._runtimes):
+        for instance in self._instances:
             task = asyncio.create_task(
-                self._worker(index, runtime), name=f"{self._model}-instance-{index}"
+                self._worker(instance), name=f"{self._model}-instance-{instance.index}"
             )
             self._workers.append(task)
 
     def seed(self, bucket: Bucket, rows: int, seconds: float) -> None:
         """A warm-up batch's time, so the cost model starts from a measurement."""
         self._batcher.observe(bucket, rows, seconds, -1.0)
+
+    def shed(self, *, deadline: float, priority: int = 1) -> None:
+        """Refuse now, before the request is read, if even its least form would be refused."""
+        if self._closing:
+            raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
+        now = self._clock()
+        if self._loop_lag is not None:
+            self._batcher.loop_delay_s = self._loop_lag()
+        rejection = self._batcher.shed(
+            now, self._free_times(now), deadline=deadline, priority=priority
+        )
+        if rejection is not None:
+            self._refuse(rejection)
+
+    def _refuse(self, rejection: Rejection) -> NoReturn:
+        self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1
+        if self._observer is not None:
+            self._observer.on_reject(self._model, rejection.reason)
+        message = f"model {self._model!r}: {rejection.message}"
+        if rejection.reason == "queue_full":
+            raise Overloaded(message, retry_after_s=rejection.retry_after_s)
+        raise DeadlineUnmeetable(message, retry_after_s=rejection.retry_after_s)
 
     async def infer(
         self,
@@ -140,15 +183,11 @@ class Scheduler:
         )
         item = Item(rows, bucket, now, deadline, priority, _Pending(inputs, future),
                     hard=hard_deadline)  # fmt: skip
+        if self._loop_lag is not None:
+            self._batcher.loop_delay_s = self._loop_lag()
         rejection = self._batcher.offer(item, now, self._free_times(now))
         if rejection is not None:
-            self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1
-            if self._observer is not None:
-                self._observer.on_reject(self._model, rejection.reason)
-            message = f"model {self._model!r}: {rejection.message}"
-            if rejection.reason == "queue_full":
-                raise Overloaded(message, retry_after_s=rejection.retry_after_s)
-            raise DeadlineUnmeetable(message, retry_after_s=rejection.retry_after_s)
+            self._refuse(rejection)
         self._wake()
         try:
             result = await future
@@ -170,29 +209,59 @@ class Scheduler:
                 await asyncio.wait(pending)
         for item in self._batcher.drain():
             _fail([item], ModelNotReady(f"model {self._model!r} was unloaded"))
-        self._executor.shutdown(wait=False)
+        for instance in self._instances:
+            instance.executor.shutdown(wait=False)
 
     # --- the instance loop ---------------------------------------------------------------
 
-    def _free_times(self, now: float) -> list[float]:
+    def _free_times(self, now: float, polling: _Instance | None = None) -> list[float]:
         # A batch that overruns its prediction reads as "free now": the estimate, not a promise.
-        return [max(at, now) for at in self._free_at]
+        return [now if i is polling else max(i.free_at, now) for i in self._instances]
 
-    async def _worker(self, index: int, runtime: Runtime) -> None:
+    async def _worker(self, instance: _Instance) -> None:
         while True:
             now = self._clock()
-            poll = self._batcher.poll(now, self._free_times(now), draining=self._closing)
+            if instance.outstanding:
+                # Busy: the next batch is handed over only just before this one is due to end
+                # (so that it takes what arrives meanwhile): within twice the loop's recent
+                # hand-off time, as the loop may be that late to wake. Not at all once the
+                # running batch has overrun its prediction by far more than its usual noise
+                # (a stall: what waits may yet expire).
+                ahead = instance.free_at - now
+                window = 2 * self._handoff_s + _MIN_WINDOW_S
+                if instance.outstanding >= _LOOKAHEAD or -ahead > window + instance.predicted:
+                    await self._sleep(None)
+                    continue
+                if ahead > window:
+                    await self._sleep(instance.free_at - window)
+                    continue
+            poll = self._batcher.poll(now, self._free_times(now, instance), draining=self._closing)
             if poll.expired:
                 self._expire(poll.expired, now)
             batch = [item for item in poll.batch if not item.payload.future.done()]
             if batch:
-                await self._run(index, runtime, batch)
+                self._submit(instance, batch, now)
             elif poll.batch:
                 continue  # every member had gone (client disconnects): look again
             elif self._closing and not len(self._batcher):
+                if instance.tasks:
+                    await asyncio.wait(instance.tasks)
                 return
             else:
                 await self._sleep(poll.wait_until)
+
+    def _submit(self, instance: _Instance, batch: list[Item], now: float) -> None:
+        bucket = batch[0].bucket
+        rows = sum(item.rows for item in batch)
+        predicted = self._batcher.predict(bucket, rows)
+        instance.outstanding += 1
+        instance.free_at = max(instance.free_at, now) + predicted
+        instance.predicted = predicted
+        task = asyncio.get_running_loop().create_task(
+            self._run(instance, batch, bucket, rows, predicted)
+        )
+        instance.tasks.add(task)
+        task.add_done_callback(instance.tasks.discard)
 
     def _expire(self, items: list[Item], now: float) -> None:
         self.stats.rejected["expired"] = self.stats.rejected.get("expired", 0) + len(items)
@@ -207,7 +276,7 @@ class Scheduler:
             ))  # fmt: skip
 
     async def _sleep(self, until: float | None) -> None:
-        """Wait for a new arrival, a free instance, or until the clock reaches ``until``."""
+        """Wait for a new arrival, a finished batch, or until the clock reaches ``until``."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.add(waiter)
@@ -225,18 +294,16 @@ class Scheduler:
         for waiter in self._waiters:
             _resolve(waiter)
 
-    async def _run(self, index: int, runtime: Runtime, batch: list[Item]) -> None:
+    async def _run(
+        self, instance: _Instance, batch: list[Item], bucket: Bucket, rows: int, predicted: float
+    ) -> None:
         loop = asyncio.get_running_loop()
-        bucket = batch[0].bucket
-        rows = sum(item.rows for item in batch)
-        predicted = self._batcher.predict(bucket, rows)
-        started = self._clock()
-        self._free_at[index] = started + predicted
+        dispatched = self._clock()
         try:
-            outputs, compute_s = await loop.run_in_executor(
-                self._executor,
+            outputs, started, ended = await loop.run_in_executor(
+                instance.executor,
                 self._execute,
-                runtime,
+                instance.runtime,
                 [item.payload.inputs for item in batch],
                 [item.rows for item in batch],
                 bucket,
@@ -249,42 +316,48 @@ class Scheduler:
             _fail(batch, ModelExecutionError(f"model {self._model!r} failed: {exc}"))
             return
         finally:
-            self._free_at[index] = 0.0
-            # Another instance may be waiting on this one's time to start a deadline's batch.
+            instance.outstanding -= 1
+            if not instance.outstanding:
+                instance.free_at = 0.0
+            # This instance (or another, waiting on its time) may take the next batch now.
             self._wake()
         done = self._clock()
-        wall = done - started
-        # The instance was busy for compute_s; the rest is the hand-off to and from its thread
-        # (and the loop's own delay in picking the results up).
-        self._batcher.observe(bucket, rows, compute_s, wall - compute_s)
+        compute_s = ended - started
+        # What the loop added: picking the results up after the thread was done.
+        handoff = max(0.0, done - ended)
+        self._handoff_s += 0.05 * (min(handoff, _MAX_HANDOFF_S) - self._handoff_s)
+        self._batcher.observe(bucket, rows, compute_s, handoff)
         self.stats.on_batch(rows, compute_s)
         queue_times = [started - item.enqueued_at for item in batch]
         missed = 0
         for item, part, queue_s in zip(batch, outputs, queue_times, strict=True):
             missed += done > item.deadline
+            self._batcher.completed(item, done)
             future = item.payload.future
             if not future.done():
                 future.set_result((part, BatchStats(queue_s, compute_s, rows)))
         self.stats.deadline_misses += missed
         if self._observer is not None:
-            self._observer.on_batch(BatchRecord(self._model, bucket.label, rows, compute_s, wall,
-                                                predicted, queue_times, missed))  # fmt: skip
+            self._observer.on_batch(BatchRecord(self._model, bucket.label, rows, compute_s,
+                                                done - dispatched, predicted, queue_times,
+                                                missed))  # fmt: skip
 
     def _execute(
         self, runtime: Runtime, parts: list[Arrays], sizes: list[int], bucket: Bucket
-    ) -> tuple[list[Arrays], float]:
-        """In an executor thread: pad and merge the requests, predict, split the rows back."""
-        started = time.perf_counter()
+    ) -> tuple[list[Arrays], float, float]:
+        """In the instance's thread: pad and merge the requests, predict, split the rows back.
+
+        Returns the parts and when (on the scheduler's clock) the thread began and ended."""
+        started = self._clock()
         if bucket.pad is not None and (len(parts) > 1 or bucket.pad.length is not None):
             parts = pad_parts(parts, bucket.pad)
         if len(parts) == 1:
             result = runtime.predict(parts[0])
-            return [result], time.perf_counter() - started
+            return [result], started, self._clock()
         if not self._batched:
             raise ModelExecutionError(f"model {self._model!r} takes no batches")
         merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
         result = runtime.predict(merged)
-        compute_s = time.perf_counter() - started
         total = sum(sizes)
         split: list[Arrays] = [{} for _ in parts]
         for name, array in result.items():
@@ -297,7 +370,7 @@ class Scheduler:
             for position, size in enumerate(sizes):
                 split[position][name] = array[offset : offset + size]
                 offset += size
-        return split, compute_s
+        return split, started, self._clock()
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailserve.examples.churn import write_churn
+from tailserve.examples.sentiment import write_sentiment
 
 __all__ = ["write_examples"]
 
@@ -19,4 +20,4 @@ def write_examples(directory: Path | str, *, sklearn: bool = False) -> list[str]
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return write_churn(directory, sklearn=sklearn)
+    return [*write_churn(directory, sklearn=sklearn), write_sentiment(directory)]

@@ -30,8 +30,12 @@ Generator = Callable[[np.random.Generator, int], np.ndarray[Any, Any]]
 class Field:
     name: str
     datatype: str
-    row_shape: tuple[int, ...]
+    row_shape: tuple[int, ...]  # -1: a variable dimension, its length drawn per request
     draw: Generator
+    length: Generator | None = None
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        return tuple(length if d == -1 else d for d in self.row_shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +56,17 @@ def fields_for(model_config: dict[str, Any], overrides: dict[str, dict[str, Any]
     for spec in model_config["inputs"]:
         name = spec["name"]
         known.add(name)
-        row_shape = tuple(d if d > 0 else 8 for d in spec["shape"])
-        rule = overrides.get(name) or _auto_rule(spec)
-        fields.append(Field(name, spec["datatype"], row_shape, _generator(name, spec, rule)))
+        rule = dict(overrides.get(name) or _auto_rule(spec))
+        length_rule = rule.pop("length", None)
+        length = None
+        if length_rule is not None:
+            if -1 not in spec["shape"]:
+                raise ConfigError(f"workload field {name!r}: 'length' needs a variable dimension")
+            length = _generator(f"{name}.length", {"datatype": "INT64"}, length_rule)
+        # A variable dimension with no length rule: 8 long.
+        row_shape = tuple(d if d > 0 or length is not None else 8 for d in spec["shape"])
+        draw = _generator(name, spec, rule)
+        fields.append(Field(name, spec["datatype"], row_shape, draw, length))
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ConfigError(f"workload field {unknown[0]!r} is not an input of the model")
@@ -135,9 +147,9 @@ def prepare(workload: Workload, fields: Sequence[Field], count: int) -> list[Pre
         # Every key's rows come from its own slot of one vectorised draw per field: the same
         # key gives the same inputs, different keys different ones.
         field_rng = np.random.default_rng([workload.seed, cls_index])
-        columns = {f.name: f.draw(field_rng, len(wanted) * cls.rows * _size(f)) for f in fields}
+        slots = {f.name: _Slots(f, field_rng, len(wanted), cls.rows) for f in fields}
         for slot, key in enumerate(wanted):
-            rows = {f.name: _slice(columns[f.name], slot, cls.rows, f) for f in fields}
+            rows = {f.name: slots[f.name].take(slot) for f in fields}
             encoded[(cls_index, key)] = _encode(workload, fields, rows, cls.rows)
     plan = []
     path = request_path(workload)
@@ -150,13 +162,22 @@ def prepare(workload: Workload, fields: Sequence[Field], count: int) -> list[Pre
     return plan
 
 
-def _size(field: Field) -> int:
-    return int(np.prod(field.row_shape)) if field.row_shape else 1
+class _Slots:
+    """One field's values for every key of a class, drawn at once, cut per key."""
 
+    def __init__(self, field: Field, rng: np.random.Generator, keys: int, rows: int) -> None:
+        lengths = [1] * keys
+        if field.length is not None:
+            lengths = [max(1, int(n)) for n in field.length(rng, keys).tolist()]
+        self.shapes = [field.shape(length) for length in lengths]
+        sizes = [rows * int(np.prod(shape)) for shape in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        self.values = field.draw(rng, int(self.offsets[-1]))
+        self.rows = rows
 
-def _slice(column: np.ndarray[Any, Any], slot: int, rows: int, field: Field) -> Any:
-    width = rows * _size(field)
-    return column[slot * width : (slot + 1) * width].reshape(rows, *field.row_shape)
+    def take(self, slot: int) -> Any:
+        start, end = self.offsets[slot], self.offsets[slot + 1]
+        return self.values[start:end].reshape(self.rows, *self.shapes[slot])
 
 
 def _option_headers(workload: Workload) -> tuple[tuple[str, str], ...]:

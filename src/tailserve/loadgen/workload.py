@@ -17,7 +17,7 @@ warmup_s: 3                  # sent first, not measured
 slo: {p99_ms: 50}
 options: {deadline_ms: 100, priority: 1, cache: use, headers: {x-tenant: a}}
 processes: 1                 # generator processes sharing the schedule
-connections: 256             # keep-alive connections a process may open
+connections: 1024            # keep-alive connections a process may open
 model_config: churn/model.yaml   # where the inputs are described (default: the target's
                                  # GET /v2/models/{model}/config); a file or a URL
 ```
@@ -93,7 +93,9 @@ class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slo: Slo = Slo()
     options: Options = Options()
     seed: int = 1
-    connections: int = 256
+    # Enough that a server's overload reaches the server: with few, the excess would queue
+    # for a connection in the generator, where no server policy can see it.
+    connections: int = 1024
     processes: int = 1
     model_config: str | None = None
 

@@ -185,10 +185,16 @@ class Metrics:
         self.deadline_misses = LoopCounter(
             "tailserve_deadline_misses", "Requests answered after their deadline.", ["model"]
         )
+        self.loop_lag = LoopHistogram(
+            "tailserve_event_loop_lag_seconds",
+            "How late the event loop ran a timer: the wait of anything ready to run.",
+            [],
+            LATENCY_BUCKETS,
+        )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.request_latency, self.requests, self.queue_time, self.compute_time,
             self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
-            self.deadline_misses,
+            self.deadline_misses, self.loop_lag,
         ]  # fmt: skip
         self.registry.register(_LoopCollector(loop_metrics))
         # Set by the worker: the cost model of each (model, version, cost class).

@@ -73,6 +73,10 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The share of the instances' time the deadline policy plans to use: below it, batches
     # go as soon as an instance is free; above it, they wait to grow (never past a deadline).
     target_utilization: float = 0.8
+    # Admit a request only when its answer is expected within this share of the time left to
+    # its deadline: the rest is headroom for what the worker cannot see (the network, the
+    # kernel's queue, the client) and for the tail.
+    admission_target: float = 0.5
 
 
 class Instances(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -238,6 +242,8 @@ def _check_batching(config: ModelConfig, fail: Any) -> None:
         raise fail("batching.default_priority", f"must be in 1..{batching.priority_levels}")
     if not 0 < batching.target_utilization <= 1:
         raise fail("batching.target_utilization", "must be in (0, 1]")
+    if not 0 < batching.admission_target <= 1:
+        raise fail("batching.admission_target", "must be in (0, 1]")
     rule = batching.cost
     if rule is not None:
         if rule.by != "rows":

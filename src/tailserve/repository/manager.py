@@ -80,11 +80,13 @@ class ModelManager:
         observer: BatchObserver | None = None,
         on_ready_change: Callable[[str, bool], None] | None = None,
         drain_timeout_s: float = 30.0,
+        loop_lag: Callable[[], float] | None = None,
     ) -> None:
         self.repository = repository
         self._observer = observer
         self._on_ready_change = on_ready_change
         self._drain_timeout_s = drain_timeout_s
+        self._loop_lag = loop_lag
         self._models: dict[str, ModelState] = {}
         # Loads read files and build sessions: off the event loop, one at a time (2 cores).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailserve-loader")
@@ -228,6 +230,7 @@ class ModelManager:
             batcher=_batcher(config, policy),
             batched=config.batched,
             observer=self._observer,
+            loop_lag=self._loop_lag,
         )
         for bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds)
@@ -266,6 +269,7 @@ def _batcher(config: ModelConfig, policy: str) -> Batcher:
         instances=config.instances.count,
         max_queue=batching.max_queue_size,
         target_utilization=batching.target_utilization,
+        admission_target=batching.admission_target,
     )
 
 

@@ -197,6 +197,19 @@ class HttpApp:
         if not hmac.compare_digest(given, self._admin):
             raise Unauthorized("this admin route needs 'Authorization: Bearer <token>'")
 
+    def _shed(self, request: HttpRequest, model: str, version: str | None) -> None:
+        """Refuse before reading the body when the model is too busy for the deadline."""
+        deadline = request.header(b"x-deadline-ms")
+        deadline_ms = None
+        if deadline is not None:
+            try:
+                deadline_ms = float(deadline)
+            except ValueError:
+                return  # reading the request will say what is wrong with it
+            if not deadline_ms > 0:
+                return
+        self.dataplane.shed(model, version, request.received_at, deadline_ms)
+
     # --- health and metadata ----------------------------------------------------------------
 
     async def _live(self, request: HttpRequest) -> Reply:
@@ -244,6 +257,7 @@ class HttpApp:
 
     async def _infer(self, request: HttpRequest) -> Reply:
         p = request.params
+        self._shed(request, p["model"], p.get("version"))
         body = await self._read_traced(request)
         header_length = _header_length(request.header(b"inference-header-content-length"))
         infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
@@ -254,6 +268,7 @@ class HttpApp:
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
+        self._shed(request, name, None)
         config = self.dataplane.manager.get(name).config
         infer_request = kserve_v1.decode_records(name, config, await self._read_traced(request))
         _request_options(request, infer_request)

@@ -1,0 +1,211 @@
+"""Deadlines, priorities, cost classes and statistics through a real worker on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tritonclient.http as triton
+
+from support.models import doubler_config, write_model
+from support.servers import RunningWorker, run_worker, wait_for
+from tailserve.settings import Settings
+
+# After its warm-up calls, waits for a gate file before each batch and notes each batch it starts.
+HELD = """
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, version_dir, config):
+        self.gate = Path(config.parameters["gate"])
+        self.marks = Path(config.parameters["marks"])
+        self.warmup_calls = int(config.parameters["warmup_calls"])
+        self.calls = 0
+
+    def predict(self, inputs):
+        self.calls += 1
+        if self.calls > self.warmup_calls:
+            with self.marks.open("a") as marks:
+                marks.write(f"{len(inputs['x'])}\\n")
+            deadline = time.monotonic() + 20
+            while not self.gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return {"y": (inputs["x"] * 2).astype(np.float32)}
+"""
+
+# Counts each row's tokens that are not padding (0), and notes the shapes it was given.
+COUNTER = """
+from pathlib import Path
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, version_dir, config):
+        self.shapes = Path(config.parameters["shapes"])
+
+    def predict(self, inputs):
+        tokens = inputs["tokens"]
+        with self.shapes.open("a") as out:
+            out.write(f"{tokens.shape[0]} {tokens.shape[1]}\\n")
+        return {"count": (tokens != 0).sum(axis=1, keepdims=True).astype(np.int64)}
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("files")
+    return {name: folder / name for name in ("gate", "marks", "shapes")}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> Iterator[Any]:
+    repo = tmp_path_factory.mktemp("repo")
+    write_model(repo, "slow", doubler_config(
+        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 1000},
+        batching={"priority_levels": 2, "max_queue_size": 64},
+        warmup={"batch_sizes": [1, 4], "repeat": 3},
+    ))  # fmt: skip
+    write_model(repo, "held", doubler_config(
+        parameters={"gate": str(files["gate"]), "marks": str(files["marks"]), "warmup_calls": 2},
+        warmup={"batch_sizes": [1], "repeat": 2}, slo={"p99_ms": 5000},
+    ), code=HELD)  # fmt: skip
+    write_model(repo, "counter", {
+        "runtime": "python",
+        "max_batch_size": 8,
+        "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1]}],
+        "outputs": [{"name": "count", "datatype": "INT64", "shape": [1]}],
+        "batching": {"pad_value": 0, "cost": {"by": "tokens", "edges": [8, 32]}},
+        "warmup": {"batch_sizes": [1, 2], "repeat": 2},
+        "parameters": {"shapes": str(files["shapes"])},
+    }, code=COUNTER)  # fmt: skip
+    with run_worker(Settings(repository=str(repo))) as running:
+        yield running
+
+
+def body(values: list[float], **parameters: Any) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [len(values), 1], "data": values}]
+    }
+    if parameters:
+        document["parameters"] = parameters
+    return document
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_with_429(worker: RunningWorker) -> None:
+    url = f"{worker.url}/v2/models/slow/infer"
+    # A batch of this model takes ~50 ms: 10 ms is refused before anything runs.
+    refused = httpx.post(url, json=body([1.0]), headers={"X-Deadline-Ms": "10"})
+    assert refused.status_code == 429, refused.text
+    assert "cannot be met" in refused.json()["error"]
+    assert int(refused.headers["retry-after"]) >= 1
+    by_parameter = httpx.post(url, json=body([1.0], timeout=10_000))  # µs, as Triton names it
+    assert by_parameter.status_code == 429
+    # The tighter of the two wins.
+    both = httpx.post(url, json=body([1.0], timeout=10_000), headers={"X-Deadline-Ms": "5000"})
+    assert both.status_code == 429
+    served = httpx.post(url, json=body([1.0], timeout=2_000_000), headers={"X-Deadline-Ms": "900"})
+    assert served.status_code == 200 and served.json()["outputs"][0]["data"] == [3.0]
+    metrics = httpx.get(f"{worker.url}/metrics").text
+    assert 'tailserve_rejected_requests_total{model="slow",reason="deadline"} 3.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"headers": {"X-Deadline-Ms": "soon"}}, "X-Deadline-Ms must be a positive number"),
+        ({"headers": {"X-Deadline-Ms": "-3"}}, "X-Deadline-Ms must be a positive number"),
+        ({"parameters": {"timeout": -5}}, "parameter 'timeout'"),
+        ({"parameters": {"timeout": "1s"}}, "parameter 'timeout'"),
+        ({"parameters": {"priority": 3}}, "parameter 'priority' must be a whole number in 1..2"),
+        ({"parameters": {"priority": "high"}}, "parameter 'priority'"),
+        ({"headers": {"X-Priority": "first"}}, "X-Priority must be a whole number"),
+    ],
+)
+def test_bad_deadlines_and_priorities_are_400_naming_them(
+    worker: RunningWorker, kwargs: dict[str, Any], message: str
+) -> None:
+    document = body([1.0], **kwargs.get("parameters", {}))
+    reply = httpx.post(f"{worker.url}/v2/models/slow/infer", json=document,
+                       headers=kwargs.get("headers", {}))  # fmt: skip
+    assert reply.status_code == 400, reply.text
+    assert message in reply.json()["error"]
+    ok = httpx.post(f"{worker.url}/v2/models/slow/infer", json=body([1.0], priority=1))
+    assert ok.status_code == 200
+
+
+def test_a_client_deadline_expires_in_the_queue_and_an_slo_one_runs_late(
+    worker: RunningWorker, files: dict[str, Path]
+) -> None:
+    url = f"{worker.url}/v2/models/held/infer"
+    files["gate"].unlink(missing_ok=True)
+    files["marks"].unlink(missing_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(httpx.post, url, json=body([1.0]), timeout=30)
+        # The first batch holds the only instance at the gate.
+        wait_for(lambda: files["marks"].exists(), what="the first batch to start")
+        hard = pool.submit(httpx.post, url, json=body([2.0]), headers={"X-Deadline-Ms": "150"},
+                           timeout=30)  # fmt: skip
+        soft = pool.submit(httpx.post, url, json=body([3.0]), timeout=30)
+        time.sleep(0.3)  # past the 150 ms deadline while the instance is held
+        files["gate"].touch()
+        replies = [first.result(), hard.result(), soft.result()]
+    assert [r.status_code for r in replies] == [200, 504, 200], [r.text for r in replies]
+    assert "deadline can no longer be met" in replies[1].json()["error"]
+    assert replies[2].json()["outputs"][0]["data"] == [6.0]
+    # The expired request never reached the model: two batches ran after warm-up.
+    assert files["marks"].read_text().split() == ["1", "1"]
+
+
+def test_different_lengths_batch_in_their_class_padded_to_its_edge(
+    worker: RunningWorker, files: dict[str, Path]
+) -> None:
+    files["shapes"].unlink(missing_ok=True)
+    lengths = [3, 7, 5, 20, 1, 30, 8, 12]
+
+    def call(n: int) -> int:
+        document = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, n],
+                                "data": list(range(1, n + 1))}]}  # fmt: skip
+        reply = httpx.post(f"{worker.url}/v2/models/counter/infer", json=document)
+        assert reply.status_code == 200, reply.text
+        data: list[int] = reply.json()["outputs"][0]["data"]
+        return data[0]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        counts = list(pool.map(call, lengths))
+    assert counts == lengths  # padding did not change any answer
+    widths = {int(line.split()[1]) for line in files["shapes"].read_text().splitlines()}
+    assert widths <= {8, 32}  # every batch padded to its class's edge, never across classes
+
+
+def test_statistics_in_tritons_shape_with_the_batching_state(worker: RunningWorker) -> None:
+    for value in (1.0, 2.0, 3.0):
+        assert httpx.post(f"{worker.url}/v2/models/slow/infer", json=body([value])).is_success
+    client = triton.InferenceServerClient(worker.url.removeprefix("http://"))
+    try:
+        stats = client.get_inference_statistics("slow")
+    finally:
+        client.close()
+    (model,) = stats["model_stats"]
+    assert model["name"] == "slow" and model["version"] == "1"
+    assert model["inference_count"] >= 3 and model["execution_count"] >= 1
+    assert model["inference_stats"]["success"]["count"] >= 3
+    assert model["inference_stats"]["queue"]["ns"] > 0
+    assert sum(b["compute_infer"]["count"] for b in model["batch_stats"]) >= 1
+    batching = model["batching"]
+    assert batching["policy"] == "deadline"
+    costs = batching["cost_model"]["all"]
+    assert costs["observations"] >= 3
+    assert 30 <= costs["predicted_ms"]["1"] <= 200  # the model sleeps 50 ms a batch
+    every = httpx.get(f"{worker.url}/v2/models/stats").json()["model_stats"]
+    assert {m["name"] for m in every} >= {"slow", "counter", "held"}
+    assert httpx.get(f"{worker.url}/v2/models/nope/stats").status_code == 404
