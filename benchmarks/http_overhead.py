@@ -24,6 +24,8 @@ from pathlib import Path
 
 import orjson
 
+from _harness import free_port
+
 HERE = Path(__file__).resolve().parent
 BODY = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]}]})
 
@@ -92,13 +94,6 @@ inputs: [{{name: x, datatype: FP32, shape: [1]}}]
 outputs: [{{name: y, datatype: FP32, shape: [1]}}]
 batching: {{enabled: {enabled}, max_queue_delay_ms: 0}}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def cpu_seconds(pid: int) -> float:

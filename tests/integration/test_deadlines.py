@@ -209,3 +209,25 @@ def test_statistics_in_tritons_shape_with_the_batching_state(worker: RunningWork
     every = httpx.get(f"{worker.url}/v2/models/stats").json()["model_stats"]
     assert {m["name"] for m in every} >= {"slow", "counter", "held"}
     assert httpx.get(f"{worker.url}/v2/models/nope/stats").status_code == 404
+
+
+def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> None:
+    url = f"{worker.url}/v2/models/slow/infer"
+    stats_url = f"{worker.url}/v2/models/slow/stats"
+
+    def queued() -> int:
+        count: int = httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"]
+        return count
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        # Eight 4-row batches of ~50 ms each: ~400 ms of work ahead of anything new.
+        backlog = [pool.submit(httpx.post, url, json=body([1.0] * 4), timeout=30)
+                   for _ in range(8)]  # fmt: skip
+        wait_for(lambda: queued() >= 4, what="a backlog to build")
+        # Not even valid JSON: refused for its deadline before the body was read (a 400
+        # would mean it was parsed).
+        shed = httpx.post(url, content=b"{not json", headers={"X-Deadline-Ms": "100"})
+        assert shed.status_code == 429, shed.text
+        assert "queued ahead" in shed.json()["error"]
+        assert all(f.result().status_code == 200 for f in backlog)
+    assert httpx.post(url, content=b"{not json").status_code == 400

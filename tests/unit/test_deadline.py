@@ -280,3 +280,18 @@ def test_a_lost_deadline_does_not_shrink_the_batch() -> None:
         assert b.offer(Item(1, SHORT, 0.0, 0.100), 0.0, [0.0]) is None
     # 150 ms later every member is late already (soft deadlines): batch for throughput.
     assert len(b.poll(0.150, [0.150]).batch) == 40
+
+
+def test_what_admission_learnt_fades_when_nothing_is_admitted_to_correct_it() -> None:
+    b = batcher()
+    seeded(b, COST)
+    for _ in range(200):  # every answer came half a second later than admission expected
+        item = Item(1, SHORT, 0.0, 10.0)
+        assert b.offer(item, 0.0, [0.0]) is None
+        b.completed(item, item.estimate + 0.5)
+        b.poll(0.0, [0.0], draining=True)
+    refused = b.offer(Item(1, SHORT, 0.0, 0.2), 0.0, [0.0])
+    assert refused is not None and refused.reason == "deadline"
+    # Nothing admitted, nothing answered: seconds later the lesson has faded, and the
+    # batcher admits again (and learns afresh) instead of refusing everything for good.
+    assert b.offer(Item(1, SHORT, 5.0, 5.2), 5.0, [5.0]) is None

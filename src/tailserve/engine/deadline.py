@@ -50,6 +50,7 @@ _NOTHING = Bucket(None, "")
 
 # The weight of each answered request in the admission's correction.
 _CORRECTION_RATE = 0.01
+_CORRECTION_TAU_S = 0.5
 
 
 @dataclass(slots=True)
@@ -163,8 +164,10 @@ class DeadlineBatcher:
         # its request is seen, and again before it goes out.
         self.loop_delay_s = 0.0
         # How much later than estimated admitted requests were answered (moving average):
-        # what the estimate leaves out (idle gaps, contention) is learnt back into it.
+        # what the estimate leaves out (idle gaps, contention) is learnt back into it. It fades
+        # with time too: were everything refused, nothing would be answered to correct it.
         self.correction_s = 0.0
+        self._corrected_at = 0.0
 
     def __len__(self) -> int:
         return self._queued
@@ -218,7 +221,13 @@ class DeadlineBatcher:
 
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:
-            self.correction_s += _CORRECTION_RATE * (done - item.estimate - self.correction_s)
+            error = done - item.estimate
+            self.correction_s = self._correction(done)
+            self.correction_s += _CORRECTION_RATE * (error - self.correction_s)
+            self._corrected_at = done
+
+    def _correction(self, now: float) -> float:
+        return self.correction_s * math.exp(-max(0.0, now - self._corrected_at) / _CORRECTION_TAU_S)
 
     def _finish_estimate(
         self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
@@ -237,7 +246,7 @@ class DeadlineBatcher:
             variance += (full + (rest > 0)) * cost.error_s**2
         # The batches' errors are independent: their sum grows as the square root of their count.
         margin = 2.0 * math.sqrt(variance)
-        delays = self.overhead_s + 2 * self.loop_delay_s + max(0.0, self.correction_s)
+        delays = self.overhead_s + 2 * self.loop_delay_s + max(0.0, self._correction(now))
         return now + (busy + work + margin) / max(1, len(free_at)) + delays
 
     # --- dispatch ---------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""What the benchmark scripts share: servers as child processes and `tailserve bench` runs."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+HERE = Path(__file__).resolve().parent
+WORKLOADS = HERE / "workloads"
+QUIET: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+@contextlib.contextmanager
+def serving(command: Sequence[str], port: int, **popen: Any) -> Iterator[str]:
+    """A server process until the block ends; yields its URL once it is ready."""
+    process = subprocess.Popen(list(command), **{**QUIET, **popen})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def worker(repository: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "tailserve.cli", "serve", "--repository", str(repository),
+            "--host", "127.0.0.1", "--http-port", str(port), "--log-level", "warning"]  # fmt: skip
+
+
+def examples(directory: Path, *flags: str) -> Path:
+    command = [sys.executable, "-m", "tailserve.cli", "examples", str(directory), *flags]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return directory
+
+
+def one_model(source: Path, into: Path, batching: dict[str, Any] | None = None) -> Path:
+    """A repository of one model copied from ``source`` (a model folder), batching changed."""
+    target = into / source.name
+    shutil.copytree(source, target)
+    if batching:
+        config_path = target / "model.yaml"
+        config = yaml.safe_load(config_path.read_text())
+        config["batching"] = {**config.get("batching", {}), **batching}
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return into
+
+
+def workload(shipped: str, out: Path, **changes: Any) -> Path:
+    """A shipped workload with fields changed, written beside the results."""
+    spec = yaml.safe_load((WORKLOADS / shipped).read_text())
+    spec.update(changes)
+    path = out / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def bench(spec: Path, result: Path, *flags: str, echo: bool = True) -> dict[str, Any]:
+    """`tailserve bench` as its own process; the JSON result."""
+    command = [sys.executable, "-m", "tailserve.cli", "bench", str(spec), "--quiet",
+               "--out", str(result), *flags]  # fmt: skip
+    subprocess.run(command, check=True, **({} if echo else QUIET))
+    document: dict[str, Any] = orjson.loads(result.read_bytes())
+    return document
+
+
+def compare(results: Sequence[Path], report: Path) -> None:
+    command = [sys.executable, "-m", "tailserve.cli", "bench", "compare",
+               *map(str, results), "--report", str(report)]  # fmt: skip
+    subprocess.run(command, check=True)
