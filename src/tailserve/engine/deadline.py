@@ -5,12 +5,13 @@ of its batches (`LinearCost`) and the rate its rows arrive at. Requests of diffe
 never share a batch.
 
 **Admission.** A request is refused at once (the scheduler answers 429) when its deadline cannot
-be met: not even by a batch of its rows alone started now, or not within ``admission_target``
-of the time left (the rest is headroom for what the worker cannot see) after the work already
-queued ahead of it (same or higher priority, every class, spread over the instances), what the
-instances are still running, and the event loop's delays. Refusing early keeps the queue at
-what can be served in time, so under overload the admitted requests keep their latency
-(goodput) instead of all getting slow.
+be met: not even by a batch of its rows alone started now, or when the wait for the work
+queued ahead of it (same or higher priority, every class, spread over the instances) and what
+the instances are still running would take more than ``admission_target`` of the time left
+once the known delays (the hand-off, the event loop's lag before and after, a learnt
+correction) are taken off; the rest is headroom for what the worker cannot see. Refusing early
+keeps the queue at what can be served in time, so under overload the admitted requests keep
+their latency (goodput) instead of all getting slow.
 
 **Dispatch.** When an instance is free, a class's batch goes when it holds its target rows, or
 when waiting longer would make its most urgent member miss its deadline (the deadline minus the
@@ -187,16 +188,16 @@ class DeadlineBatcher:
                 f"{item.rows} row(s) alone takes ~{alone * 1000:.1f} ms",
                 1.0,
             )
-        finish = self._finish_estimate(item, queue, now, free_at)
-        if finish > now + budget * self.admission_target:
-            wait = finish - now
+        queueing, delays = self._wait_estimate(item, queue, now, free_at)
+        if queueing > (budget - delays) * self.admission_target:
+            wait = queueing + delays
             return Rejection(
                 "deadline",
                 f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
                 f"needs ~{wait * 1000:.1f} ms",
                 wait,
             )
-        item.estimate = finish
+        item.estimate = now + queueing + delays
         queue.push(item, next(self._seq))
         queue.rate.add(now, item.rows)
         self._queued += 1
@@ -208,14 +209,14 @@ class DeadlineBatcher:
         if self._queued >= self.max_queue:
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         empty = Item(0, _NOTHING, now, deadline, priority)
-        finish = self._finish_estimate(empty, None, now, free_at)
+        queueing, delays = self._wait_estimate(empty, None, now, free_at)
         budget = deadline - now
-        if finish > now + budget * self.admission_target:
+        if queueing > (budget - delays) * self.admission_target:
             return Rejection(
                 "deadline",
                 f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
-                f"needs ~{(finish - now) * 1000:.1f} ms",
-                finish - now,
+                f"needs ~{(queueing + delays) * 1000:.1f} ms",
+                queueing + delays,
             )
         return None
 
@@ -229,11 +230,13 @@ class DeadlineBatcher:
     def _correction(self, now: float) -> float:
         return self.correction_s * math.exp(-max(0.0, now - self._corrected_at) / _CORRECTION_TAU_S)
 
-    def _finish_estimate(
+    def _wait_estimate(
         self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
-    ) -> float:
-        """When the request would be done after everything queued ahead of it (fluid estimate:
-        the instances' remaining busy time and the queued work, shared between instances)."""
+    ) -> tuple[float, float]:
+        """How long until the request is answered: the queueing part (a fluid estimate: the
+        instances' remaining busy time and the work queued ahead, its own rows included, shared
+        between instances), and the delays outside the model (hand-off, the event loop before
+        and after, the learnt correction)."""
         busy = sum(max(0.0, at - now) for at in free_at)
         work = variance = 0.0
         for other in self._classes.values():
@@ -247,7 +250,7 @@ class DeadlineBatcher:
         # The batches' errors are independent: their sum grows as the square root of their count.
         margin = 2.0 * math.sqrt(variance)
         delays = self.overhead_s + 2 * self.loop_delay_s + max(0.0, self._correction(now))
-        return now + (busy + work + margin) / max(1, len(free_at)) + delays
+        return (busy + work + margin) / max(1, len(free_at)), delays
 
     # --- dispatch ---------------------------------------------------------------------------
 
