@@ -24,6 +24,7 @@ from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http.app import HttpApp
+from tailserve.protocols.http.timing import TimedHttpToolsProtocol
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
 
@@ -91,7 +92,8 @@ class Worker:
             self.app,
             host=self.settings.host,
             port=self.settings.http_port,
-            http="httptools",
+            # httptools, noting when each request began to arrive (its deadline's start).
+            http=TimedHttpToolsProtocol,
             loop="none",
             lifespan="on",
             access_log=self.settings.access_log,

@@ -177,6 +177,9 @@ def test_different_lengths_batch_in_their_class_padded_to_its_edge(
                                 "data": list(range(1, n + 1))}]}  # fmt: skip
         reply = httpx.post(f"{worker.url}/v2/models/counter/infer", json=document)
         assert reply.status_code == 200, reply.text
+        edge = 8 if n <= 8 else 32
+        assert reply.json()["parameters"]["cost_class"] == f"tokens<={edge}"
+        assert reply.headers["x-cost-class"] == f"tokens<={edge}"
         data: list[int] = reply.json()["outputs"][0]["data"]
         return data[0]
 

@@ -125,6 +125,9 @@ def test_json_infer_answers_each_row_and_says_how_it_was_served(worker: RunningW
     params = body["parameters"]
     assert params["batch_size"] >= 2
     assert params["queue_us"] >= 0 and params["compute_us"] >= 0
+    assert params["cost_class"] == "all"  # a model with one class
+    assert reply.headers["x-batch-size"] == str(params["batch_size"])
+    assert reply.headers["x-queue-us"] == str(params["queue_us"])
 
 
 def test_versioned_infer_runs_that_version(worker: RunningWorker) -> None:

@@ -112,6 +112,7 @@ class DataPlane:
                 "queue_us": int(stats.queue_s * 1e6),
                 "compute_us": int(stats.compute_s * 1e6),
                 "batch_size": stats.batch_size,
+                "cost_class": stats.cost_class,
             },
         )
 

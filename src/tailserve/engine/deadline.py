@@ -8,10 +8,10 @@ never share a batch.
 be met: not even by a batch of its rows alone started now, or when the wait for the work
 queued ahead of it (same or higher priority, every class, spread over the instances) and what
 the instances are still running would take more than ``admission_target`` of the time left
-once the known delays (the hand-off, the event loop's lag before and after, a learnt
-correction) are taken off; the rest is headroom for what the worker cannot see. Refusing early
-keeps the queue at what can be served in time, so under overload the admitted requests keep
-their latency (goodput) instead of all getting slow.
+once the known delays (the hand-off, the event loop's lag once, for the answer going out,
+a learnt correction) are taken off; the rest is headroom for what the worker cannot see.
+Refusing early keeps the queue at what can be served in time, so under overload the admitted
+requests keep their latency (goodput) instead of all getting slow.
 
 **Dispatch.** When an instance is free, a class's batch goes when it holds its target rows, or
 when waiting longer would make its most urgent member miss its deadline (the deadline minus the
@@ -23,8 +23,10 @@ which the class's arrivals need no more than ``target_utilization`` of the insta
     rows arriving λ a second, batches costing a + b·n:   λ·(a/n + b) <= U·k   =>   n >= λa/(Uk - λb)
 
 At low load that is one row (no wait at all); as the load nears capacity it climbs to the
-maximum (full batches). A class that is ready goes before one that may still wait; among the
-ready, the higher priority and then the earlier latest start goes first.
+maximum (full batches). While the event loop lags (it is then the bottleneck, not the
+instances), the target is at least the rows that arrive within the lag. A class that is ready
+goes before one that may still wait; among the ready, the higher priority and then the earlier
+latest start goes first.
 
 **Expiry.** A queued request with a client-set deadline that can no longer be met even if it
 ran now is returned as expired (the scheduler answers 504) rather than run to no one's benefit.
@@ -162,7 +164,8 @@ class DeadlineBatcher:
         # Exponentially weighted mean of a batch's hand-off overhead (seconds).
         self.overhead_s = 0.0
         # How late the event loop runs what is ready: an answer waits about that long before
-        # its request is seen, and again before it goes out.
+        # it goes out. (The wait before its request was seen is inside its budget already:
+        # the deadline counts from when the server began to read it.)
         self.loop_delay_s = 0.0
         # How much later than estimated admitted requests were answered (moving average):
         # what the estimate leaves out (idle gaps, contention) is learnt back into it. It fades
@@ -179,7 +182,7 @@ class DeadlineBatcher:
         if self._queued >= self.max_queue:
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         queue = self._class(item.bucket)
-        alone = queue.cost.predict(item.rows) + self.overhead_s + 2 * self.loop_delay_s
+        alone = queue.cost.predict(item.rows) + self.overhead_s + self.loop_delay_s
         budget = item.deadline - now
         if budget < alone:
             return Rejection(
@@ -249,7 +252,7 @@ class DeadlineBatcher:
             variance += (full + (rest > 0)) * cost.error_s**2
         # The batches' errors are independent: their sum grows as the square root of their count.
         margin = 2.0 * math.sqrt(variance)
-        delays = self.overhead_s + 2 * self.loop_delay_s + max(0.0, self._correction(now))
+        delays = self.overhead_s + self.loop_delay_s + max(0.0, self._correction(now))
         return (busy + work + margin) / max(1, len(free_at)), delays
 
     # --- dispatch ---------------------------------------------------------------------------
@@ -299,7 +302,9 @@ class DeadlineBatcher:
         rate = queue.rate.value(now)
         if rate <= 0:
             return 1
-        fixed, per_row = queue.cost.fixed_s, queue.cost.per_row_s
+        # Each batch also costs the event loop its hand-off (dispatch, results back): where the
+        # loop is the bottleneck, that is the fixed cost that batching amortises.
+        fixed, per_row = queue.cost.fixed_s + self.overhead_s, queue.cost.per_row_s
         # The instance time the other classes need at the least (their per-row part).
         others = sum(
             other.rate.value(now) * other.cost.per_row_s
@@ -309,7 +314,11 @@ class DeadlineBatcher:
         room = self.target_utilization * self.instances - others - rate * per_row
         if room <= 0:
             return self.max_rows
-        return max(1, min(self.max_rows, math.ceil(rate * fixed / room)))
+        # While the event loop lags, every answer already waits about that long to go out:
+        # waiting as long for company costs little, and fewer, fuller batches give the loop
+        # (the bottleneck then, not the instances) less to do.
+        lagged = rate * self.loop_delay_s
+        return max(1, min(self.max_rows, math.ceil(max(rate * fixed / room, lagged))))
 
     def _expire(self, now: float) -> list[Item]:
         expired: list[Item] = []

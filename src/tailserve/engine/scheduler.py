@@ -41,6 +41,7 @@ class BatchStats:
     queue_s: float
     compute_s: float
     batch_size: int
+    cost_class: str = "all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +229,9 @@ class Scheduler:
                 # running batch has overrun its prediction by far more than its usual noise
                 # (a stall: what waits may yet expire).
                 ahead = instance.free_at - now
-                window = 2 * self._handoff_s + _MIN_WINDOW_S
+                # (At most half the running batch's time: a cheap batch handed a successor at
+                # once would leave it nothing to gather.)
+                window = min(2 * self._handoff_s + _MIN_WINDOW_S, instance.predicted / 2)
                 if instance.outstanding >= _LOOKAHEAD or -ahead > window + instance.predicted:
                     await self._sleep(None)
                     continue
@@ -335,7 +338,7 @@ class Scheduler:
             self._batcher.completed(item, done)
             future = item.payload.future
             if not future.done():
-                future.set_result((part, BatchStats(queue_s, compute_s, rows)))
+                future.set_result((part, BatchStats(queue_s, compute_s, rows, bucket.label)))
         self.stats.deadline_misses += missed
         if self._observer is not None:
             self._observer.on_batch(BatchRecord(self._model, bucket.label, rows, compute_s,

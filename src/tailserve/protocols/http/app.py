@@ -27,6 +27,7 @@ from tailserve.protocols.http import kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.routes import Router
+from tailserve.protocols.http.timing import RECEIVED
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class HttpRequest:
         self._receive = receive
         self.params = params
         self.max_body_bytes = max_body_bytes
-        # Deadlines count from here: the clock is the scheduler's (time.monotonic).
-        self.received_at = time.monotonic()
+        # Deadlines count from here: when the server began to read the request (or, under
+        # another server than ours, now); the clock is the scheduler's (time.monotonic).
+        self.received_at: float = scope.get(RECEIVED) or time.monotonic()
 
     @property
     def method(self) -> str:
@@ -334,6 +336,7 @@ def _served_headers(response: InferResponse) -> Headers:
         (b"x-queue-us", str(params["queue_us"]).encode()),
         (b"x-compute-us", str(params["compute_us"]).encode()),
         (b"x-batch-size", str(params["batch_size"]).encode()),
+        (b"x-cost-class", str(params["cost_class"]).encode()),
     ]
 
 
