@@ -56,9 +56,10 @@ def serving(command: Sequence[str], port: int, **popen: Any) -> Iterator[str]:
         process.wait(timeout=60)
 
 
-def worker(repository: Path, port: int) -> list[str]:
+def worker(repository: Path, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "tailserve.cli", "serve", "--repository", str(repository),
-            "--host", "127.0.0.1", "--http-port", str(port), "--log-level", "warning"]  # fmt: skip
+            "--host", "127.0.0.1", "--http-port", str(port), "--log-level", "warning",
+            *flags]  # fmt: skip
 
 
 def examples(directory: Path, *flags: str) -> Path:
@@ -67,16 +68,58 @@ def examples(directory: Path, *flags: str) -> Path:
     return directory
 
 
-def one_model(source: Path, into: Path, batching: dict[str, Any] | None = None) -> Path:
-    """A repository of one model copied from ``source`` (a model folder), batching changed."""
+def one_model(
+    source: Path,
+    into: Path,
+    batching: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
+) -> Path:
+    """A repository of one model copied from ``source`` (a model folder), with its batching
+    and cache settings changed (``cache`` replaces the whole section; {} turns it off)."""
     target = into / source.name
     shutil.copytree(source, target)
+    config_path = target / "model.yaml"
+    config = yaml.safe_load(config_path.read_text())
     if batching:
-        config_path = target / "model.yaml"
-        config = yaml.safe_load(config_path.read_text())
         config["batching"] = {**config.get("batching", {}), **batching}
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    if cache is not None:
+        config["cache"] = cache
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     return into
+
+
+@contextlib.contextmanager
+def redis(workdir: Path) -> Iterator[str]:
+    """A private redis-server on a free loopback port for one benchmark; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+    process = subprocess.Popen(command, **QUIET)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    break
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def redis_command(url: str, *args: str) -> bytes:
+    """One command to the Redis at ``url`` (RESP over a socket; no client library needed)."""
+    host_port = url.split("//", 1)[1].split("/", 1)[0]
+    host, port = host_port.rsplit(":", 1)
+    payload = f"*{len(args)}\r\n" + "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(payload.encode())
+        return conn.recv(65536)
 
 
 def workload(shipped: str, out: Path, **changes: Any) -> Path:

@@ -42,7 +42,8 @@ def measure(model: str, policy: str, examples: Path, work: Path, out: Path,
             args: argparse.Namespace, reference: float | None) -> dict[str, Any]:  # fmt: skip
     """One policy's figures; ``reference``: the deadline batcher's capacity, once known."""
     workload_file, start_rps, max_rows = MODELS[model]
-    repo = h.one_model(examples / model, work / f"{model}-{policy}", POLICIES[policy])
+    # No result cache: this compares batchers on work that must be computed.
+    repo = h.one_model(examples / model, work / f"{model}-{policy}", POLICIES[policy], cache={})
     port = h.free_port()
     name = f"{model}-{policy}"
     spec = h.workload(workload_file, out, name=name, target=f"http://127.0.0.1:{port}",

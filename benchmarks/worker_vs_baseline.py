@@ -45,6 +45,7 @@ def repositories(work: Path) -> dict[str, Path]:
         for config_path in repo.glob("*/model.yaml"):
             config = yaml.safe_load(config_path.read_text())
             config["batching"]["enabled"] = enabled
+            config.pop("cache", None)  # unique inputs: the baselines have no cache either
             config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         repos[kind] = repo
     return repos

@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from tailserve.cache.redis import RedisTier, connect
+from tailserve.cache.tiered import ResultCache
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
 from tailserve.observability.loop_lag import LoopLag
@@ -25,8 +29,12 @@ from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http.app import HttpApp
 from tailserve.protocols.http.timing import TimedHttpToolsProtocol
+from tailserve.repository.config import FeaturesConfig
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
+
+if TYPE_CHECKING:
+    from tailserve.cache.features import FeatureResolver, FeatureStore
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +62,25 @@ class Worker:
         self.settings = settings
         self.metrics = Metrics()
         self.loop_lag = LoopLag(on_sample=self.metrics.loop_lag.child().observe)
+        self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.cache = ResultCache(
+            redis=self._redis_tier(), worker_id=self.worker_id, observer=self.metrics
+        )
+        self.metrics.cache_source = self.cache
+        # Made when the first model that reads the feature store loads.
+        self.feature_store: FeatureStore | None = None
         self.manager = ModelManager(
             Path(settings.repository),
             observer=self.metrics,
             on_ready_change=self.metrics.set_model_ready,
             drain_timeout_s=settings.drain_timeout_s,
             loop_lag=lambda: self.loop_lag.lag_s,
+            cache=self.cache,
+            feature_resolver=self._feature_resolver if settings.redis_url else None,
         )
-        self.dataplane = DataPlane(self.manager, strict_readiness=settings.strict_readiness)
+        self.dataplane = DataPlane(
+            self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
+        )
         self.metrics.cost_source = self._cost_rows
         self.recorder = None
         if settings.trace_file:
@@ -77,6 +96,34 @@ class Worker:
         self._loading: asyncio.Task[None] | None = None
         self._uvicorn: _Uvicorn | None = None
         self.loaded = asyncio.Event()
+
+    def _redis_client(self, **options: Any) -> Any:
+        assert self.settings.redis_url is not None
+        return connect(self.settings.redis_url, cluster=self.settings.redis_cluster, **options)
+
+    def _redis_tier(self) -> RedisTier | None:
+        if not self.settings.redis_url:
+            return None
+        observe = self.metrics.cache_l2_latency.child().observe
+        return RedisTier(
+            self._redis_client(),
+            budget_s=self.settings.cache_l2_budget_ms / 1e3,
+            cluster=self.settings.redis_cluster,
+            on_latency=observe,
+        )
+
+    def _pubsub_client(self) -> Any:
+        # Pub/sub needs a plain connection (on a cluster, any node hears every PUBLISH), and
+        # no socket timeout: it waits for messages.
+        assert self.settings.redis_url is not None
+        return connect(self.settings.redis_url, timeout_s=1.0, socket_timeout=None)
+
+    def _feature_resolver(self, config: FeaturesConfig) -> FeatureResolver:
+        from tailserve.cache.features import FeatureResolver, FeatureStore
+
+        if self.feature_store is None:
+            self.feature_store = FeatureStore(self._redis_client())
+        return FeatureResolver(config, self.feature_store, time.monotonic)
 
     def _cost_rows(self) -> list[CostRow]:
         rows = []
@@ -124,6 +171,9 @@ class Worker:
     ) -> None:
         await receive()  # lifespan.startup
         self.loop_lag.start()
+        if self.cache.redis is not None:
+            await self.cache.redis.connect()
+            self.cache.start_listening(self._pubsub_client)
         self._loading = asyncio.create_task(self._load_models(), name="load-models")
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown: uvicorn has already waited for connections
@@ -133,6 +183,9 @@ class Worker:
         if self._loading is not None:
             await asyncio.gather(self._loading, return_exceptions=True)
         await self.manager.close()
+        await self.cache.close()
+        if self.feature_store is not None:
+            await self.feature_store.close()
         self.loop_lag.stop()
         if self.recorder is not None:
             self.recorder.close()

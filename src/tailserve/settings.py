@@ -26,6 +26,12 @@ class Settings:
     http_port: int = 8000
     grpc_port: int = 8001
     redis_url: str | None = None
+    # The Redis URL names one node of a Redis Cluster (keys carry hash tags per model).
+    redis_cluster: bool = False
+    # The most a result cache lookup waits for Redis before counting it a miss.
+    cache_l2_budget_ms: float = 5.0
+    # How this worker signs what it computes (cache lineage); default host:pid.
+    worker_id: str | None = None
     # Admin routes (repository load/unload/index) need this bearer token when it is set.
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024

@@ -13,19 +13,32 @@ import msgspec
 import numpy as np
 
 from tailserve import __version__
+from tailserve.cache import ResultCache, keys
+from tailserve.cache.entry import Outputs
+from tailserve.cache.tiered import MODES, Mode
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
+from tailserve.engine.scheduler import BatchStats
 from tailserve.errors import InvalidInput, ModelNotFound
 from tailserve.repository.config import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
 from tailserve.tensors import Tensor, numpy_dtype
 
+_CACHED = BatchStats(0.0, 0.0, 0, "")
+
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
 
 class DataPlane:
-    def __init__(self, manager: ModelManager, *, strict_readiness: bool = False) -> None:
+    def __init__(
+        self,
+        manager: ModelManager,
+        *,
+        strict_readiness: bool = False,
+        cache: ResultCache | None = None,
+    ) -> None:
         self.manager = manager
+        self.cache = cache
         self._strict = strict_readiness
         self.initial_load_done = False
         self.draining = False
@@ -92,29 +105,75 @@ class DataPlane:
         config = served.config
         wanted = _wanted_outputs(config, request)
         deadline, hard, priority = _deadline_and_priority(config, request)
-        checked = served.plan.check(request.inputs)
-        bucket = served.buckets.classify(checked)
-        outputs, stats = await served.scheduler.infer(
-            checked.arrays, checked.rows, bucket,
-            deadline=deadline, priority=priority, hard_deadline=hard,
-        )  # fmt: skip
+
+        async def compute() -> tuple[Outputs, BatchStats]:
+            inputs = request.inputs
+            if served.features is not None:
+                inputs = await served.features.resolve(inputs)
+            checked = served.plan.check(inputs)
+            bucket = served.buckets.classify(checked)
+            return await served.scheduler.infer(
+                checked.arrays, checked.rows, bucket,
+                deadline=deadline, priority=priority, hard_deadline=hard,
+            )  # fmt: skip
+
+        view = served.cache
+        parameters: dict[str, Any] = {"model_version": str(served.version)}
+        if view is None or self.cache is None:
+            outputs, stats = await compute()
+        else:
+            mode = _cache_mode(request)
+            key = view.keys.key(request.inputs, request.parameters)
+            answer = await self.cache.serve(view, key, mode, compute)
+            outputs, stats = answer.outputs, answer.extra
+            parameters["cache"] = answer.source
+            if answer.lineage is not None and stats is None:
+                lineage = answer.lineage
+                parameters["cache_computed_at"] = lineage.computed_at
+                parameters["cache_computed_by"] = lineage.computed_by
+        if stats is None:  # answered from the cache: no queue, no batch
+            stats = _CACHED
+        parameters.update(
+            queue_us=int(stats.queue_s * 1e6),
+            compute_us=int(stats.compute_s * 1e6),
+            batch_size=stats.batch_size,
+            cost_class=stats.cost_class,
+        )
         tensors = []
-        for name, spec_datatype, parameters in wanted:
+        for name, spec_datatype, tensor_parameters in wanted:
             array = np.asarray(outputs[name], dtype=numpy_dtype(spec_datatype))
-            tensors.append(Tensor(name, spec_datatype, array, parameters))
+            tensors.append(Tensor(name, spec_datatype, array, tensor_parameters))
         return InferResponse(
             model=request.model,
             version=str(served.version),
             outputs=tensors,
             id=request.id,
-            parameters={
-                "model_version": str(served.version),
-                "queue_us": int(stats.queue_s * 1e6),
-                "compute_us": int(stats.compute_s * 1e6),
-                "batch_size": stats.batch_size,
-                "cost_class": stats.cost_class,
-            },
+            parameters=parameters,
         )
+
+    async def invalidate(
+        self, model: str | None = None, version: str | None = None, prefix: str | None = None
+    ) -> dict[str, Any]:
+        """Drop cached results by model, version or key prefix, on every worker."""
+        if self.cache is None:
+            raise InvalidInput("this worker has no result cache")
+        if prefix is not None:
+            if model is not None or version is not None:
+                raise InvalidInput("give either a key 'prefix' or a 'model' (and 'version')")
+            if not isinstance(prefix, str) or not prefix.startswith(keys.PREFIX + ":"):
+                raise InvalidInput(f"'prefix' must be a cache key prefix starting with "
+                                   f"{keys.PREFIX + ':'!r}, got {prefix!r}")  # fmt: skip
+            chosen = prefix
+        elif model is not None:
+            if not isinstance(model, str):
+                raise InvalidInput(f"'model' must be a model name, got {model!r}")
+            chosen = keys.model_prefix(model)
+            if version is not None:
+                chosen = keys.version_prefix(model, _as_int(str(version)))
+        else:
+            raise InvalidInput("say what to invalidate: 'model' (and 'version') or 'prefix'")
+        report = await self.cache.invalidate(chosen)
+        return {"prefix": chosen, **report}
 
     def model_stats(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics extension document, with tailserve's batching state added."""
@@ -139,8 +198,23 @@ class DataPlane:
                     for label, cost in scheduler.batcher.costs().items()
                 },
             }
+            if served.cache is not None:
+                l1 = served.cache.l1
+                document["cache"] = {
+                    "l1": {"entries": len(l1), "bytes": l1.bytes, "evictions": l1.evictions,
+                           "policy": l1.policy, "max_entries": l1.max_entries,
+                           "max_bytes": l1.max_bytes},
+                    "l2": self._l2_state(),
+                    "key_prefix": served.cache.keys.prefix,
+                }  # fmt: skip
             documents.append(document)
         return {"model_stats": documents}
+
+    def _l2_state(self) -> dict[str, Any] | None:
+        redis = self.cache.redis if self.cache is not None else None
+        if redis is None:
+            return None
+        return {"breaker": redis.breaker.state.name.lower(), "skipped": redis.skipped}
 
     # --- repository -------------------------------------------------------------------------
 
@@ -197,6 +271,15 @@ def _deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[
             f"0 or none: the default {config.batching.default_priority}), got {priority!r}"
         )
     return received + budget, hard, priority
+
+
+def _cache_mode(request: InferRequest) -> Mode:
+    mode = request.parameters.get("cache", request.cache_mode)
+    if mode is None:
+        return "use"
+    if mode not in MODES:
+        raise InvalidInput(f"parameter 'cache' must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode  # type: ignore[no-any-return]
 
 
 def _delays(batcher: Any) -> dict[str, float]:

@@ -28,6 +28,8 @@ class InferRequest:
     # (`timeout` in µs, `priority`) carry the same and the tighter deadline wins.
     deadline_ms: float | None = None
     priority: int | None = None
+    # use | bypass | refresh, from the X-Cache-Mode header (the `cache` parameter wins).
+    cache_mode: str | None = None
 
 
 @dataclass(slots=True)

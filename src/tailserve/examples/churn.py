@@ -171,6 +171,14 @@ def model_config(runtime: str) -> dict[str, Any]:
         "version_policy": {"latest": 1},
         "warmup": {"batch_sizes": [1, 16, 256], "repeat": 2},
         "slo": {"p99_ms": 50},
+        # Customers come back: their scores are cached for 5 minutes (then served stale for
+        # up to a minute while one request recomputes them), in-process and in Redis.
+        "cache": {
+            "enabled": True,
+            "ttl_s": 300,
+            "stale_s": 60,
+            "l1": {"max_entries": 100_000, "max_bytes": 64 * 1024 * 1024, "policy": "tinylfu"},
+        },
     }
 
 

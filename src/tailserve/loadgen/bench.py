@@ -2,8 +2,9 @@
 
 One run sends the workload's schedule. ``rates`` runs it at each of several offered rates in
 turn (a load curve); ``find_capacity`` searches for the SLO capacity (`loadgen.capacity`). Each
-step of a curve or search gets its own seed, so with unique keys no step repeats another's
-inputs (a result cache cannot flatter the later steps).
+step of a curve or search gets its own seed (arrivals and key draws), while a key keeps its
+inputs: with unique keys no step repeats another's inputs (a result cache cannot flatter the
+later steps), with Zipf keys the popular ones come back as the same requests.
 
 With ``processes > 1`` the schedule is split between that many generator processes (each
 sends every n-th request) that start on one shared instant; their samples are merged.
@@ -125,7 +126,8 @@ def at_rate(workload: Workload, rate: float, *, seed: int) -> Workload:
     """The workload at one offered rate (Poisson unless it asked for constant arrivals)."""
     constant = workload.schedule.kind == "constant"
     schedule = Schedule(kind="constant" if constant else "poisson", rate=rate)
-    return workload.with_overrides(schedule=schedule, seed=seed)
+    input_seed = workload.input_seed if workload.input_seed is not None else workload.seed
+    return workload.with_overrides(schedule=schedule, seed=seed, input_seed=input_seed)
 
 
 def run_step(

@@ -124,7 +124,9 @@ def _generator(name: str, spec: dict[str, Any], rule: dict[str, Any]) -> Generat
 def draw_keys(workload: Workload, count: int, rng: np.random.Generator) -> np.ndarray[Any, Any]:
     keys = workload.keys
     if keys.space == "unique":
-        return np.arange(count)
+        # Keys of their own per seed: the steps of a search never repeat each other's inputs.
+        base = 0 if workload.input_seed in (None, workload.seed) else (workload.seed & 0xFFFF) << 32
+        return np.arange(count, dtype=np.int64) + base
     if keys.space == "uniform":
         return rng.integers(0, keys.size, size=count)
     ranks = np.arange(1, keys.size + 1, dtype=float)
@@ -140,16 +142,19 @@ def prepare(workload: Workload, fields: Sequence[Field], count: int) -> list[Pre
     keys = draw_keys(workload, count, rng)
     headers = _option_headers(workload)
     encoded: dict[tuple[int, int], tuple[bytes, int | None]] = {}
+    input_seed = workload.input_seed if workload.input_seed is not None else workload.seed
     for cls_index, cls in enumerate(workload.classes):
         wanted = sorted({int(k) for k, c in zip(keys, classes, strict=True) if c == cls_index})
         if not wanted:
             continue
-        # Every key's rows come from its own slot of one vectorised draw per field: the same
-        # key gives the same inputs, different keys different ones.
-        field_rng = np.random.default_rng([workload.seed, cls_index])
-        slots = {f.name: _Slots(f, field_rng, len(wanted), cls.rows) for f in fields}
-        for slot, key in enumerate(wanted):
-            rows = {f.name: slots[f.name].take(slot) for f in fields}
+        # A key's rows depend on the key alone (its chunk of one vectorised draw per field):
+        # the same key gives the same inputs in every run and step, different keys different.
+        slots = {
+            f.name: _Slots(f, [input_seed, cls_index, i], wanted, cls.rows)
+            for i, f in enumerate(fields)
+        }
+        for key in wanted:
+            rows = {f.name: slots[f.name].take(key) for f in fields}
             encoded[(cls_index, key)] = _encode(workload, fields, rows, cls.rows)
     plan = []
     path = request_path(workload)
@@ -162,22 +167,33 @@ def prepare(workload: Workload, fields: Sequence[Field], count: int) -> list[Pre
     return plan
 
 
+_CHUNK_BITS = 12  # keys are drawn in chunks of 4,096
+
+
 class _Slots:
-    """One field's values for every key of a class, drawn at once, cut per key."""
+    """One field's values for the wanted keys of a class: drawn a chunk of keys at a time,
+    each chunk from its own seed, so a key's values do not depend on which others are wanted."""
 
-    def __init__(self, field: Field, rng: np.random.Generator, keys: int, rows: int) -> None:
-        lengths = [1] * keys
-        if field.length is not None:
-            lengths = [max(1, int(n)) for n in field.length(rng, keys).tolist()]
-        self.shapes = [field.shape(length) for length in lengths]
-        sizes = [rows * int(np.prod(shape)) for shape in self.shapes]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        self.values = field.draw(rng, int(self.offsets[-1]))
+    def __init__(self, field: Field, seed: list[int], keys: Sequence[int], rows: int) -> None:
+        self.field = field
         self.rows = rows
+        self._chunks: dict[int, tuple[Any, Any, Any]] = {}
+        size = 1 << _CHUNK_BITS
+        fixed = int(np.prod([d for d in field.row_shape if d != -1]))
+        for chunk in sorted({key >> _CHUNK_BITS for key in keys}):
+            rng = np.random.default_rng([*seed, chunk])
+            if field.length is None:
+                lengths = np.ones(size, dtype=np.int64)
+            else:
+                lengths = np.maximum(1, field.length(rng, size).astype(np.int64))
+            offsets = np.concatenate([[0], np.cumsum(rows * fixed * lengths)])
+            self._chunks[chunk] = (lengths, offsets, field.draw(rng, int(offsets[-1])))
 
-    def take(self, slot: int) -> Any:
-        start, end = self.offsets[slot], self.offsets[slot + 1]
-        return self.values[start:end].reshape(self.rows, *self.shapes[slot])
+    def take(self, key: int) -> Any:
+        lengths, offsets, values = self._chunks[key >> _CHUNK_BITS]
+        slot = key & ((1 << _CHUNK_BITS) - 1)
+        start, end = int(offsets[slot]), int(offsets[slot + 1])
+        return values[start:end].reshape(self.rows, *self.field.shape(int(lengths[slot])))
 
 
 def _option_headers(workload: Workload) -> tuple[tuple[str, str], ...]:
@@ -191,7 +207,7 @@ def _option_headers(workload: Workload) -> tuple[tuple[str, str], ...]:
         if options.priority is not None:
             headers["X-Priority"] = str(options.priority)
         if options.cache is not None:
-            headers["X-Cache"] = options.cache
+            headers["X-Cache-Mode"] = options.cache
     return tuple(headers.items())
 
 

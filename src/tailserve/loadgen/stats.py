@@ -125,9 +125,16 @@ def server_account(samples: Samples, measured: Mask) -> dict[str, Any]:
         account["batch_size_p50"] = float(np.percentile(sizes, 50))
     tiers = samples.cache[measured]
     if (tiers > 0).any():
-        account["cache"] = {
-            CACHE_TIERS[code]: int((tiers == code).sum())
-            for code in np.unique(tiers[tiers > 0]).tolist()
+        codes = np.unique(tiers[tiers > 0]).tolist()
+        account["cache"] = {CACHE_TIERS[code]: int((tiers == code).sum()) for code in codes}
+        # Each tier's own latency: the hit path apart from the misses that computed.
+        latency_ms = samples.latency[measured] * 1000.0
+        account["cache_latency_ms"] = {
+            CACHE_TIERS[code]: {
+                "p50": float(np.nanpercentile(latency_ms[tiers == code], 50)),
+                "p99": float(np.nanpercentile(latency_ms[tiers == code], 99)),
+            }
+            for code in codes
         }
     return account
 

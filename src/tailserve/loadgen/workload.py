@@ -93,6 +93,10 @@ class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slo: Slo = Slo()
     options: Options = Options()
     seed: int = 1
+    # What each key's inputs are drawn from (default: ``seed``). The steps of a curve or a
+    # capacity search change ``seed`` (new arrivals, new key draws) but keep this, so a key
+    # means the same inputs in every step, as a returning customer does for a cache.
+    input_seed: int | None = None
     # Enough that a server's overload reaches the server: with few, the excess would queue
     # for a connection in the generator, where no server policy can see it.
     connections: int = 1024

@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import (
@@ -23,6 +24,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from tailserve.engine.scheduler import BatchRecord
+
+if TYPE_CHECKING:
+    from tailserve.cache.tiered import ResultCache
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -132,6 +136,35 @@ class _CostCollector(Collector):
         yield per_row
 
 
+class _CacheStateCollector(Collector):
+    """L1 sizes and the L2 breaker, read from the cache when scraped."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self._metrics.cache_source
+        entries = GaugeMetricFamily(
+            "tailserve_cache_entries", "Results held in L1, by model.", labels=["model"]
+        )
+        size = GaugeMetricFamily(
+            "tailserve_cache_bytes", "Bytes of results held in L1, by model.", labels=["model"]
+        )
+        breaker = GaugeMetricFamily(
+            "tailserve_cache_l2_breaker_state",
+            "The Redis tier's circuit breaker: 0 closed, 1 open, 2 half-open.",
+        )
+        if cache is not None:
+            for model, l1 in cache.l1s().items():
+                entries.add_metric([model], len(l1))
+                size.add_metric([model], l1.bytes)
+            if cache.redis is not None:
+                breaker.add_metric([], cache.redis.breaker.state.value)
+        yield entries
+        yield size
+        yield breaker
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -191,15 +224,45 @@ class Metrics:
             [],
             LATENCY_BUCKETS,
         )
+        self.cache_lookups = LoopCounter(
+            "tailserve_cache_lookups",
+            "Result cache lookups by tier (l1, l2) and result (hit, stale; misses: cold = never "
+            "seen, expired, evicted at L1; miss at L2).",
+            ["model", "tier", "result"],
+        )
+        self.cache_computations = LoopCounter(
+            "tailserve_cache_computations",
+            "Results computed on a cache miss: first = never computed here before, recompute = "
+            "computed before but expired or evicted (the recomputation rate's numerator).",
+            ["model", "kind"],
+        )
+        self.cache_coalesced = LoopCounter(
+            "tailserve_cache_coalesced_requests",
+            "Requests answered by waiting for an identical request in flight.",
+            ["model"],
+        )
+        self.cache_evictions = LoopCounter(
+            "tailserve_cache_evictions", "Results evicted from L1 for room.", ["model"]
+        )
+        self.cache_l2_latency = LoopHistogram(
+            "tailserve_cache_l2_duration_seconds",
+            "Round-trip time of each batched Redis lookup (MGET).",
+            [],
+            LATENCY_BUCKETS,
+        )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.request_latency, self.requests, self.queue_time, self.compute_time,
             self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
-            self.deadline_misses, self.loop_lag,
+            self.deadline_misses, self.loop_lag, self.cache_lookups, self.cache_computations,
+            self.cache_coalesced, self.cache_evictions, self.cache_l2_latency,
         ]  # fmt: skip
         self.registry.register(_LoopCollector(loop_metrics))
         # Set by the worker: the cost model of each (model, version, cost class).
         self.cost_source: Callable[[], Iterable[CostRow]] | None = None
         self.registry.register(_CostCollector(self))
+        # Set by the worker: the result cache, for its sizes and breaker state.
+        self.cache_source: ResultCache | None = None
+        self.registry.register(_CacheStateCollector(self))
         self.model_ready = Gauge(
             "tailserve_model_ready",
             "1 when the model's served versions are loaded and warm.",
@@ -225,6 +288,20 @@ class Metrics:
             self.deadline_misses.values[(model,)] = (
                 self.deadline_misses.values.get((model,), 0) + record.missed
             )
+
+    # --- the result cache (tailserve.cache.tiered.CacheObserver) ----------------------------
+
+    def on_lookup(self, model: str, tier: str, result: str) -> None:
+        self.cache_lookups.inc(model, tier, result)
+
+    def on_compute(self, model: str, recompute: bool) -> None:
+        self.cache_computations.inc(model, "recompute" if recompute else "first")
+
+    def on_coalesced(self, model: str) -> None:
+        self.cache_coalesced.inc(model)
+
+    def on_evict(self, model: str, size: int) -> None:
+        self.cache_evictions.inc(model)
 
     def on_reject(self, model: str, reason: str) -> None:
         self.rejected.inc(model, reason)

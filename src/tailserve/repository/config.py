@@ -108,6 +108,63 @@ class Slo(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     p99_ms: float = 50.0
 
 
+class CacheKeyRule(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # Inputs left out of the key (volatile fields that do not change the answer).
+    exclude: list[str] = msgspec.field(default_factory=list)
+    # Inputs snapped to a grid before hashing: {monthly_spend: 0.5} keys 10.2 and 10.3 alike.
+    round: dict[str, float] = msgspec.field(default_factory=dict)
+    # Request parameters that change the output (each becomes part of the key).
+    parameters: list[str] = msgspec.field(default_factory=list)
+
+
+class L1Cache(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # false: no in-process tier (every lookup goes to Redis), for comparison.
+    enabled: bool = True
+    max_entries: int = 100_000
+    max_bytes: int = 64 * 1024 * 1024
+    # tinylfu (W-TinyLFU admission) or lru; benchmarks/cache_tiers.py compares them.
+    policy: Literal["tinylfu", "lru"] = "tinylfu"
+    ttl_s: float | None = None  # default: the cache's ttl_s
+
+
+class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    enabled: bool = False
+    ttl_s: float = 300.0
+    l1: L1Cache = L1Cache()
+    # Share results through Redis (when the worker has one), for this long (default ttl_s).
+    l2: bool = True
+    l2_ttl_s: float | None = None
+    # Grace window after the TTL: the stale value is served while it is refreshed once.
+    stale_s: float = 0.0
+    key: CacheKeyRule = CacheKeyRule()
+    # > 0: identical requests on different workers wait up to this long for the one
+    # holding a short Redis lease to compute, instead of all computing.
+    lease_ms: float = 0.0
+    # Part of every key: bump it when the features behind the inputs change meaning.
+    feature_version: str = ""
+
+
+class FeatureInput(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # The model input filled from the store ...
+    input: str
+    # ... with the features of the entities whose ids the request sends in this tensor ...
+    key: str
+    # ... looked up under this entity type (Redis hashes per entity and feature version).
+    entity: str
+    # The entity's feature names, in the order the model input's last dimension takes them.
+    fields: list[str] = msgspec.field(default_factory=list)
+    datatype: str = "INT64"  # the id tensor's datatype (INT64 or BYTES)
+    # Ids per request: [1] for one entity (repeated per row), [-1] for one per row.
+    shape: list[int] = msgspec.field(default_factory=lambda: [1])
+
+
+class FeaturesConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    version: str = "1"
+    ttl_s: float = 60.0  # the in-process feature cache's TTL
+    max_entries: int = 200_000
+    inputs: list[FeatureInput] = msgspec.field(default_factory=list)
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     runtime: RuntimeName
@@ -119,6 +176,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     version_policy: VersionPolicy = VersionPolicy()
     warmup: Warmup = Warmup()
     slo: Slo = Slo()
+    cache: CacheConfig = CacheConfig()
+    # Inputs looked up in the feature store by entity id instead of sent by the client.
+    features: FeaturesConfig | None = None
     # Runtimes that execute code from the artifact on load (pickles) refuse unless trusted.
     trust: bool = False
     # Runtime-specific settings, e.g. {method: predict_proba, column: 1} for sklearn.
@@ -216,6 +276,34 @@ def _check(config: ModelConfig, source: str) -> None:
             raise fail(f"warmup.batch_sizes[{i}]", f"{size} is outside 1..max_batch_size")
     if config.slo.p99_ms <= 0:
         raise fail("slo.p99_ms", "must be > 0")
+    _check_cache(config, fail)
+
+
+def _check_cache(config: ModelConfig, fail: Any) -> None:
+    cache = config.cache
+    names = {spec.name for spec in config.inputs}
+    if config.features is not None:
+        names |= {f.key for f in config.features.inputs}
+    if cache.ttl_s <= 0:
+        raise fail("cache.ttl_s", "must be > 0")
+    for field_name in ("l2_ttl_s",):
+        value = getattr(cache, field_name)
+        if value is not None and value <= 0:
+            raise fail(f"cache.{field_name}", "must be > 0")
+    if cache.l1.ttl_s is not None and cache.l1.ttl_s <= 0:
+        raise fail("cache.l1.ttl_s", "must be > 0")
+    if cache.l1.max_entries < 1 or cache.l1.max_bytes < 1024:
+        raise fail("cache.l1", "max_entries must be >= 1 and max_bytes >= 1024")
+    if cache.stale_s < 0 or cache.lease_ms < 0:
+        raise fail("cache", "stale_s and lease_ms must be >= 0")
+    for i, name in enumerate(cache.key.exclude):
+        if name not in names:
+            raise fail(f"cache.key.exclude[{i}]", f"{name!r} is not an input of the model")
+    for name, grid in cache.key.round.items():
+        if name not in names:
+            raise fail(f"cache.key.round.{name}", f"{name!r} is not an input of the model")
+        if not grid > 0:
+            raise fail(f"cache.key.round.{name}", "the grid step must be > 0")
 
 
 def variable_inputs(config: ModelConfig) -> list[TensorSpec]:

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tailserve.cache import ModelView, ResultCache, model_view
 from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
@@ -31,10 +33,13 @@ from tailserve.errors import (
     ModelNotReady,
     TailserveError,
 )
-from tailserve.repository.config import ModelConfig, load_model_config
+from tailserve.repository.config import FeaturesConfig, ModelConfig, load_model_config
 from tailserve.repository.discovery import choose_versions, model_dirs, versions_on_disk
 from tailserve.runtimes import Arrays, Runtime, RuntimeContext, create_runtime
 from tailserve.tensors import Tensor
+
+if TYPE_CHECKING:
+    from tailserve.cache.features import FeatureResolver
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,10 @@ class ServedVersion:
     plan: InputPlan
     buckets: BucketRule
     policy: str
+    # The result cache as this version uses it (None: the model does not cache).
+    cache: ModelView | None = None
+    # Fills inputs from the feature store by entity id (None: the client sends them all).
+    features: FeatureResolver | None = None
 
 
 @dataclass(slots=True)
@@ -81,8 +90,12 @@ class ModelManager:
         on_ready_change: Callable[[str, bool], None] | None = None,
         drain_timeout_s: float = 30.0,
         loop_lag: Callable[[], float] | None = None,
+        cache: ResultCache | None = None,
+        feature_resolver: Callable[[FeaturesConfig], FeatureResolver] | None = None,
     ) -> None:
         self.repository = repository
+        self.cache = cache
+        self._feature_resolver = feature_resolver
         self._observer = observer
         self._on_ready_change = on_ready_change
         self._drain_timeout_s = drain_timeout_s
@@ -206,6 +219,11 @@ class ModelManager:
     # --- helpers ----------------------------------------------------------------------------
 
     async def _build(self, config: ModelConfig, version: int, version_dir: Path) -> ServedVersion:
+        if config.features is not None and self._feature_resolver is None:
+            raise ModelLoadError(
+                f"model {config.name!r} reads inputs from the feature store, which needs "
+                "Redis: start the worker with --redis-url"
+            )
         loop = asyncio.get_running_loop()
         context = RuntimeContext(config=config, version=version, version_dir=version_dir)
         policy = batching_policy(config)
@@ -235,7 +253,13 @@ class ModelManager:
         for bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds)
         scheduler.start()
-        return ServedVersion(config, version, runtimes, scheduler, plan, buckets, policy)
+        served = ServedVersion(config, version, runtimes, scheduler, plan, buckets, policy)
+        if config.cache.enabled and self.cache is not None:
+            served.cache = model_view(self.cache, config, version)
+        if config.features is not None:
+            assert self._feature_resolver is not None  # checked before loading
+            served.features = self._feature_resolver(config.features)
+        return served
 
     async def _retire(self, served: ServedVersion) -> None:
         await served.scheduler.close(drain_s=self._drain_timeout_s)

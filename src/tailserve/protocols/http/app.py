@@ -301,6 +301,19 @@ class HttpApp:
         await self.dataplane.unload_model(request.params["model"])
         return 200, _JSON, b"{}"
 
+    async def _invalidate(self, request: HttpRequest) -> Reply:
+        options = await request.json()
+        if not isinstance(options, dict):
+            raise InvalidInput('body must be an object: {"model": ..., "version": ...} or '
+                               '{"prefix": ...}')  # fmt: skip
+        unknown = sorted(set(options) - {"model", "version", "prefix"})
+        if unknown:
+            raise InvalidInput(f"unknown field {unknown[0]!r} (known: model, version, prefix)")
+        report = await self.dataplane.invalidate(
+            options.get("model"), options.get("version"), options.get("prefix")
+        )
+        return 200, _JSON, orjson.dumps(report)
+
     # --- operations -------------------------------------------------------------------------
 
     async def _metrics(self, request: HttpRequest) -> Reply:
@@ -321,6 +334,9 @@ def _request_options(request: HttpRequest, infer: InferRequest) -> None:
             infer.deadline_ms = -1.0
         if not infer.deadline_ms > 0:
             raise InvalidInput(f"X-Deadline-Ms must be a positive number of ms, got {deadline!r}")
+    mode = request.header(b"x-cache-mode")
+    if mode is not None:
+        infer.cache_mode = mode.decode(errors="replace")
     priority = request.header(b"x-priority")
     if priority is not None:
         if not priority.isdigit():
@@ -337,6 +353,7 @@ def _served_headers(response: InferResponse) -> Headers:
         (b"x-compute-us", str(params["compute_us"]).encode()),
         (b"x-batch-size", str(params["batch_size"]).encode()),
         (b"x-cost-class", str(params["cost_class"]).encode()),
+        *([(b"x-cache", params["cache"].encode())] if "cache" in params else []),
     ]
 
 

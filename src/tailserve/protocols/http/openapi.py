@@ -42,7 +42,8 @@ _SCHEMAS: dict[str, Any] = {
             "id": {"type": "string"},
             "parameters": {
                 "type": "object",
-                "description": "binary_data_output: answer every output as binary data.",
+                "description": "binary_data_output: answer every output as binary data; "
+                "timeout (µs), priority; cache: use | bypass | refresh.",
             },
             "inputs": {"type": "array", "items": {"$ref": "#/components/schemas/Tensor"}},
             "outputs": {
@@ -67,7 +68,8 @@ _SCHEMAS: dict[str, Any] = {
             "parameters": {
                 "type": "object",
                 "description": "How it was served: model_version, queue_us, compute_us, "
-                "batch_size.",
+                "batch_size, cost_class; cache (l1, l2, stale, coalesced, precomputed, miss, "
+                "bypass, refresh) with cache_computed_at and cache_computed_by on a hit.",
             },
             "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Tensor"}},
         },
@@ -78,8 +80,18 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {"instances": {"type": "array", "items": {"type": "object"}}},
     },
     "IndexRequest": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
+    "InvalidateRequest": {
+        "type": "object",
+        "description": "What to drop: a model (and version), or a key prefix (ts:{model}:v1:...).",
+        "properties": {
+            "model": {"type": "string"},
+            "version": {"type": "string"},
+            "prefix": {"type": "string"},
+        },
+    },
 }
-_BODIES = {"infer": "InferenceRequest", "records": "Records", "index": "IndexRequest"}
+_BODIES = {"infer": "InferenceRequest", "records": "Records", "index": "IndexRequest",
+           "invalidate": "InvalidateRequest"}  # fmt: skip
 _STATUS_TEXT = {
     "400": "Bad input; the message names the field or tensor.",
     "401": "Missing or wrong bearer token.",

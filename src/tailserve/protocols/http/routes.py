@@ -80,6 +80,14 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         "POST",
+        "/v2/cache/invalidate",
+        "invalidate",
+        "Drop cached results by model, version or key prefix, on every worker.",
+        admin=True,
+        body="invalidate",
+    ),
+    Route(
+        "POST",
         "/v1/models/{model}:predict",
         "predict_v1",
         "KServe v1 records: {instances: [...]}.",

@@ -1,0 +1,114 @@
+"""Result cache tiers side by side in one run, measured with `tailserve bench`.
+
+Configurations, each in its own worker against one private redis-server (emptied between
+them): no cache; Redis only (every lookup a round trip, as the tutorials build it); L1 LRU +
+Redis; L1 W-TinyLFU + Redis. The L1 holds 100,000 results, a tenth of the key space. Workload:
+``churn`` with Zipf(1.0) keys over 1,000,000 customers (benchmarks/workloads/churn-zipf1m.yaml,
+SLO p99 50 ms).
+
+For each: the SLO capacity (p99 under the SLO, no errors; the steps of the search draw new
+requests of the same customers, so the cache warms as it would in service), then a run at
+half that capacity: hit ratio per tier, p99 overall and of the hits alone (the hit path).
+
+    python benchmarks/cache_tiers.py [--duration 5] [--configs no-cache,redis-only,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+import _harness as h
+
+L1 = {"max_entries": 100_000, "max_bytes": 256 * 1024 * 1024}
+BASE = {"enabled": True, "ttl_s": 600, "stale_s": 60}
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "no-cache": None,
+    "redis-only": {**BASE, "l1": {**L1, "enabled": False}},
+    "l1-lru+redis": {**BASE, "l1": {**L1, "policy": "lru"}},
+    "l1-tinylfu+redis": {**BASE, "l1": {**L1, "policy": "tinylfu"}},
+}
+
+
+def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
+            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    cache = CONFIGS[name]
+    repo = h.one_model(examples / "churn", work / name, cache=cache or {})
+    h.redis_command(redis_url, "FLUSHALL")
+    port = h.free_port()
+    spec = h.workload("churn-zipf1m.yaml", out, name=f"churn-{name}",
+                      target=f"http://127.0.0.1:{port}")  # fmt: skip
+    timing = ["--duration", str(args.duration), "--warmup", str(args.warmup)]
+    flags = ["--redis-url", redis_url] if cache else []
+    print(f"\n=== churn: {name} ===", flush=True)
+    with h.serving(h.worker(repo, port, *flags), port):
+        capacity = h.bench(spec, out / f"churn-{name}.json", "--find-capacity", "--name", name,
+                           "--report", str(out / f"churn-{name}.html"), *timing)  # fmt: skip
+        rps = (capacity["capacity"] or {}).get("rps") or 500.0
+        half = h.bench(spec, out / f"churn-{name}-half.json", "--rate", f"{rps / 2:.0f}",
+                       "--name", name, *timing, echo=False)  # fmt: skip
+    server = half.get("server") or {}
+    tiers = server.get("cache") or {}
+    total = max(1, sum(tiers.values()))
+    hits = {tier: tiers.get(tier, 0) / total for tier in ("l1", "l2", "stale", "coalesced")}
+    latency = server.get("cache_latency_ms") or {}
+    return {
+        "capacity": (capacity["capacity"] or {}).get("rps"),
+        "half_rps": rps / 2,
+        "half": half["overall"],
+        "hits": hits,
+        "miss": tiers.get("miss", 0) / total if tiers else 1.0,
+        "l1_p99_ms": (latency.get("l1") or {}).get("p99"),
+        "l2_p99_ms": (latency.get("l2") or {}).get("p99"),
+    }
+
+
+def report(results: dict[str, dict[str, Any]]) -> None:
+    head = (f"{'config':18}{'capacity':>10}{'vs redis':>9}{'p99@half':>9}{'L1 hit':>8}"
+            f"{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}{'L2 p99':>8}")  # fmt: skip
+    print("\nchurn, Zipf(1.0) over 1M customers: SLO p99 <= 50 ms; at half of each capacity")
+    print(head)
+    print("-" * len(head))
+    redis_only = (results.get("redis-only") or {}).get("capacity") or 0.0
+
+    def ms(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    for name, r in results.items():
+        capacity = r["capacity"]
+        ratio = f"{capacity / redis_only:.2f}x" if capacity and redis_only else "-"
+        print(
+            f"{name:18}{(f'{capacity:,.0f}' if capacity else 'none'):>10}{ratio:>9}"
+            f"{ms(r['half']['p99_ms']):>9}{r['hits']['l1']:>8.1%}{r['hits']['l2']:>8.1%}"
+            f"{r['miss']:>7.1%}{ms(r['l1_p99_ms']):>8}{ms(r['l2_p99_ms']):>8}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
+    parser.add_argument("--warmup", type=float, default=1.5)
+    parser.add_argument("--out", type=Path, default=h.HERE / "results" / "cache_tiers")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tailserve-cache-"))
+    examples = h.examples(work / "examples")
+    results: dict[str, dict[str, Any]] = {}
+    with h.redis(work) as redis_url:
+        for name in args.configs.split(","):
+            results[name] = measure(name, examples, work, args.out, redis_url, args)
+    if len(results) > 1:
+        h.compare([args.out / f"churn-{n}.json" for n in results], args.out / "compare.html")
+    print("\n\nSummary")
+    report(results)
+    (args.out / "summary.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    print(f"\nresults and reports: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

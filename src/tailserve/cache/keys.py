@@ -1,0 +1,122 @@
+"""Cache keys: stable, collision-safe names for "this model version, these inputs".
+
+A key hashes, in a fixed framing (every field length-prefixed, so no two inputs can run
+together into the same bytes): the model's name, the serving version, a hash of the input
+schema (names, datatypes, shapes of model.yaml's inputs), the feature version, each input
+tensor sorted by name as datatype, shape and data, and the request parameters that change
+the output. Inputs the model's key rule leaves out (volatile fields) are skipped; inputs it
+rounds are snapped to their grid first, so near-identical requests share one result.
+
+The key reads ``ts:{model}:v<version>:<digest>``: the braces are a Redis Cluster hash tag, so
+one model's keys live in one slot (found together by MGET, scanned together on invalidation),
+and the readable prefix lets invalidation go by model, version or prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tailserve.tensors import Tensor
+
+PREFIX = "ts"
+_LENGTH = struct.Struct("<Q")
+
+
+def model_prefix(model: str) -> str:
+    return f"{PREFIX}:{{{model}}}:"
+
+
+def version_prefix(model: str, version: int | str) -> str:
+    return f"{model_prefix(model)}v{version}:"
+
+
+def schema_hash(inputs: Iterable[tuple[str, str, Sequence[int]]]) -> str:
+    """A short hash of the input schema: (name, datatype, per-row shape) of each input."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, datatype, shape in sorted(inputs):
+        _frame(digest, name.encode())
+        _frame(digest, datatype.encode())
+        _frame(digest, ",".join(map(str, shape)).encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRule:
+    """What of a request goes into its key: inputs left out, inputs rounded to a grid, and
+    the request parameters that change the output."""
+
+    exclude: frozenset[str] = frozenset()
+    round: Mapping[str, float] = field(default_factory=dict)
+    parameters: tuple[str, ...] = ()
+
+
+class KeyBuilder:
+    """The keys of one served version of one model."""
+
+    __slots__ = ("_head", "_rule", "prefix")
+
+    def __init__(
+        self,
+        model: str,
+        version: int,
+        schema: str,
+        feature_version: str = "",
+        rule: KeyRule | None = None,
+    ) -> None:
+        self._rule = rule or KeyRule()
+        self.prefix = version_prefix(model, version)
+        head = hashlib.blake2b(digest_size=16)
+        for part in (model, str(version), schema, feature_version):
+            _frame(head, part.encode())
+        self._head = head
+
+    def key(self, tensors: Sequence[Tensor], parameters: Mapping[str, Any] | None = None) -> str:
+        rule = self._rule
+        digest = self._head.copy()
+        for tensor in sorted(tensors, key=lambda t: t.name):
+            if tensor.name in rule.exclude:
+                continue
+            _frame(digest, tensor.name.encode())
+            _frame(digest, tensor.datatype.encode())
+            _frame(digest, ",".join(map(str, tensor.data.shape)).encode())
+            grid = rule.round.get(tensor.name)
+            _frame(digest, canonical_bytes(tensor.data, grid))
+        if rule.parameters:
+            given = parameters or {}
+            for name in rule.parameters:
+                _frame(digest, name.encode())
+                _frame(digest, repr(given.get(name)).encode())
+        return self.prefix + digest.hexdigest()
+
+
+def canonical_bytes(array: np.ndarray[Any, Any], grid: float | None = None) -> bytes:
+    """The data of an array as bytes that do not depend on its memory layout.
+
+    Numbers: little-endian, C order, after snapping to ``grid`` when given (the rounded value
+    keeps the array's dtype family, so 1 and 1.0 of different datatypes still differ through
+    the datatype framed beside them). BYTES: each element length-prefixed, str as UTF-8.
+    """
+    if array.dtype.kind == "O" or array.dtype.kind in "SU":
+        out = bytearray()
+        for item in array.reshape(-1).tolist():
+            raw = item.encode() if isinstance(item, str) else bytes(item)
+            out += _LENGTH.pack(len(raw))
+            out += raw
+        return bytes(out)
+    if grid is not None and array.dtype.kind in "iuf":
+        snapped = np.round(array.astype(np.float64) / grid) * grid
+        # -0.0 and 0.0 are one value on the grid.
+        snapped = snapped + 0.0
+        return np.ascontiguousarray(snapped, dtype="<f8").tobytes()
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def _frame(digest: Any, data: bytes) -> None:
+    digest.update(_LENGTH.pack(len(data)))
+    digest.update(data)

@@ -1,0 +1,224 @@
+"""L2: the shared result cache in Redis (or Redis Cluster), behind a time budget and a breaker.
+
+Lookups made in the same turn of the event loop go to Redis together: one MGET (on a cluster,
+one per slot; a model's keys share a slot through their hash tag). Writes are gathered the same
+way into one pipeline of ``SET key value PX ttl``. Each lookup waits at most ``budget_s``; a
+slow Redis is skipped (the lookup counts as a miss and a failure), not waited on, and after
+repeated failures the breaker stops asking until a probe succeeds. Nothing here raises to
+the caller: the shared tier is an optimisation, so its faults degrade to misses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tailserve.cache.breaker import Breaker, BreakerState
+
+log = logging.getLogger(__name__)
+
+INVALIDATION_CHANNEL = "tailserve:invalidate"
+
+
+def connect(url: str, *, cluster: bool = False, timeout_s: float = 0.25, **extra: Any) -> Any:
+    """A redis-py asyncio client (hiredis parses replies when installed) that fails fast:
+    no retries of its own (the breaker decides), short connect and socket timeouts."""
+    from redis.asyncio import Redis, RedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    options: dict[str, Any] = {
+        "socket_connect_timeout": timeout_s,
+        "socket_timeout": max(timeout_s, 1.0),
+        "retry": Retry(NoBackoff(), 0),
+        **extra,
+    }
+    if cluster:
+        return RedisCluster.from_url(url, **options)
+    return Redis.from_url(url, **options)
+
+
+class RedisTier:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        budget_s: float = 0.005,
+        breaker: Breaker | None = None,
+        cluster: bool = False,
+        on_latency: Callable[[float], None] | None = None,
+        on_breaker: Callable[[BreakerState], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.budget_s = budget_s
+        self.cluster = cluster
+        self.breaker = breaker or Breaker(clock=time.monotonic, on_change=on_breaker)
+        self._on_latency = on_latency
+        self._pending: list[tuple[str, asyncio.Future[bytes | None]]] = []
+        self._writes: list[tuple[str, bytes, int]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.skipped = 0
+
+    async def connect(self) -> bool:
+        """Open a connection ahead of the first lookup (whose budget a connection set-up would
+        blow); False when Redis does not answer (the breaker copes later)."""
+        try:
+            async with asyncio.timeout(1.0):
+                await self.client.ping()
+        except Exception as exc:
+            log.warning("redis does not answer yet (%s); serving without L2 until it does", exc)
+            return False
+        return True
+
+    # --- lookups ----------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        """The value under ``key``, or None (absent, Redis slow or down)."""
+        if not self.breaker.allow():
+            self.skipped += 1
+            return None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes | None] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush_lookups)
+        self._pending.append((key, future))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.budget_s)
+        except TimeoutError:
+            self.skipped += 1
+            return None
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return list(await asyncio.gather(*(self.get(key) for key in keys)))
+
+    def _flush_lookups(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            self._own(self._mget(batch))
+
+    async def _mget(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
+        keys = [key for key, _ in batch]
+        started = time.perf_counter()
+        try:
+            if self.cluster:
+                values = await self.client.mget_nonatomic(keys)
+            else:
+                values = await self.client.mget(keys)
+        except Exception as exc:  # any Redis or socket fault is a miss and a failure
+            self._failed("MGET", exc)
+            values = [None] * len(keys)
+        else:
+            elapsed = time.perf_counter() - started
+            if self._on_latency is not None:
+                self._on_latency(elapsed)
+            # An answer past the budget still counts against Redis: it was too slow to use.
+            if elapsed > self.budget_s:
+                self.breaker.failure()
+            else:
+                self.breaker.success()
+        for (_, future), value in zip(batch, values, strict=True):
+            if not future.done():
+                future.set_result(value)
+
+    # --- writes -----------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Store in the background (one pipeline per turn of the loop); never waits."""
+        if not self.breaker.allow():
+            self.skipped += 1
+            return
+        if not self._writes:
+            asyncio.get_running_loop().call_soon(self._flush_writes)
+        self._writes.append((key, value, max(1, int(ttl_s * 1000))))
+
+    async def put_now(self, items: Sequence[tuple[str, bytes, float]]) -> None:
+        """Store and wait (precompute jobs); raises on failure."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key, value, ttl_s in items:
+                pipe.set(key, value, px=max(1, int(ttl_s * 1000)))
+            await pipe.execute()
+
+    def _flush_writes(self) -> None:
+        batch, self._writes = self._writes, []
+        if batch:
+            self._own(self._pipeline(batch))
+
+    async def _pipeline(self, batch: list[tuple[str, bytes, int]]) -> None:
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key, value, ttl_ms in batch:
+                    pipe.set(key, value, px=ttl_ms)
+                await pipe.execute()
+        except Exception as exc:
+            self._failed("SET", exc)
+
+    # --- leases (cross-worker coalescing) ---------------------------------------------------
+
+    async def lease(self, key: str, owner: str, ttl_s: float) -> bool | None:
+        """Take the short lease on computing ``key``: True if ours, False if another worker
+        holds it, None when Redis cannot say (then compute without one)."""
+        if not self.breaker.allow():
+            return None
+        try:
+            async with asyncio.timeout(self.budget_s):
+                taken = await self.client.set(
+                    key + ":lease", owner, nx=True, px=max(1, int(ttl_s * 1000))
+                )
+        except Exception as exc:
+            self._failed("SET NX", exc)
+            return None
+        self.breaker.success()
+        return bool(taken)
+
+    # --- invalidation -----------------------------------------------------------------------
+
+    async def drop_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` (SCAN + UNLINK); raises if Redis fails."""
+        dropped = 0
+        batch: list[Any] = []
+        async for key in self.client.scan_iter(match=_glob_escape(prefix) + "*", count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                dropped += await self._unlink(batch)
+                batch = []
+        if batch:
+            dropped += await self._unlink(batch)
+        return dropped
+
+    async def _unlink(self, keys: list[Any]) -> int:
+        if self.cluster:
+            # One model's keys share a slot, but a prefix above the model may span slots.
+            return sum([int(await self.client.unlink(key)) for key in keys])
+        return int(await self.client.unlink(*keys))
+
+    async def publish(self, channel: str, message: bytes) -> None:
+        await self.client.publish(channel, message)
+
+    # --- housekeeping -----------------------------------------------------------------------
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if self.breaker.state is BreakerState.CLOSED:
+            log.warning("redis %s failed: %s: %s", what, type(exc).__name__, exc)
+        self.breaker.failure()
+
+    def _own(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,375 @@
+"""The result cache as a request sees it: L1, then L2, then one computation for all who ask.
+
+``ResultCache.serve(view, key, mode, compute)`` answers a request from the first tier that has a
+fresh result, else runs ``compute`` once for every identical request in flight (single flight),
+stores what it computed in both tiers, and says where the answer came from (``source``):
+
+- ``l1`` / ``l2``: a fresh hit; ``precomputed``: a hit written by a precompute job;
+- ``stale``: past its TTL, within the grace window: served at once and refreshed in the
+  background, once however many requests see it stale;
+- ``coalesced``: waited for an identical request in flight (here, or on another worker that held
+  the Redis lease);
+- ``miss``: computed; ``bypass`` / ``refresh``: the request asked not to read the cache (refresh
+  still writes the new result).
+
+Invalidation (by model, version or key prefix) drops matching entries from this worker's L1
+and from Redis, and is published so every other worker's L1 drops them too; a result that was
+being computed while an invalidation passed is not stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import orjson
+
+from tailserve.cache import entry as codec
+from tailserve.cache.entry import CachedResult, Lineage, Outputs
+from tailserve.cache.keys import KeyBuilder
+from tailserve.cache.memory import Lookup, MemoryCache
+from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["use", "bypass", "refresh"]
+MODES = ("use", "bypass", "refresh")
+
+
+class CacheObserver(Protocol):
+    def on_lookup(self, model: str, tier: str, result: str) -> None: ...
+    def on_compute(self, model: str, recompute: bool) -> None: ...
+    def on_coalesced(self, model: str) -> None: ...
+    def on_evict(self, model: str, size: int) -> None: ...
+
+
+class _NoObserver:
+    def on_lookup(self, model: str, tier: str, result: str) -> None:
+        pass
+
+    def on_compute(self, model: str, recompute: bool) -> None:
+        pass
+
+    def on_coalesced(self, model: str) -> None:
+        pass
+
+    def on_evict(self, model: str, size: int) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """One model's freshness and coalescing settings (from model.yaml's ``cache``)."""
+
+    l1_ttl_s: float = 300.0
+    l2_ttl_s: float = 300.0
+    grace_s: float = 0.0
+    use_l2: bool = True
+    lease_s: float = 0.0  # > 0: coalesce across workers through a Redis lease this long
+    feature_version: str = ""
+
+
+@dataclass(slots=True)
+class ModelView:
+    """One served version of one model, as the cache sees it."""
+
+    model: str
+    version: int
+    keys: KeyBuilder
+    l1: MemoryCache
+    policy: CachePolicy
+
+
+@dataclass(slots=True)
+class Served:
+    outputs: Outputs
+    source: str
+    lineage: Lineage | None
+    # What `compute` returned beside the outputs (the batch's account) when this request ran it.
+    extra: Any = None
+
+
+class _LeaderGone(Exception):
+    """The request computing a shared result was cancelled; its followers compute themselves."""
+
+
+Compute = Callable[[], Awaitable[tuple[Outputs, Any]]]
+
+
+class ResultCache:
+    def __init__(
+        self,
+        *,
+        redis: RedisTier | None = None,
+        worker_id: str = "",
+        observer: CacheObserver | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.worker_id = worker_id
+        self.observer: CacheObserver = observer or _NoObserver()
+        self._wall = wall_clock
+        self._inflight: dict[str, asyncio.Future[Served]] = {}
+        self._refreshing: set[str] = set()
+        self._l1s: dict[str, MemoryCache] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._generation = 0
+        self._listener: asyncio.Task[None] | None = None
+        self.subscribed = asyncio.Event()
+        self.invalidations_received = 0
+
+    def l1_for(self, model: str, make: Callable[[], MemoryCache]) -> MemoryCache:
+        """The model's L1 namespace, shared by its versions (their keys differ)."""
+        found = self._l1s.get(model)
+        if found is None:
+            found = self._l1s[model] = make()
+        return found
+
+    def evicted(self, model: str) -> Callable[[int], None]:
+        observer = self.observer
+        return lambda size: observer.on_evict(model, size)
+
+    def l1s(self) -> dict[str, MemoryCache]:
+        return dict(self._l1s)
+
+    # --- serving ----------------------------------------------------------------------------
+
+    async def serve(self, view: ModelView, key: str, mode: Mode, compute: Compute) -> Served:
+        if mode == "bypass":
+            outputs, extra = await compute()
+            return Served(outputs, "bypass", None, extra)
+        if mode == "refresh":
+            return await self._compute(view, key, compute, "refresh", recompute=True)
+        model = view.model
+        lookup, found = view.l1.get(key)
+        if found is not None:
+            result: CachedResult = found.value
+            self.observer.on_lookup(model, "l1", lookup.value)
+            if lookup is Lookup.STALE:
+                self._refresh_later(view, key, compute)
+                return Served(result.outputs, "stale", result.lineage)
+            source = "precomputed" if result.lineage.precomputed else "l1"
+            return Served(result.outputs, source, result.lineage)
+        self.observer.on_lookup(model, "l1", lookup.value)
+        waiting = self._inflight.get(key)
+        if waiting is not None:
+            return await self._follow(view, key, waiting, compute)
+        future: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            served = await self._lead(view, key, compute, lookup)
+        except BaseException as exc:
+            future.set_exception(_LeaderGone() if isinstance(exc, asyncio.CancelledError) else exc)
+            future.exception()  # retrieved: no "never retrieved" warning when none follow
+            raise
+        else:
+            future.set_result(served)
+        finally:
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
+        return served
+
+    async def _follow(
+        self, view: ModelView, key: str, waiting: asyncio.Future[Served], compute: Compute
+    ) -> Served:
+        self.observer.on_coalesced(view.model)
+        try:
+            led = await asyncio.shield(waiting)
+        except _LeaderGone:
+            return await self.serve(view, key, "use", compute)
+        return Served(led.outputs, "coalesced", led.lineage)
+
+    async def _lead(self, view: ModelView, key: str, compute: Compute, lookup: Lookup) -> Served:
+        redis = self.redis if view.policy.use_l2 else None
+        if redis is not None:
+            hit = await self._from_l2(view, key, compute, redis)
+            if hit is not None:
+                return hit
+            if view.policy.lease_s > 0:
+                taken = await redis.lease(key, self.worker_id, view.policy.lease_s)
+                if taken is False:
+                    waited = await self._await_other_worker(view, key, redis)
+                    if waited is not None:
+                        return waited
+        recompute = lookup in (Lookup.EXPIRED, Lookup.EVICTED)
+        return await self._compute(view, key, compute, "miss", recompute=recompute)
+
+    async def _from_l2(
+        self, view: ModelView, key: str, compute: Compute, redis: RedisTier
+    ) -> Served | None:
+        raw = await redis.get(key)
+        if raw is None:
+            self.observer.on_lookup(view.model, "l2", "miss")
+            return None
+        try:
+            result = codec.decode(raw)
+        except ValueError:
+            log.warning("dropping an undecodable L2 value under %s", key)
+            self.observer.on_lookup(view.model, "l2", "miss")
+            return None
+        now = self._wall()
+        stale = now >= result.fresh_until
+        self.observer.on_lookup(view.model, "l2", "stale" if stale else "hit")
+        # Fill L1 for what is left of the value's life (its TTL in L1 is no longer than L2's).
+        left = max(0.0, result.fresh_until - now)
+        policy = view.policy
+        if not stale:
+            view.l1.put(key, result, result.nbytes, min(left, policy.l1_ttl_s), policy.grace_s)
+            source = "precomputed" if result.lineage.precomputed else "l2"
+            return Served(result.outputs, source, result.lineage)
+        self._refresh_later(view, key, compute)
+        return Served(result.outputs, "stale", result.lineage)
+
+    async def _await_other_worker(
+        self, view: ModelView, key: str, redis: RedisTier
+    ) -> Served | None:
+        """Another worker holds the lease: poll L2 for its result until the lease runs out."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + view.policy.lease_s
+        pause = 0.001
+        while loop.time() < until:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.01)
+            raw = await redis.get(key)
+            if raw is not None:
+                with contextlib.suppress(ValueError):
+                    result = codec.decode(raw)
+                    self.observer.on_coalesced(view.model)
+                    policy = view.policy
+                    view.l1.put(key, result, result.nbytes, policy.l1_ttl_s, policy.grace_s)
+                    return Served(result.outputs, "coalesced", result.lineage)
+        return None
+
+    async def _compute(
+        self, view: ModelView, key: str, compute: Compute, source: str, *, recompute: bool
+    ) -> Served:
+        generation = self._generation
+        outputs, extra = await compute()
+        self.observer.on_compute(view.model, recompute)
+        policy = view.policy
+        lineage = Lineage(view.version, policy.feature_version, self._wall(), self.worker_id)
+        if generation == self._generation:  # no invalidation passed while it ran
+            self.store(view, key, outputs, lineage)
+        return Served(outputs, source, lineage, extra)
+
+    def store(self, view: ModelView, key: str, outputs: Outputs, lineage: Lineage) -> None:
+        policy = view.policy
+        # Own copies: an output may be a view into its whole batch's array.
+        outputs = {name: array if array.base is None else array.copy()
+                   for name, array in outputs.items()}  # fmt: skip
+        result = CachedResult(outputs, lineage, lineage.computed_at + policy.l2_ttl_s)
+        view.l1.put(key, result, result.nbytes, policy.l1_ttl_s, policy.grace_s)
+        if self.redis is not None and policy.use_l2:
+            self.redis.put(key, codec.encode(result), policy.l2_ttl_s + policy.grace_s)
+
+    def _refresh_later(self, view: ModelView, key: str, compute: Compute) -> None:
+        if key in self._refreshing:
+            return
+        self._refreshing.add(key)
+
+        async def refresh() -> None:
+            try:
+                await self._compute(view, key, compute, "refresh", recompute=True)
+            except Exception as exc:  # the stale value keeps serving until its grace ends
+                log.debug("background refresh of %s failed: %s", key, exc)
+            finally:
+                self._refreshing.discard(key)
+
+        self._own(refresh())
+
+    # --- invalidation -----------------------------------------------------------------------
+
+    async def invalidate(self, prefix: str) -> dict[str, int | bool]:
+        """Drop every result under ``prefix`` here, in Redis, and (by pub/sub) on every other
+        worker. Redis being down does not stop the local part; the answer says what happened."""
+        self._generation += 1
+        dropped_l1 = self.drop_local(prefix)
+        report: dict[str, int | bool] = {"l1": dropped_l1, "l2": 0, "published": False}
+        if self.redis is not None:
+            try:
+                report["l2"] = await self.redis.drop_prefix(prefix)
+                message = orjson.dumps({"prefix": prefix, "origin": self.worker_id})
+                await self.redis.publish(INVALIDATION_CHANNEL, message)
+                report["published"] = True
+            except Exception as exc:
+                log.warning("invalidation of %r reached only this worker: %s", prefix, exc)
+        return report
+
+    def drop_local(self, prefix: str) -> int:
+        self._generation += 1
+        return sum(l1.drop_prefix(prefix) for l1 in self._l1s.values())
+
+    def start_listening(self, client_factory: Callable[[], Any]) -> None:
+        """Follow invalidations published by other workers (reconnecting on its own)."""
+        self._listener = asyncio.get_running_loop().create_task(
+            self._listen(client_factory), name="cache-invalidation"
+        )
+
+    async def _listen(self, client_factory: Callable[[], Any]) -> None:
+        pause = 0.05
+        connected_before = False
+        while True:
+            client = client_factory()
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(INVALIDATION_CHANNEL)
+                    if connected_before:
+                        # Invalidations sent while we were away are lost: start L1 afresh.
+                        dropped = sum(l1.clear() for l1 in self._l1s.values())
+                        self._generation += 1
+                        log.info("invalidation channel back; dropped %d L1 entries", dropped)
+                    connected_before = True
+                    pause = 0.05
+                    self.subscribed.set()
+                    while True:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=1.0
+                        )
+                        if message is not None:
+                            self._on_message(message.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.subscribed.clear()
+                log.debug("invalidation channel lost: %s; retrying in %.2fs", exc, pause)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+    def _on_message(self, data: Any) -> None:
+        try:
+            message = orjson.loads(data)
+            prefix = message["prefix"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            log.warning("ignoring a malformed invalidation message: %r", data)
+            return
+        if message.get("origin") == self.worker_id:
+            return
+        self.invalidations_received += 1
+        self.drop_local(str(prefix))
+
+    # --- housekeeping -----------------------------------------------------------------------
+
+    def _own(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        if self._listener is not None:
+            tasks.append(self._listener)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self.redis is not None:
+            await self.redis.close()
