@@ -34,6 +34,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001)")
     serve.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
+    serve.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        default=None,
+        help="--redis-url names a node of a Redis Cluster",
+    )
+    serve.add_argument(
+        "--cache-l2-budget-ms",
+        type=float,
+        help="the most a cache lookup waits for Redis before it counts as a miss (5)",
+    )
+    serve.add_argument("--worker-id", help="name in cache lineage (default host:pid)")
     serve.add_argument("--admin-token", help="bearer token the admin routes require")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     serve.add_argument(
@@ -74,7 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {
         key: getattr(args, key)
         for key in (
-            "repository", "host", "http_port", "grpc_port", "redis_url", "admin_token",
+            "repository", "host", "http_port", "grpc_port", "redis_url", "redis_cluster",
+            "cache_l2_budget_ms", "worker_id", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
             "trace_file", "trace_sample",
         )
