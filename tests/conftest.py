@@ -8,7 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support.servers import RedisServer, redis_server
+from support import servers
+from support.servers import OwnRedisServer, RedisServer, RunningRedisCluster, redis_server
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +30,24 @@ def example_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("examples")
     write_examples(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningRedisCluster]:
+    """A real three-node Redis Cluster (masters only) of the test session's own."""
+    try:
+        with servers.redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+            yield cluster
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[OwnRedisServer]:
+    """A redis-server of the test's own, to pause (SIGSTOP), kill and restart on its port
+    without disturbing the other tests."""
+    try:
+        with servers.own_redis_server(tmp_path) as server:
+            yield server
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)

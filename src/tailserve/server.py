@@ -110,6 +110,7 @@ class Worker:
             budget_s=self.settings.cache_l2_budget_ms / 1e3,
             cluster=self.settings.redis_cluster,
             on_latency=observe,
+            loop_lag=lambda: self.loop_lag.lag_s,
         )
 
     def _pubsub_client(self) -> Any:

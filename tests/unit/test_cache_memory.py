@@ -40,7 +40,7 @@ def test_ttl_then_grace_then_expired(policy: str) -> None:
     assert cache.get("k")[0] is Lookup.HIT
     clock.now = 6.0
     state, entry = cache.get("k")
-    assert state is Lookup.STALE and entry is not None and entry.value == "v"
+    assert state is Lookup.STALE and entry is not None and entry[0] == "v"
     clock.now = 7.0
     assert cache.get("k") == (Lookup.EXPIRED, None)
     assert "k" not in cache

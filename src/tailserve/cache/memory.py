@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -37,12 +36,11 @@ class Lookup(enum.Enum):
     EVICTED = "evicted"
 
 
-@dataclass(slots=True)
-class Entry:
-    value: Any
-    size: int
-    fresh_until: float
-    stale_until: float
+# (value, size, fresh until, stale until): a plain tuple, because the collector stops tracking
+# a tuple of atomic values (bytes, numbers). A hundred thousand entries of tracked objects made
+# every full collection walk them: pauses of tens of ms under load.
+Entry = tuple[Any, int, float, float]
+VALUE, SIZE, FRESH_UNTIL, STALE_UNTIL = range(4)
 
 
 class FrequencySketch:
@@ -99,11 +97,11 @@ class _Segment:
 
     def add(self, key: str, entry: Entry) -> None:
         self.items[key] = entry
-        self.bytes += entry.size
+        self.bytes += entry[SIZE]
 
     def remove(self, key: str) -> Entry:
         entry = self.items.pop(key)
-        self.bytes -= entry.size
+        self.bytes -= entry[SIZE]
         return entry
 
     def oldest(self) -> str | None:
@@ -151,11 +149,11 @@ class MemoryCache:
             return (Lookup.EVICTED if key in self._ghosts else Lookup.COLD), None
         entry = segment.items[key]
         now = self._clock()
-        if now >= entry.stale_until:
+        if now >= entry[STALE_UNTIL]:
             self._drop(key)
             return Lookup.EXPIRED, None
         self._touch(key, segment)
-        return (Lookup.HIT if now < entry.fresh_until else Lookup.STALE), entry
+        return (Lookup.HIT if now < entry[FRESH_UNTIL] else Lookup.STALE), entry
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -175,7 +173,7 @@ class MemoryCache:
         if size > self.max_bytes or not self.enabled:
             return False
         now = self._clock()
-        entry = Entry(value, size, now + ttl_s, now + ttl_s + grace_s)
+        entry = (value, size, now + ttl_s, now + ttl_s + grace_s)
         if key in self._where:
             self._drop(key)
         self._ghosts.pop(key, None)
@@ -224,7 +222,7 @@ class MemoryCache:
         if len(self._ghosts) > self.max_entries:
             self._ghosts.popitem(last=False)
         if self._on_evict is not None:
-            self._on_evict(entry.size)
+            self._on_evict(entry[SIZE])
 
     def _touch(self, key: str, segment: _Segment) -> None:
         if segment is self._probation:

@@ -1,0 +1,171 @@
+"""The L2 tier against a real three-node Redis Cluster: a model's keys in one slot, models
+spread over the nodes, writes with their TTL, invalidation by prefix across nodes, and pub/sub
+from one node to a subscriber on another."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis, RedisCluster
+
+from support.servers import RunningRedisCluster, async_wait_for
+from tailserve.cache.keys import model_prefix, version_prefix
+from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier, connect
+
+
+def fresh_model(name: str = "m") -> str:
+    return f"{name}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def tier(redis_cluster: RunningRedisCluster) -> AsyncIterator[RedisTier]:
+    tier = RedisTier(connect(redis_cluster.url, cluster=True), budget_s=1.0, cluster=True)
+    assert await tier.connect()
+    yield tier
+    await tier.close()
+
+
+@pytest.fixture
+async def admin(redis_cluster: RunningRedisCluster) -> AsyncIterator[RedisCluster]:
+    client = RedisCluster.from_url(redis_cluster.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def nodes(redis_cluster: RunningRedisCluster) -> AsyncIterator[list[Redis]]:
+    """A plain client to each node (what a worker's invalidation subscriber uses)."""
+    clients = [Redis.from_url(redis_cluster.node_url(i)) for i in range(len(redis_cluster.ports))]
+    yield clients
+    for client in clients:
+        await client.aclose()
+
+
+async def mget_calls(nodes: list[Redis]) -> int:
+    total = 0
+    for node in nodes:
+        stats = await node.info("commandstats")
+        total += int(stats.get("cmdstat_mget", {}).get("calls", 0))
+    return total
+
+
+async def keys_on(node: Redis, pattern: str) -> list[bytes]:
+    return [key async for key in node.scan_iter(match=pattern, count=1000)]
+
+
+async def test_one_models_keys_share_a_slot_and_a_batch_lookup_is_one_mget(
+    tier: RedisTier, nodes: list[Redis]
+) -> None:
+    prefix = version_prefix(fresh_model(), 1)
+    keys = [f"{prefix}{i:03d}" for i in range(50)]
+    slots = {int(await nodes[0].execute_command("CLUSTER", "KEYSLOT", key)) for key in keys}
+    assert len(slots) == 1
+    await tier.put_now([(key, key.encode(), 60) for key in keys])
+    before = await mget_calls(nodes)
+
+    values = await tier.get_many([*keys, prefix + "absent"])
+
+    assert values == [key.encode() for key in keys] + [None]
+    assert await mget_calls(nodes) == before + 1
+
+
+async def test_the_keys_of_many_models_spread_over_the_nodes(
+    tier: RedisTier, nodes: list[Redis]
+) -> None:
+    family = fresh_model("spread")
+    keys = [version_prefix(f"{family}-{i}", 1) + "k" for i in range(30)]
+    await tier.put_now([(key, key.encode(), 60) for key in keys])
+
+    held = [len(await keys_on(node, f"ts:{{{family}-*")) for node in nodes]
+
+    assert sum(held) == len(keys)
+    assert sum(1 for count in held if count > 0) >= 2, held
+    # One lookup batch across slots and nodes: one MGET per slot, answers in order.
+    assert await tier.get_many(keys) == [key.encode() for key in keys]
+
+
+async def test_writes_reach_every_node_with_their_ttl(tier: RedisTier, admin: RedisCluster) -> None:
+    family = fresh_model("ttl")
+    keys = [version_prefix(f"{family}-{i}", 1) + "k" for i in range(12)]
+    for key in keys:
+        tier.put(key, b"v", ttl_s=30)
+    short = version_prefix(f"{family}-short", 1) + "k"
+    tier.put(short, b"s", ttl_s=1.5)
+
+    async def stored() -> bool:
+        return int(await admin.exists(*keys, short)) == len(keys) + 1
+
+    await async_wait_for(stored, what="the background writes")
+    for key in keys:
+        assert await admin.get(key) == b"v"
+        assert 0 < await admin.pttl(key) <= 30_000
+    assert 0 < await admin.pttl(short) <= 1_500
+
+
+async def test_drop_prefix_removes_one_models_keys_from_the_cluster_and_no_others(
+    tier: RedisTier, admin: RedisCluster
+) -> None:
+    model = fresh_model()
+    doomed = [version_prefix(model, v) + f"{i}" for v in (1, 2) for i in range(20)]
+    kept = [
+        version_prefix(f"{model}x", 1) + "0",  # a longer name: ts:{<model>x}: is not ts:{<model>}:
+        *(version_prefix(fresh_model("other"), 1) + "0" for _ in range(10)),
+    ]
+    await tier.put_now([(key, b"x", 60) for key in [*doomed, *kept]])
+
+    assert await tier.drop_prefix(model_prefix(model)) == len(doomed)
+
+    assert await admin.exists(*doomed) == 0
+    assert await admin.exists(*kept) == len(kept)
+
+
+async def test_drop_prefix_above_the_model_spans_slots_and_nodes(
+    tier: RedisTier, admin: RedisCluster, nodes: list[Redis]
+) -> None:
+    family = fresh_model("family")
+    doomed = [version_prefix(f"{family}-{i}", 1) + "k" for i in range(30)]
+    kept = version_prefix(fresh_model("other"), 1) + "k"
+    await tier.put_now([(key, b"x", 60) for key in [*doomed, kept]])
+    held = [len(await keys_on(node, f"ts:{{{family}-*")) for node in nodes]
+    assert sum(1 for count in held if count > 0) >= 2, held
+
+    assert await tier.drop_prefix(f"ts:{{{family}-") == len(doomed)
+
+    assert await admin.exists(*doomed) == 0
+    assert await admin.exists(kept) == 1
+
+
+async def next_message(pubsub: Any, timeout_s: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
+        if message is not None and message["type"] == "message":
+            return dict(message)
+    raise AssertionError(f"no message within {timeout_s}s")
+
+
+async def test_a_message_published_on_one_node_reaches_a_subscriber_on_another(
+    tier: RedisTier, nodes: list[Redis]
+) -> None:
+    pubsub = nodes[2].pubsub()
+    try:
+        await pubsub.subscribe(INVALIDATION_CHANNEL)
+        confirmation = await pubsub.get_message(timeout=5.0)
+        assert confirmation is not None and confirmation["type"] == "subscribe"
+
+        payload = f"drop {model_prefix(fresh_model())}".encode()
+        # PUBLISH counts only the receivers on the node it was sent to: none on node 0.
+        assert await nodes[0].publish(INVALIDATION_CHANNEL, payload) == 0
+        message = await next_message(pubsub)
+        assert (message["channel"], message["data"]) == (INVALIDATION_CHANNEL.encode(), payload)
+
+        # Through the tier's cluster client, whichever node it sends to.
+        await tier.publish(INVALIDATION_CHANNEL, b"second " + payload)
+        assert (await next_message(pubsub))["data"] == b"second " + payload
+    finally:
+        await pubsub.unsubscribe()
+        await pubsub.aclose()

@@ -1,0 +1,243 @@
+"""The L2 tier against a real redis-server: one MGET per loop turn, writes with their TTL, the
+time budget, the breaker, a crash and restart, leases, invalidation by prefix."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from support.servers import (
+    OwnRedisServer,
+    RedisServer,
+    async_wait_for,
+    kill_redis,
+    pause_redis,
+    restart_redis,
+    resume_redis,
+)
+from tailserve.cache.breaker import Breaker, BreakerState
+from tailserve.cache.keys import version_prefix
+from tailserve.cache.redis import RedisTier, connect
+
+
+def fresh_prefix() -> str:
+    """A model of the test's own on the shared server."""
+    return version_prefix(f"m-{uuid.uuid4().hex[:12]}", 1)
+
+
+async def calls(admin: Redis, command: str) -> int:
+    stats = await admin.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+@pytest.fixture
+async def admin(redis: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def tier(redis: RedisServer) -> AsyncIterator[RedisTier]:
+    # A budget no loaded test machine blows: these tests are about behaviour, not speed.
+    tier = RedisTier(connect(redis.url), budget_s=1.0)
+    assert await tier.connect()
+    yield tier
+    await tier.close()
+
+
+async def test_lookups_made_in_one_loop_turn_go_to_redis_as_one_mget(
+    tier: RedisTier, admin: Redis
+) -> None:
+    prefix = fresh_prefix()
+    keys = [f"{prefix}{i}" for i in range(20)]
+    async with admin.pipeline(transaction=False) as pipe:
+        for i, key in enumerate(keys):
+            pipe.set(key, f"value-{i}", px=60_000)
+        await pipe.execute()
+    before = await calls(admin, "mget")
+
+    values = await tier.get_many([*keys, prefix + "absent"])
+
+    assert values == [f"value-{i}".encode() for i in range(20)] + [None]
+    assert await calls(admin, "mget") == before + 1
+    # Lookups awaited one after the other are one round trip each.
+    assert await tier.get(keys[0]) == b"value-0"
+    assert await tier.get(keys[1]) == b"value-1"
+    assert await calls(admin, "mget") == before + 3
+
+
+async def test_writes_are_stored_in_the_background_with_their_ttl(
+    tier: RedisTier, admin: Redis
+) -> None:
+    prefix = fresh_prefix()
+    items = {f"{prefix}{i}": bytes([i]) * 64 for i in range(10)}
+    before = await calls(admin, "set")
+
+    for key, value in items.items():
+        tier.put(key, value, ttl_s=30)
+    tier.put(prefix + "short", b"s", ttl_s=1.5)  # milliseconds, not rounded to seconds
+    await tier.put_now([(prefix + "now", b"n", 20)])
+
+    keys = [*items, prefix + "short"]
+
+    async def stored() -> bool:
+        return int(await admin.exists(*keys)) == len(keys)
+
+    await async_wait_for(stored, what="the background writes")
+    assert await admin.mget(list(items)) == list(items.values())
+    for key in items:
+        assert 0 < await admin.pttl(key) <= 30_000
+    assert 0 < await admin.pttl(prefix + "short") <= 1_500
+    assert await admin.get(prefix + "now") == b"n"
+    assert 0 < await admin.pttl(prefix + "now") <= 20_000
+    assert await calls(admin, "set") == before + len(items) + 2
+
+
+async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(
+    own_redis: OwnRedisServer,
+) -> None:
+    # The socket timeout (what redis-py would wait) is well past the budget.
+    tier = RedisTier(connect(own_redis.url, socket_timeout=0.6), budget_s=0.1)
+    try:
+        assert await tier.connect()
+        await tier.put_now([("k", b"v", 60)])
+        assert await tier.get("k") == b"v"
+        pause_redis(own_redis)
+        try:
+            started = time.perf_counter()
+            assert await tier.get("k") is None
+            elapsed = time.perf_counter() - started
+            assert 0.09 <= elapsed < 0.5, elapsed
+            assert tier.skipped == 1
+
+            async def failed() -> bool:
+                return tier.breaker.failures == 1
+
+            await async_wait_for(failed, what="the timed-out MGET to count as a failure")
+            assert tier.breaker.state is BreakerState.CLOSED  # one failure is not enough
+        finally:
+            resume_redis(own_redis)
+
+        async def hit() -> bool:
+            return await tier.get("k") == b"v"
+
+        await async_wait_for(hit, what="a hit once Redis answers again")
+        assert tier.breaker.failures == 0
+    finally:
+        await tier.close()
+
+
+async def test_the_breaker_opens_after_repeated_failures_and_closes_when_redis_is_back(
+    own_redis: OwnRedisServer,
+) -> None:
+    # The breaker's clock is the test's: the cool-down ends when the test says, not when a
+    # loaded machine happens to get round to the next line.
+    now = [0.0]
+    changes: list[BreakerState] = []
+    breaker = Breaker(clock=lambda: now[0], threshold=3, open_s=0.5, on_change=changes.append)
+    tier = RedisTier(connect(own_redis.url, socket_timeout=0.2), budget_s=0.1, breaker=breaker)
+    try:
+        assert await tier.connect()
+        await tier.put_now([("k", b"v", 60)])
+        pause_redis(own_redis)
+        try:
+
+            async def opened() -> bool:
+                assert await tier.get("k") is None
+                return breaker.state is BreakerState.OPEN
+
+            await async_wait_for(opened, what="the breaker to open")
+            assert changes == [BreakerState.OPEN]
+            assert breaker.failures >= 3
+
+            # Open: lookups are skipped at once; none waits on the paused Redis.
+            skipped, started = tier.skipped, time.perf_counter()
+            assert [await tier.get("k") for _ in range(20)] == [None] * 20
+            assert time.perf_counter() - started < tier.budget_s
+            assert tier.skipped == skipped + 20
+            assert changes == [BreakerState.OPEN]
+        finally:
+            resume_redis(own_redis)
+
+        async def closed() -> bool:
+            now[0] += 10.0  # past any cool-down: the next lookup is a probe
+            value = await tier.get("k")
+            return breaker.state is BreakerState.CLOSED and value == b"v"
+
+        await async_wait_for(closed, what="the breaker to close")
+        # A probe closes it, or a lookup sent before it opened that Redis answered in time.
+        assert changes[-1] is BreakerState.CLOSED
+    finally:
+        await tier.close()
+
+
+async def test_lookups_miss_while_redis_is_down_and_hit_after_it_restarts_on_its_port(
+    own_redis: OwnRedisServer,
+) -> None:
+    breaker = Breaker(clock=time.monotonic, threshold=3, open_s=0.05, max_open_s=0.2)
+    tier = RedisTier(connect(own_redis.url), budget_s=0.5, breaker=breaker)
+    try:
+        assert await tier.connect()
+        await tier.put_now([("k", b"before", 60)])
+        assert await tier.get("k") == b"before"
+
+        kill_redis(own_redis)
+        for _ in range(10):
+            assert await tier.get("k") is None  # refused: a miss, not an exception
+        assert breaker.state is BreakerState.OPEN
+
+        restart_redis(own_redis)  # empty: nothing was kept on disk
+        await tier.put_now([("k", b"after", 60)])
+
+        async def hit() -> bool:
+            return await tier.get("k") == b"after"
+
+        await async_wait_for(hit, what="a hit after the restart")
+        assert tier.breaker.state is BreakerState.CLOSED
+    finally:
+        await tier.close()
+
+
+async def test_a_lease_goes_to_the_first_caller_until_it_expires(
+    tier: RedisTier, admin: Redis
+) -> None:
+    key = fresh_prefix() + "k"
+    assert await tier.lease(key, "worker-a", ttl_s=0.5) is True
+    assert await tier.lease(key, "worker-b", ttl_s=0.5) is False
+    assert await admin.get(key + ":lease") == b"worker-a"
+    assert 0 < await admin.pttl(key + ":lease") <= 500
+
+    async def taken() -> bool:
+        return await tier.lease(key, "worker-c", ttl_s=0.5) is True
+
+    await async_wait_for(taken, what="the lease to expire and be taken again")
+    assert await admin.get(key + ":lease") == b"worker-c"
+
+
+async def test_drop_prefix_removes_exactly_the_keys_under_a_prefix_with_glob_characters(
+    tier: RedisTier, admin: Redis
+) -> None:
+    tag = uuid.uuid4().hex[:12]
+    prefix = f"ts:{{m*[x]?{tag}}}:v1:"
+    doomed = [f"{prefix}{i}" for i in range(1200)]  # more than one UNLINK batch
+    kept = [
+        f"ts:{{mZx!{tag}}}:v1:0",  # matched by the prefix if * [x] ? were left unescaped
+        f"ts:{{m*[x]?{tag}}}:v2:0",  # the same model, another version
+        f"ts:{{m*[x]?{tag}}}:v1",  # not under the prefix: its last colon is missing
+    ]
+    async with admin.pipeline(transaction=False) as pipe:
+        for key in [*doomed, *kept]:
+            pipe.set(key, b"x", px=60_000)
+        await pipe.execute()
+
+    assert await tier.drop_prefix(prefix) == len(doomed)
+
+    assert await admin.exists(*doomed) == 0
+    assert await admin.exists(*kept) == len(kept)
+    assert await tier.drop_prefix(prefix) == 0
+    await admin.delete(*kept)
