@@ -13,7 +13,14 @@ import httpx
 import pytest
 
 from support.models import add_version, doubler_config, write_model
-from support.servers import RedisServer, RunningWorker, free_port, run_worker, wait_for
+from support.servers import (
+    RedisServer,
+    RunningRedisCluster,
+    RunningWorker,
+    free_port,
+    run_worker,
+    wait_for,
+)
 from tailserve.settings import Settings
 
 
@@ -337,3 +344,35 @@ def _breaker(url: str) -> str:
     document = httpx.get(f"{url}/v2/models/m/stats", timeout=10).json()
     state: str = document["model_stats"][0]["cache"]["l2"]["breaker"]
     return state
+
+
+def test_workers_share_results_and_invalidations_on_a_redis_cluster(
+    repository: Path, redis_cluster: RunningRedisCluster
+) -> None:
+    def settings(worker_id: str, node: int) -> Settings:
+        return Settings(repository=str(repository), redis_url=redis_cluster.node_url(node),
+                        redis_cluster=True, worker_id=worker_id)  # fmt: skip
+
+    with run_worker(settings("a", 0)) as a, run_worker(settings("b", 2)) as b:
+        wait_for(lambda: a.worker.cache.subscribed.is_set() and b.worker.cache.subscribed.is_set(),
+                 what="both workers subscribed")  # fmt: skip
+        assert source(infer(a.url, body(12.5))) == "miss"
+        assert _breaker(a.url) == "closed"
+        wait_for(lambda: _cluster_has_result(redis_cluster), what="a's write to reach the cluster")
+        assert source(infer(b.url, body(12.5))) == "l2"
+        assert source(infer(b.url, body(12.5))) == "l1"
+        report = httpx.post(f"{a.url}/v2/cache/invalidate", json={"model": "m"}).json()
+        assert report["published"] is True and report["l2"] == 1
+        wait_for(lambda: b.worker.cache.invalidations_received >= 1, timeout=1.0,
+                 what="the invalidation to reach worker b within a second")  # fmt: skip
+        assert source(infer(b.url, body(12.5))) == "miss"
+
+
+def _cluster_has_result(cluster: RunningRedisCluster) -> bool:
+    import redis as redis_py
+
+    client = redis_py.RedisCluster.from_url(cluster.url)
+    try:
+        return any(True for _ in client.scan_iter(match="ts:{m}:*"))
+    finally:
+        client.close()

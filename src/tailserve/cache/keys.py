@@ -78,20 +78,21 @@ class KeyBuilder:
 
     def key(self, tensors: Sequence[Tensor], parameters: Mapping[str, Any] | None = None) -> str:
         rule = self._rule
-        digest = self._head.copy()
-        for tensor in sorted(tensors, key=lambda t: t.name):
+        # One buffer, one hash update: per-field digest calls cost more than the hashing.
+        parts: list[bytes] = []
+        for tensor in sorted(tensors, key=_name):
             if tensor.name in rule.exclude:
                 continue
-            _frame(digest, tensor.name.encode())
-            _frame(digest, tensor.datatype.encode())
-            _frame(digest, ",".join(map(str, tensor.data.shape)).encode())
-            grid = rule.round.get(tensor.name)
-            _frame(digest, canonical_bytes(tensor.data, grid))
+            head = f"{tensor.name}\x00{tensor.datatype}\x00{tensor.data.shape}".encode()
+            data = canonical_bytes(tensor.data, rule.round.get(tensor.name))
+            parts += (_LENGTH.pack(len(head)), head, _LENGTH.pack(len(data)), data)
         if rule.parameters:
             given = parameters or {}
             for name in rule.parameters:
-                _frame(digest, name.encode())
-                _frame(digest, repr(given.get(name)).encode())
+                value = f"{name}\x00{given.get(name)!r}".encode()
+                parts += (_LENGTH.pack(len(value)), value)
+        digest = self._head.copy()
+        digest.update(b"".join(parts))
         return self.prefix + digest.hexdigest()
 
 
@@ -114,7 +115,13 @@ def canonical_bytes(array: np.ndarray[Any, Any], grid: float | None = None) -> b
         # -0.0 and 0.0 are one value on the grid.
         snapped = snapped + 0.0
         return np.ascontiguousarray(snapped, dtype="<f8").tobytes()
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array.tobytes()  # C order whatever the memory layout
+
+
+def _name(tensor: Tensor) -> str:
+    return tensor.name
 
 
 def _frame(digest: Any, data: bytes) -> None:
