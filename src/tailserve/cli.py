@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     from tailserve.loadgen import command as bench
 
     bench.add_parser(commands)
+    _add_cache_commands(commands)
     return parser  # fmt: skip
 
 
@@ -111,6 +112,109 @@ def _examples(args: argparse.Namespace) -> int:
     names = write_examples(args.directory, sklearn=args.sklearn)
     print(f"wrote {', '.join(names)} to {args.directory}")
     return 0
+
+
+def _add_cache_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    precompute = commands.add_parser(
+        "precompute",
+        help="batch-score known inputs (JSON lines of records) into the result cache in Redis",
+    )
+    precompute.add_argument("--repository", type=Path, required=True, help="model repository")
+    precompute.add_argument("--model", required=True, help="the model to score with")
+    precompute.add_argument(
+        "--input", type=Path, required=True, metavar="FILE.jsonl",
+        help='one request a line, as a record: {"field": value, ...}',
+    )  # fmt: skip
+    precompute.add_argument("--redis-url", required=True, help="the workers' Redis")
+    precompute.add_argument(
+        "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
+    )
+    precompute.add_argument("--batch-size", type=int, default=256, help="lines a batch (256)")
+    precompute.add_argument(
+        "--ttl-s", type=float, help="how long results stay fresh (default: the model's L2 TTL)"
+    )
+    precompute.add_argument(
+        "--checkpoint", type=Path, help="file of lines done: a rerun with it resumes after them"
+    )
+    precompute.add_argument(
+        "--version", type=int, help="model version (default: the newest that serves)"
+    )
+    precompute.add_argument(
+        "--skip-bad", action="store_true",
+        help="count bad lines and go on (default: stop at the first, naming it)",
+    )  # fmt: skip
+    precompute.add_argument(
+        "--parameters", metavar="JSON",
+        help="request parameters of every line, as a JSON object (for cache.key.parameters)",
+    )  # fmt: skip
+    precompute.add_argument("--quiet", action="store_true", help="no progress line")
+    precompute.set_defaults(handler=_precompute)
+
+    warm = commands.add_parser(
+        "warm", help="replay a trace's most frequent requests to fill a worker's caches"
+    )
+    warm.add_argument("trace", type=Path, metavar="TRACE.jsonl", help="a worker's --trace-file")
+    warm.add_argument("--target", required=True, help="the worker (or router) URL")
+    warm.add_argument("--top", type=int, default=1000, help="distinct requests to send (1000)")
+    warm.add_argument("--concurrency", type=int, default=8, help="requests at once (8)")
+    warm.add_argument(
+        "--timeout", type=float, default=30.0, dest="timeout_s", help="seconds a request (30)"
+    )
+    warm.set_defaults(handler=_warm)
+
+
+def _precompute(args: argparse.Namespace) -> int:
+    import orjson
+
+    from tailserve.cache.precompute import Job, precompute, summary
+    from tailserve.errors import ConfigError
+    from tailserve.loops import run
+
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    parameters = {}
+    if args.parameters is not None:
+        try:
+            parameters = orjson.loads(args.parameters)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"--parameters is not valid JSON: {exc}") from None
+        if not isinstance(parameters, dict):
+            raise ConfigError('--parameters must be a JSON object: {"name": value, ...}')
+    job = Job(
+        repository=args.repository, model=args.model, input=args.input,
+        redis_url=args.redis_url, cluster=args.redis_cluster, batch_size=args.batch_size,
+        ttl_s=args.ttl_s, checkpoint=args.checkpoint, version=args.version,
+        skip_bad=args.skip_bad, parameters=parameters,
+    )  # fmt: skip
+    try:
+        report = run(precompute(job, progress=None if args.quiet else sys.stderr))
+    except KeyboardInterrupt:
+        hint = f": rerun with --checkpoint {args.checkpoint} to resume" if args.checkpoint else ""
+        print(f"\ntailserve: precompute interrupted{hint}", file=sys.stderr)
+        return 130
+    for reason in report.bad_lines:
+        print(f"tailserve: passed over {reason}", file=sys.stderr)
+    print(summary(report))
+    if report.stopped_at is not None:
+        if args.checkpoint:
+            print(
+                f"tailserve: rerun with --checkpoint {args.checkpoint} to resume", file=sys.stderr
+            )
+        return 130
+    return 0
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from tailserve.cache.warm import summary, warm
+    from tailserve.loops import run
+
+    report = run(
+        warm(args.trace, args.target, top=args.top, concurrency=args.concurrency,
+             timeout_s=args.timeout_s)
+    )  # fmt: skip
+    print(summary(report))
+    for sample in report.error_samples:
+        print(f"tailserve: warm: {sample}", file=sys.stderr)
+    return 1 if report.errors else 0
 
 
 if __name__ == "__main__":

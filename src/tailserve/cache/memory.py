@@ -40,7 +40,6 @@ class Lookup(enum.Enum):
 # a tuple of atomic values (bytes, numbers). A hundred thousand entries of tracked objects made
 # every full collection walk them: pauses of tens of ms under load.
 Entry = tuple[Any, int, float, float]
-VALUE, SIZE, FRESH_UNTIL, STALE_UNTIL = range(4)
 
 
 class FrequencySketch:
@@ -97,11 +96,11 @@ class _Segment:
 
     def add(self, key: str, entry: Entry) -> None:
         self.items[key] = entry
-        self.bytes += entry[SIZE]
+        self.bytes += entry[1]
 
     def remove(self, key: str) -> Entry:
         entry = self.items.pop(key)
-        self.bytes -= entry[SIZE]
+        self.bytes -= entry[1]
         return entry
 
     def oldest(self) -> str | None:
@@ -149,11 +148,11 @@ class MemoryCache:
             return (Lookup.EVICTED if key in self._ghosts else Lookup.COLD), None
         entry = segment.items[key]
         now = self._clock()
-        if now >= entry[STALE_UNTIL]:
+        if now >= entry[3]:
             self._drop(key)
             return Lookup.EXPIRED, None
         self._touch(key, segment)
-        return (Lookup.HIT if now < entry[FRESH_UNTIL] else Lookup.STALE), entry
+        return (Lookup.HIT if now < entry[2] else Lookup.STALE), entry
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -222,7 +221,7 @@ class MemoryCache:
         if len(self._ghosts) > self.max_entries:
             self._ghosts.popitem(last=False)
         if self._on_evict is not None:
-            self._on_evict(entry[SIZE])
+            self._on_evict(entry[1])
 
     def _touch(self, key: str, segment: _Segment) -> None:
         if segment is self._probation:

@@ -28,7 +28,7 @@ RECORDED_HEADERS = (
     b"inference-header-content-length",
     b"x-deadline-ms",
     b"x-priority",
-    b"x-cache",
+    b"x-cache-mode",
     b"x-affinity-key",
 )
 
