@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write churn_sklearn: the pipeline pickled with joblib (trust: true)",
     )
+    examples.add_argument(
+        "--redis-url", help="also load the ranker's synthetic features into this Redis"
+    )
+    examples.add_argument(
+        "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
+    )
     examples.set_defaults(handler=_examples)
 
     from tailserve.loadgen import command as bench
@@ -111,6 +117,14 @@ def _examples(args: argparse.Namespace) -> int:
 
     names = write_examples(args.directory, sklearn=args.sklearn)
     print(f"wrote {', '.join(names)} to {args.directory}")
+    if args.redis_url is not None:
+        from tailserve.examples import load_features
+
+        counts = load_features(
+            args.directory / "ranker", args.redis_url, cluster=args.redis_cluster
+        )
+        loaded = ", ".join(f"{count:,} {entity}s" for entity, count in counts.items())
+        print(f"loaded the ranker's features into {args.redis_url}: {loaded}")
     return 0
 
 

@@ -124,7 +124,7 @@ class Worker:
 
         if self.feature_store is None:
             self.feature_store = FeatureStore(self._redis_client())
-        return FeatureResolver(config, self.feature_store, time.monotonic)
+        return FeatureResolver(config, self.feature_store, time.monotonic, observer=self.metrics)
 
     def _cost_rows(self) -> list[CostRow]:
         rows = []

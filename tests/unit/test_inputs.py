@@ -96,3 +96,48 @@ def test_variable_lengths_are_drawn_per_request_and_pass_the_servers_checks() ->
     assert 15 <= float(np.median(lengths)) <= 35 and max(lengths) > 100 and min(lengths) >= 1
     with pytest.raises(ConfigError, match="'length' needs a variable dimension"):
         fields_for(CONFIG, {"tenure_months": {"int": [1, 5], "length": {"constant": 3}}})
+
+
+def test_zipf_ids_stay_in_their_space_and_favour_the_first() -> None:
+    w = workload(fields={"support_tickets": {"zipf": [50, 1.2]}})
+    plan = prepare(w, fields_for(CONFIG, w.fields), 3000)
+    drawn = [orjson.loads(p.body)["inputs"][2]["data"][0] for p in plan]
+    counts = Counter(drawn)
+    assert min(drawn) >= 0 and max(drawn) <= 49
+    assert counts.most_common(1)[0][0] == 0
+    assert counts[0] > 3000 / 50 * 5  # rank 1 of Zipf(1.2) over 50: ~29% of draws
+    assert len(counts) > 25  # and the tail is drawn too
+
+
+async def test_a_feature_store_model_is_sent_a_user_id_and_one_item_id_a_row() -> None:
+    """The ranker's workload: one user id a request, 500 item ids; what the generator sends
+    resolves (through a store's read interface) into inputs the model accepts."""
+    from tailserve.cache.features import FeatureResolver
+    from tailserve.examples import ranker
+
+    config = {"name": "ranker", **ranker.model_config()}
+    model = parse_model_config(config, source="ranker")
+    assert model.features is not None
+
+    class Store:
+        async def read(self, entity: str, version: str, ids: Any, fields: Any) -> Any:
+            return np.tile(np.asarray(ids, np.float32)[:, None], (1, len(fields)))
+
+    w = parse_workload({"model": "ranker", "protocol": "v2-binary", "fields": {
+        "user_id": {"zipf": [100_000, 1.1]}, "item_ids": {"int": [0, 49_999]},
+    }, "classes": [{"rows": 500}]}, source="test")  # fmt: skip
+    fields = fields_for(config, w.fields)
+    assert [(f.name, f.per_request) for f in fields] == [("user_id", True), ("item_ids", False)]
+    resolver = FeatureResolver(model.features, Store(), lambda: 0.0)
+    users = []
+    for item in prepare(w, fields, 20):
+        length = int(dict(item.headers)["Inference-Header-Content-Length"])
+        request = decode_request("ranker", None, item.body, length)
+        shapes = {t.name: t.shape for t in request.inputs}
+        assert shapes == {"user_id": [1, 1], "item_ids": [500, 1]}
+        checked = InputPlan(model).check(await resolver.resolve(request.inputs))
+        assert checked.rows == 500
+        user = checked.arrays["user_features"]
+        assert (user == user[0, 0]).all() and 0 <= user[0, 0] < 100_000
+        users.append(float(user[0, 0]))
+    assert len(set(users)) > 1

@@ -8,16 +8,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailserve.examples.churn import write_churn
+from tailserve.examples.ranker import load_features, write_ranker
 from tailserve.examples.sentiment import write_sentiment
 
-__all__ = ["write_examples"]
+__all__ = ["load_features", "write_examples"]
 
 
 def write_examples(directory: Path | str, *, sklearn: bool = False) -> list[str]:
     """Write every example model (model.yaml and version 1) into ``directory``; return names.
 
     ``sklearn`` also writes ``churn_sklearn``, a pickled scikit-learn pipeline (trusted).
+    ``ranker`` reads its inputs from the feature store: ``load_features(DIR / "ranker", url)``
+    puts its synthetic catalog into Redis.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return [*write_churn(directory, sklearn=sklearn), write_sentiment(directory)]
+    return [
+        *write_churn(directory, sklearn=sklearn),
+        write_sentiment(directory),
+        write_ranker(directory),
+    ]

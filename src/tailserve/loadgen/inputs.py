@@ -2,8 +2,13 @@
 
 Each field gets a generator: named in the workload (``{int: [1, 120]}``, ``{uniform: [0, 1]}``,
 ``{normal: [mu, sigma]}``, ``{lognormal: [mu, sigma]}``, ``{choice: [a, b], weights: [3, 1]}``,
-``{constant: v}``, optional ``clip: [lo, hi]``), or else derived from the model's configuration
-(its ranges and allowed values), so any tailserve model can be driven without writing one.
+``{constant: v}``, ``{zipf: [size, s]}`` for ids 0..size-1 with 0 the most popular, optional
+``clip: [lo, hi]``), or else derived from the model's configuration (its ranges and allowed
+values), so any tailserve model can be driven without writing one.
+
+A model that fills inputs from the feature store (``features:`` in its configuration) is sent
+the entity ids instead: one for a ``shape: [1]`` entity (e.g. ``user_id``), one a row for a
+``shape: [-1]`` one (e.g. the candidate ``item_ids``).
 
 A *key* names one request's inputs. ``unique`` gives every request its own key; ``uniform`` and
 ``zipf`` draw keys from ``size`` of them, so repeated inputs (cache hits) come as often as they
@@ -33,6 +38,8 @@ class Field:
     row_shape: tuple[int, ...]  # -1: a variable dimension, its length drawn per request
     draw: Generator
     length: Generator | None = None
+    # One value a request whatever its rows (a feature-store entity of shape [1]).
+    per_request: bool = False
 
     def shape(self, length: int) -> tuple[int, ...]:
         return tuple(length if d == -1 else d for d in self.row_shape)
@@ -53,7 +60,7 @@ def fields_for(model_config: dict[str, Any], overrides: dict[str, dict[str, Any]
     """Fields from the model's configuration (``GET /v2/models/{m}/config``) and overrides."""
     fields = []
     known = set()
-    for spec in model_config["inputs"]:
+    for spec, per_request in _request_inputs(model_config):
         name = spec["name"]
         known.add(name)
         rule = dict(overrides.get(name) or _auto_rule(spec))
@@ -66,11 +73,30 @@ def fields_for(model_config: dict[str, Any], overrides: dict[str, dict[str, Any]
         # A variable dimension with no length rule: 8 long.
         row_shape = tuple(d if d > 0 or length is not None else 8 for d in spec["shape"])
         draw = _generator(name, spec, rule)
-        fields.append(Field(name, spec["datatype"], row_shape, draw, length))
+        fields.append(Field(name, spec["datatype"], row_shape, draw, length, per_request))
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ConfigError(f"workload field {unknown[0]!r} is not an input of the model")
     return fields
+
+
+def _request_inputs(model_config: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    """The tensors a request sends, and whether each is one a request: the model's inputs,
+    with those the feature store fills replaced by the ids they are looked up by."""
+    features = model_config.get("features") or {}
+    by_input = {item["input"]: item for item in features.get("inputs") or []}
+    tensors = []
+    for spec in model_config["inputs"]:
+        looked_up = by_input.get(spec["name"])
+        if looked_up is None:
+            tensors.append((spec, False))
+            continue
+        datatype = looked_up.get("datatype", "INT64")
+        per_request = list(looked_up.get("shape", [1])) == [1]
+        tensors.append(
+            ({"name": looked_up["key"], "datatype": datatype, "shape": [1]}, per_request)
+        )
+    return tensors
 
 
 def _auto_rule(spec: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +144,13 @@ def _generator(name: str, spec: dict[str, Any], rule: dict[str, Any]) -> Generat
     if "constant" in rule:
         value = rule["constant"]
         return lambda rng, n: finish(np.full(n, value, dtype=object))
+    if "zipf" in rule:
+        size, s = rule["zipf"]
+        cumulative = np.cumsum(np.arange(1, int(size) + 1, dtype=float) ** -float(s))
+        cumulative /= cumulative[-1]
+        return lambda rng, n: finish(
+            np.minimum(np.searchsorted(cumulative, rng.random(n), side="right"), int(size) - 1)
+        )
     raise ConfigError(f"workload field {name!r}: unknown generator {sorted(rule)}")
 
 
@@ -176,7 +209,7 @@ class _Slots:
 
     def __init__(self, field: Field, seed: list[int], keys: Sequence[int], rows: int) -> None:
         self.field = field
-        self.rows = rows
+        self.rows = rows = 1 if field.per_request else rows
         self._chunks: dict[int, tuple[Any, Any, Any]] = {}
         size = 1 << _CHUNK_BITS
         fixed = int(np.prod([d for d in field.row_shape if d != -1]))

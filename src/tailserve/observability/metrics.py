@@ -244,6 +244,12 @@ class Metrics:
         self.cache_evictions = LoopCounter(
             "tailserve_cache_evictions", "Results evicted from L1 for room.", ["model"]
         )
+        self.feature_lookups = LoopCounter(
+            "tailserve_feature_lookups",
+            "Entity feature rows looked up, by entity and result (hit in the in-process feature "
+            "cache; cold, expired, evicted: read from the store).",
+            ["entity", "result"],
+        )
         self.cache_l2_latency = LoopHistogram(
             "tailserve_cache_l2_duration_seconds",
             "Round-trip time of each batched Redis lookup (MGET).",
@@ -255,6 +261,7 @@ class Metrics:
             self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
             self.deadline_misses, self.loop_lag, self.cache_lookups, self.cache_computations,
             self.cache_coalesced, self.cache_evictions, self.cache_l2_latency,
+            self.feature_lookups,
         ]  # fmt: skip
         self.registry.register(_LoopCollector(loop_metrics))
         # Set by the worker: the cost model of each (model, version, cost class).
@@ -302,6 +309,10 @@ class Metrics:
 
     def on_evict(self, model: str, size: int) -> None:
         self.cache_evictions.inc(model)
+
+    def on_feature_lookup(self, entity: str, result: str, count: int) -> None:
+        key = (entity, result)
+        self.feature_lookups.values[key] = self.feature_lookups.values.get(key, 0) + count
 
     def on_reject(self, model: str, reason: str) -> None:
         self.rejected.inc(model, reason)

@@ -219,6 +219,10 @@ class ModelManager:
     # --- helpers ----------------------------------------------------------------------------
 
     async def _build(self, config: ModelConfig, version: int, version_dir: Path) -> ServedVersion:
+        if config.features is not None:
+            from tailserve.cache.features import check_features
+
+            check_features(config)
         if config.features is not None and self._feature_resolver is None:
             raise ModelLoadError(
                 f"model {config.name!r} reads inputs from the feature store, which needs "

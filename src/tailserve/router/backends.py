@@ -1,0 +1,180 @@
+"""The router's view of its workers: one `Backend` per replica, one `Pool` per model.
+
+A backend's state is what the policies decide on: requests in flight (and its limit), an
+exponentially weighted moving average (EWMA) of its reply latency, consecutive failures, the
+verdict of the active health checks (``GET /v2/health/ready``) and of outlier ejection.
+
+A backend is *in service* while it is healthy and not ejected, and *available* while it is in
+service and under its in-flight limit. When no backend of a pool is available the balancers
+answer None and the caller sheds the request at once (503 + Retry-After) rather than queue it:
+backpressure stays explicit.
+
+Pure: nothing here reads a clock; times are passed in (seconds, any monotonic origin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class Backend:
+    """One replica. ``id`` is its stable name (the affinity ring hashes it, so it must not
+    change when the router restarts); ``url`` is where requests go (the id when not given).
+
+    Compared by identity: two replicas with the same counters are still two replicas.
+    """
+
+    id: str
+    url: str = ""
+    max_in_flight: int = 64
+    in_flight: int = 0
+    # EWMA of the reply latency in seconds; None until the first sample.
+    latency_s: float | None = None
+    samples: int = 0
+    consecutive_failures: int = 0
+    # Set by the active health checks (the proxy may start a backend unhealthy until its
+    # first check passes; the policies default to trusting it).
+    healthy: bool = True
+    # Outlier ejection (see health.py): ejected while now < ejected_until. It stays set after
+    # it expires until the detector notes the re-admission (readmitted_at).
+    ejected_until: float | None = None
+    ejections: int = 0
+    readmitted_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            self.url = self.id
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {self.max_in_flight}")
+
+    def is_ejected(self, now: float) -> bool:
+        return self.ejected_until is not None and now < self.ejected_until
+
+    def in_service(self, now: float) -> bool:
+        return self.healthy and not self.is_ejected(now)
+
+    @property
+    def saturated(self) -> bool:
+        return self.in_flight >= self.max_in_flight
+
+    def is_available(self, now: float) -> bool:
+        return self.in_service(now) and not self.saturated
+
+    def reset_stats(self) -> None:
+        """Forget the latency average and the failure streak (on ejection)."""
+        self.latency_s = None
+        self.samples = 0
+        self.consecutive_failures = 0
+
+
+class Pool:
+    """The replicas that serve one model, in a stable order (round-robin cycles through it).
+
+    The proxy marks each attempt: `start` when it sends, then exactly one of `finish` (a reply,
+    or a timeout or server error with ``ok=False``), `connect_failed` or `cancelled` (the
+    losing copy of a hedged request).
+    """
+
+    def __init__(
+        self, model: str, backends: Iterable[Backend] = (), *, ewma_alpha: float = 0.2
+    ) -> None:
+        if not 0.0 < ewma_alpha <= 1.0:
+            raise ValueError(f"ewma_alpha must be in (0, 1], not {ewma_alpha}")
+        self.model = model
+        # The weight of each new latency sample in the average: 0.2 forgets a sample's
+        # influence to ~1% in 20 replies, fast enough to see a replica slow down within a
+        # second at the rates a router sees, slow enough that one outlier does not swing it.
+        self.ewma_alpha = ewma_alpha
+        self._backends: dict[str, Backend] = {}
+        for backend in backends:
+            self.add(backend)
+
+    # --- membership -----------------------------------------------------------------------
+
+    def add(self, backend: Backend) -> None:
+        if backend.id in self._backends:
+            raise ValueError(f"backend {backend.id!r} is already in the pool of {self.model!r}")
+        self._backends[backend.id] = backend
+
+    def remove(self, backend_id: str) -> Backend | None:
+        return self._backends.pop(backend_id, None)
+
+    def get(self, backend_id: str) -> Backend | None:
+        return self._backends.get(backend_id)
+
+    @property
+    def backends(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self._backends)
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(self._backends.values())
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def __contains__(self, backend: object) -> bool:
+        return isinstance(backend, Backend) and self._backends.get(backend.id) is backend
+
+    # --- queries --------------------------------------------------------------------------
+
+    def available(self, now: float) -> list[Backend]:
+        """The backends a request may go to now: healthy, not ejected, under their limit."""
+        return [b for b in self._backends.values() if b.is_available(now)]
+
+    def in_service(self, now: float) -> list[Backend]:
+        """The healthy, not ejected backends, saturated or not."""
+        return [b for b in self._backends.values() if b.in_service(now)]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(b.in_flight for b in self._backends.values())
+
+    def ejected(self, now: float) -> list[Backend]:
+        return [b for b in self._backends.values() if b.is_ejected(now)]
+
+    # --- one attempt's life ---------------------------------------------------------------
+
+    def start(self, backend: Backend) -> None:
+        backend.in_flight += 1
+
+    def finish(self, backend: Backend, latency_s: float, *, ok: bool) -> None:
+        """A reply came (``ok``), or the attempt timed out or the backend answered with a
+        server error (not ``ok``: the proxy decides which statuses count; a client's 4xx is
+        the client's fault, not the backend's)."""
+        self._done(backend)
+        if ok:
+            backend.consecutive_failures = 0
+            self._sample(backend, latency_s)
+        else:
+            backend.consecutive_failures += 1
+            # A failure may only make a backend look slower: a replica that fails fast must not
+            # look like the fastest one and draw more traffic (the "black hole").
+            if backend.latency_s is not None and latency_s > backend.latency_s:
+                self._sample(backend, latency_s)
+
+    def connect_failed(self, backend: Backend) -> None:
+        self._done(backend)
+        backend.consecutive_failures += 1
+
+    def cancelled(self, backend: Backend) -> None:
+        # The losing copy of a hedge: its latency is unknown (only "longer than the winner's"),
+        # so it adds no sample and no failure.
+        self._done(backend)
+
+    def _done(self, backend: Backend) -> None:
+        if backend.in_flight <= 0:
+            raise ValueError(f"backend {backend.id!r} has no request in flight")
+        backend.in_flight -= 1
+
+    def _sample(self, backend: Backend, latency_s: float) -> None:
+        if backend.latency_s is None:
+            backend.latency_s = latency_s
+        else:
+            backend.latency_s += self.ewma_alpha * (latency_s - backend.latency_s)
+        backend.samples += 1

@@ -1,0 +1,150 @@
+"""Hedged requests and the budgets that keep extra copies from amplifying overload.
+
+**Hedging.** An idempotent inference whose reply has not come after the model's recent p95
+latency is sent again to another replica; the first reply wins and the other copy is
+cancelled. Waiting for the p95 (rather than hedging at once) keeps the extra load near 5%
+while cutting the tail that one slow replica (a GC pause, a noisy neighbour) would add.
+
+`HedgePolicy` keeps the p95 per model over a sliding window: the last ``window`` reply
+latencies, none older than ``max_age_s``, held sorted (``bisect.insort`` and a deletion per
+sample: O(log n) comparisons and a memmove of at most ``window`` pointers, a microsecond or
+two), so the quantile is exact over the window and read in O(1). A streaming estimate (P²,
+t-digest) would use less memory but lags a shift in latency and is biased on small
+samples; a window of a thousand floats costs nothing. Until ``min_samples`` replies are known
+it answers None: no hedging on a guess. The delay is clamped to [min_delay_s, max_delay_s].
+
+**Budgets.** `TokenBudget` is a token bucket filled by requests rather than time: each
+original request earns ``ratio`` tokens, up to ``cap``; a hedge (or a retry) spends one. Over
+any stretch of R requests at most ``ratio · R + cap`` extra copies go out (``cap`` bounds the
+burst after a quiet stretch), so when every reply is slow (overload) hedging adds at most
+``ratio`` to the load instead of doubling it. `HedgeBudget` defaults to 5%, `RetryBudget`
+(a request that failed to connect is retried once on another replica) to 10%.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+
+# Token arithmetic is in floats: 20 times 0.05 may come to 0.9999999999999999.
+_TOLERANCE = 1e-9
+
+
+class TokenBudget:
+    def __init__(self, *, ratio: float, cap: float = 10.0, initial: float = 0.0) -> None:
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], not {ratio}")
+        if cap < 1.0:
+            raise ValueError(f"cap must be at least 1 (one copy), not {cap}")
+        self.ratio = ratio
+        self.cap = cap
+        self._tokens = min(initial, cap)
+        self.requests = 0
+        self.spent = 0
+        self.refused = 0
+
+    @property
+    def tokens(self) -> float:
+        return self._tokens
+
+    def earn(self) -> None:
+        """Count one original request (never a hedge or a retry: copies earn nothing)."""
+        self.requests += 1
+        self._tokens = min(self.cap, self._tokens + self.ratio)
+
+    def try_spend(self) -> bool:
+        """May one extra copy go out now? Spends a token when it may."""
+        if self._tokens + _TOLERANCE >= 1.0:
+            self._tokens = max(0.0, self._tokens - 1.0)
+            self.spent += 1
+            return True
+        self.refused += 1
+        return False
+
+
+class HedgeBudget(TokenBudget):
+    def __init__(self, *, ratio: float = 0.05, cap: float = 10.0, initial: float = 0.0) -> None:
+        super().__init__(ratio=ratio, cap=cap, initial=initial)
+
+
+class RetryBudget(TokenBudget):
+    def __init__(self, *, ratio: float = 0.1, cap: float = 10.0, initial: float = 0.0) -> None:
+        super().__init__(ratio=ratio, cap=cap, initial=initial)
+
+
+class HedgePolicy:
+    """When to hedge one model's requests: after its recent p95, within its budget."""
+
+    def __init__(
+        self,
+        *,
+        quantile: float = 0.95,
+        window: int = 1000,
+        max_age_s: float = 30.0,
+        min_samples: int = 50,
+        min_delay_s: float = 0.001,
+        max_delay_s: float = 1.0,
+        budget: TokenBudget | None = None,
+    ) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), not {quantile}")
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need 1 <= min_samples ({min_samples}) <= window ({window})")
+        if not 0.0 <= min_delay_s <= max_delay_s:
+            raise ValueError(f"need 0 <= min_delay_s ({min_delay_s}) <= max_delay_s")
+        self.quantile = quantile
+        self.window = window
+        self.max_age_s = max_age_s
+        self.min_samples = min_samples
+        self.min_delay_s = min_delay_s
+        self.max_delay_s = max_delay_s
+        self.budget = budget if budget is not None else HedgeBudget()
+        self._arrivals: deque[tuple[float, float]] = deque()
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def observe(self, latency_s: float, now: float) -> None:
+        """A reply's latency (the attempt's own, from when that copy was sent)."""
+        self._evict(now)
+        if len(self._arrivals) >= self.window:
+            self._drop()
+        self._arrivals.append((now, latency_s))
+        bisect.insort(self._sorted, latency_s)
+
+    def quantile_s(self, now: float | None = None) -> float | None:
+        """The window's quantile (nearest rank), or None with fewer than ``min_samples``."""
+        if now is not None:
+            self._evict(now)
+        count = len(self._sorted)
+        if count < self.min_samples:
+            return None
+        return self._sorted[max(0, math.ceil(self.quantile * count) - 1)]
+
+    def delay_s(self, now: float | None = None) -> float | None:
+        """How long to wait for a reply before sending a hedge; None: do not hedge (too few
+        samples to know the model's latency yet)."""
+        value = self.quantile_s(now)
+        if value is None:
+            return None
+        return min(self.max_delay_s, max(self.min_delay_s, value))
+
+    def on_request(self, now: float) -> float | None:
+        """An original request is sent: it earns its share of the budget. Answers the delay
+        after which to hedge it (None: do not)."""
+        self.budget.earn()
+        return self.delay_s(now)
+
+    def try_hedge(self) -> bool:
+        """The delay has passed with no reply: may a copy go out? (Spends from the budget.)"""
+        return self.budget.try_spend()
+
+    def _evict(self, now: float) -> None:
+        while self._arrivals and now - self._arrivals[0][0] > self.max_age_s:
+            self._drop()
+
+    def _drop(self) -> None:
+        _, latency = self._arrivals.popleft()
+        del self._sorted[bisect.bisect_left(self._sorted, latency)]

@@ -1,0 +1,230 @@
+"""The feature store against a real redis-server: round trips, one command for many ids, the
+in-process cache in front, versions kept apart, faults as tailserve errors; the ranker's
+features loaded and served end to end."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from support.servers import RedisServer, free_port, run_worker
+from tailserve.cache.features import FeatureResolver, FeatureStore, entity_key
+from tailserve.cache.redis import connect
+from tailserve.errors import InvalidInput, Unavailable
+from tailserve.examples import load_features, ranker
+from tailserve.repository.config import FeatureInput, FeaturesConfig
+from tailserve.settings import Settings
+from tailserve.tensors import Tensor
+
+FIELDS = ["f0", "f1", "f2", "f3"]
+
+
+def fresh_entity() -> str:
+    """An entity type of the test's own on the shared server."""
+    return f"e-{uuid.uuid4().hex[:10]}"
+
+
+async def calls(admin: Redis, command: str) -> int:
+    stats = await admin.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+@pytest.fixture
+async def admin(redis: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(redis: RedisServer) -> AsyncIterator[FeatureStore]:
+    # A limit no loaded test machine reaches: these tests are about behaviour, not speed.
+    store = FeatureStore(connect(redis.url, timeout_s=2.0), timeout_s=5.0, chunk=300)
+    yield store
+    await store.close()
+
+
+def table(rows: int, version: float = 0.0) -> np.ndarray[Any, Any]:
+    """Distinct values a row: row i holds i*10 + column (+ version)."""
+    return (np.arange(rows)[:, None] * 10 + np.arange(len(FIELDS)) + version).astype(np.float32)
+
+
+async def test_rows_written_are_read_back_by_field_name(store: FeatureStore) -> None:
+    entity = fresh_entity()
+    rows = {7: {"f0": 1.5, "f1": -2.0, "f2": 3.25}, 8: {"f0": 4.0, "f1": 5.0, "f2": 6.0}}
+    assert await store.write(entity, "1", rows) == 2
+    matrix = await store.read(entity, "1", [8, 7], ["f2", "f0"])
+    assert matrix.dtype == np.float32
+    np.testing.assert_array_equal(matrix, [[6.0, 4.0], [3.25, 1.5]])
+    assert await store.fields(entity, "1") == ["f0", "f1", "f2"]
+
+
+async def test_many_ids_are_read_in_one_command(store: FeatureStore, admin: Redis) -> None:
+    entity = fresh_entity()
+    assert await store.write_matrix(entity, "1", range(1000), FIELDS, table(1000)) == 1000
+    await store.read(entity, "1", [0], FIELDS)  # the script is loaded on first use
+    ids = list(range(999, 0, -2))
+    before = await calls(admin, "evalsha")
+    matrix = await store.read(entity, "1", ids, FIELDS)
+    assert await calls(admin, "evalsha") == before + 1
+    np.testing.assert_array_equal(matrix, table(1000)[ids])
+    # Stored compactly: one packed float32 value a hash.
+    raw = await admin.hgetall(entity_key(entity, "1", 5))
+    assert raw == {b"v": table(6)[5].tobytes()}
+
+
+async def test_unknown_ids_are_invalid_input_naming_the_entity_and_id(
+    store: FeatureStore,
+) -> None:
+    entity = fresh_entity()
+    await store.write_matrix(entity, "1", range(3), FIELDS, table(3))
+    with pytest.raises(InvalidInput, match=f"unknown {entity} ids 9, 11"):
+        await store.read(entity, "1", [1, 9, 11], FIELDS)
+    with pytest.raises(Unavailable, match=r"holds no .* features of version '2'"):
+        await store.read(entity, "2", [1], FIELDS)
+
+
+async def test_versions_are_kept_apart_and_fixed_to_their_fields(store: FeatureStore) -> None:
+    entity = fresh_entity()
+    await store.write_matrix(entity, "1", range(4), FIELDS, table(4))
+    await store.write_matrix(entity, "2", range(4), FIELDS, table(4, version=0.5))
+    np.testing.assert_array_equal(await store.read(entity, "1", [3], FIELDS), table(4)[[3]])
+    np.testing.assert_array_equal(
+        await store.read(entity, "2", [3], FIELDS), table(4, version=0.5)[[3]]
+    )
+    with pytest.raises(InvalidInput, match="write a new version"):
+        await store.write(entity, "1", {9: {"other": 1.0}})
+    # The same fields in another order are stored in the version's order.
+    await store.write(entity, "1", {9: {"f3": 3.0, "f2": 2.0, "f1": 1.0, "f0": 0.0}})
+    np.testing.assert_array_equal(await store.read(entity, "1", [9], FIELDS), [[0, 1, 2, 3]])
+    assert await store.drop(entity, "1") == 6  # five rows and the schema
+    with pytest.raises(Unavailable):
+        await store.read(entity, "1", [3], FIELDS)
+    assert (await store.read(entity, "2", [3], FIELDS)).shape == (1, 4)
+
+
+async def test_a_redis_that_does_not_answer_is_unavailable() -> None:
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+    try:
+        with pytest.raises(Unavailable, match="the feature store failed"):
+            await FeatureStore(client).read("user", "1", [1], FIELDS)
+    finally:
+        await client.aclose()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def resolver_for(entity: str, store: FeatureStore, clock: Clock) -> FeatureResolver:
+    spec = FeatureInput(input="x", key="ids", entity=entity, fields=FIELDS, shape=[-1])
+    return FeatureResolver(FeaturesConfig(version="1", ttl_s=10.0, inputs=[spec]), store, clock)
+
+
+def id_tensor(values: list[int]) -> list[Tensor]:
+    return [Tensor("ids", "INT64", np.array(values, dtype=np.int64))]
+
+
+async def test_the_in_process_cache_spares_redis_until_the_ttl(
+    store: FeatureStore, admin: Redis
+) -> None:
+    entity = fresh_entity()
+    await store.write_matrix(entity, "1", range(50), FIELDS, table(50))
+    clock = Clock()
+    resolver = resolver_for(entity, store, clock)
+    await store.read(entity, "1", [0], FIELDS)  # the script is loaded on first use
+    before = await calls(admin, "evalsha")
+    first = await resolver.resolve(id_tensor(list(range(40))))
+    again = await resolver.resolve(id_tensor(list(range(39, -1, -1))))
+    assert await calls(admin, "evalsha") == before + 1
+    np.testing.assert_array_equal(again[0].data, first[0].data[::-1])
+    # Only the misses go to Redis: 40..49 in one command.
+    await resolver.resolve(id_tensor(list(range(50))))
+    assert await calls(admin, "evalsha") == before + 2
+    # Past the TTL the rows are read again, with what the store now holds.
+    await store.write_matrix(entity, "1", range(50), FIELDS, table(50, version=0.25))
+    clock.now += 11
+    fresh = await resolver.resolve(id_tensor([3]))
+    assert await calls(admin, "evalsha") == before + 3
+    np.testing.assert_array_equal(fresh[0].data, table(50, version=0.25)[[3]])
+
+
+async def test_an_unknown_id_names_the_tensor(store: FeatureStore) -> None:
+    entity = fresh_entity()
+    await store.write_matrix(entity, "1", range(5), FIELDS, table(5))
+    resolver = resolver_for(entity, store, Clock())
+    with pytest.raises(InvalidInput, match=f"input 'ids': unknown {entity} id 99"):
+        await resolver.resolve(id_tensor([1, 99]))
+
+
+# --- the ranker example, loaded and served --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranker_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("ranker")
+    ranker.write_ranker(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def loaded(ranker_repository: Path, redis: RedisServer) -> dict[str, int]:
+    return load_features(ranker_repository / "ranker", redis.url)
+
+
+async def test_load_features_fills_redis_with_the_catalog(
+    loaded: dict[str, int], ranker_repository: Path, store: FeatureStore
+) -> None:
+    assert loaded == {"user": ranker.USERS, "item": ranker.ITEMS}
+    with np.load(ranker_repository / "ranker" / ranker.CATALOG) as catalog:
+        saved = dict(catalog)
+    last = [ranker.ITEMS - 1, 0, 12_345]
+    items = await store.read("item", "1", last, ranker.ITEM_FIELDS)
+    np.testing.assert_array_equal(items, saved["item"][last].astype(np.float32))
+    users = await store.read("user", "1", [ranker.USERS - 1], ranker.USER_FIELDS)
+    np.testing.assert_array_equal(users, saved["user"][[-1]].astype(np.float32))
+    with pytest.raises(InvalidInput):
+        await store.read("item", "1", [ranker.ITEMS], ranker.ITEM_FIELDS)
+
+
+def test_a_worker_scores_candidates_from_their_ids(
+    loaded: dict[str, int], ranker_repository: Path, redis: RedisServer
+) -> None:
+    with np.load(ranker_repository / "ranker" / ranker.CATALOG) as catalog:
+        saved = dict(catalog)
+    weights, _ = ranker.train()
+    request = ranker.draw_request(np.random.default_rng(5), 300)
+    user, items = int(request["user_id"][0]), request["item_ids"]
+    expected = ranker.scores(
+        weights, saved["user"][[user] * len(items)].astype(np.float32),
+        saved["item"][items].astype(np.float32),
+    )  # fmt: skip
+    body = {
+        "inputs": [
+            {"name": "user_id", "datatype": "INT64", "shape": [1], "data": [user]},
+            {"name": "item_ids", "datatype": "INT64", "shape": [len(items)],
+             "data": items.tolist()},
+        ]
+    }  # fmt: skip
+    settings = Settings(repository=str(ranker_repository), redis_url=redis.url)
+    with run_worker(settings) as worker:
+        response = httpx.post(f"{worker.url}/v2/models/ranker/infer", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        (output,) = response.json()["outputs"]
+        assert output["name"] == "score" and output["shape"] == [len(items), 1]
+        np.testing.assert_allclose(output["data"], expected[:, 0], atol=1e-5)
+        body["inputs"][0]["data"] = [ranker.USERS + 1]
+        missing = httpx.post(f"{worker.url}/v2/models/ranker/infer", json=body, timeout=30)
+        assert missing.status_code == 400
+        assert "'user_id'" in missing.json()["error"]

@@ -1,0 +1,191 @@
+"""When to hedge (the model's recent p95) and how many copies the budgets allow."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tailserve.router import HedgeBudget, HedgePolicy, RetryBudget, TokenBudget
+
+# --- the hedge delay --------------------------------------------------------------------------
+
+
+def test_no_hedging_until_enough_replies_are_known() -> None:
+    policy = HedgePolicy(min_samples=50)
+    for i in range(49):
+        policy.observe(0.010, now=i * 0.01)
+        assert policy.delay_s() is None
+    policy.observe(0.010, now=1.0)
+    assert policy.delay_s() == pytest.approx(0.010)
+
+
+def test_the_delay_is_the_nearest_rank_p95_of_the_window() -> None:
+    policy = HedgePolicy(window=100, min_samples=10)
+    latencies = [ms / 1000 for ms in range(1, 101)]
+    random.Random(4).shuffle(latencies)
+    for i, latency in enumerate(latencies):
+        policy.observe(latency, now=i * 0.001)
+    assert policy.delay_s() == pytest.approx(0.095)
+
+
+def test_the_delay_tracks_the_p95_of_a_known_distribution_and_follows_a_shift() -> None:
+    rng = random.Random(21)
+    policy = HedgePolicy(window=2_000, max_age_s=1e9)
+    now = 0.0
+    mean = 0.010
+    for _ in range(5_000):
+        now += 0.001
+        policy.observe(rng.expovariate(1 / mean), now)
+    # An exponential's p95 is mean · ln 20.
+    assert policy.delay_s() == pytest.approx(mean * math.log(20), rel=0.1)
+    # The model slows down threefold (a bigger version, a noisy neighbour): within a window's
+    # worth of replies the delay follows...
+    for _ in range(2_000):
+        now += 0.001
+        policy.observe(rng.expovariate(1 / (3 * mean)), now)
+    assert policy.delay_s() == pytest.approx(3 * mean * math.log(20), rel=0.1)
+    # ... and back down when it recovers.
+    for _ in range(2_000):
+        now += 0.001
+        policy.observe(rng.expovariate(1 / mean), now)
+    assert policy.delay_s() == pytest.approx(mean * math.log(20), rel=0.1)
+
+
+def test_an_upward_shift_shows_well_before_the_window_turns_over() -> None:
+    policy = HedgePolicy(window=1_000, max_age_s=1e9)
+    for i in range(1_000):
+        policy.observe(0.010, now=i * 0.001)
+    for i in range(60):  # 6% of the window is now slow: above the 95th percentile's rank
+        policy.observe(0.200, now=1.0 + i * 0.001)
+    assert policy.delay_s() == pytest.approx(0.200)
+
+
+def test_old_samples_age_out() -> None:
+    policy = HedgePolicy(window=1_000, max_age_s=10.0, min_samples=20)
+    for i in range(100):
+        policy.observe(0.500, now=i * 0.01)
+    assert policy.delay_s(now=5.0) == pytest.approx(0.500)
+    # Twenty seconds later, only the recent replies count.
+    for i in range(30):
+        policy.observe(0.020, now=20.0 + i * 0.01)
+    assert len(policy) == 30
+    assert policy.delay_s() == pytest.approx(0.020)
+    # After a quiet spell there is nothing recent to go by: no hedging on stale numbers.
+    assert policy.delay_s(now=100.0) is None
+
+
+def test_the_window_is_bounded() -> None:
+    policy = HedgePolicy(window=100, min_samples=10, max_age_s=1e9)
+    for i in range(1_000):
+        policy.observe(i / 1000, now=float(i))
+    assert len(policy) == 100
+    # The last hundred samples, 0.900 .. 0.999: their p95 is the 95th of them.
+    assert policy.delay_s() == pytest.approx(0.994)
+
+
+def test_the_delay_is_floored_and_capped() -> None:
+    policy = HedgePolicy(min_samples=10, min_delay_s=0.002, max_delay_s=0.5)
+    for i in range(20):
+        policy.observe(0.0001, now=i * 0.01)
+    assert policy.delay_s() == 0.002
+    for i in range(1_000):
+        policy.observe(5.0, now=1.0 + i * 0.001)
+    assert policy.delay_s() == 0.5
+
+
+def test_on_request_earns_budget_and_answers_the_delay() -> None:
+    policy = HedgePolicy(min_samples=10, budget=HedgeBudget(ratio=0.5))
+    assert policy.on_request(now=0.0) is None
+    for i in range(10):
+        policy.observe(0.030, now=i * 0.01)
+    assert policy.on_request(now=1.0) == pytest.approx(0.030)
+    assert policy.budget.requests == 2
+    assert policy.try_hedge()  # 2 x 0.5 = 1 token
+    assert not policy.try_hedge()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"quantile": 1.0}, {"window": 10, "min_samples": 20}, {"min_delay_s": 2.0}],
+)
+def test_nonsense_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        HedgePolicy(**kwargs)  # type: ignore[arg-type]
+
+
+# --- budgets ------------------------------------------------------------------------------------
+
+
+def test_the_hedge_budget_caps_hedges_at_five_percent_over_a_long_run() -> None:
+    # Overload: every reply is slow, so every request would like a hedge.
+    budget = HedgeBudget()
+    requests = 100_000
+    hedges = 0
+    for _ in range(requests):
+        budget.earn()
+        hedges += budget.try_spend()
+    assert hedges <= 0.05 * requests + budget.cap
+    assert hedges == pytest.approx(0.05 * requests, rel=0.01)
+    assert budget.spent == hedges and budget.refused == requests - hedges
+
+
+def test_hedges_below_the_budget_all_go_out() -> None:
+    rng = random.Random(8)
+    budget = HedgeBudget()
+    wanted = sent = 0
+    for _ in range(50_000):
+        budget.earn()
+        if rng.random() < 0.02:  # 2% of replies are slow: well inside 5%
+            wanted += 1
+            sent += budget.try_spend()
+    # Only the first few, before any tokens were earned, can be refused.
+    assert wanted - sent <= 2
+    assert wanted > 900
+
+
+def test_a_burst_after_a_quiet_spell_is_limited_to_the_cap() -> None:
+    budget = HedgeBudget(cap=10.0)
+    for _ in range(10_000):
+        budget.earn()  # 500 tokens' worth, but the bucket holds 10
+    assert budget.tokens == pytest.approx(10.0)
+    burst = 0
+    while budget.try_spend():
+        burst += 1
+    assert burst == 10
+    # From empty, the next copy needs twenty more requests.
+    for _ in range(19):
+        budget.earn()
+        assert not budget.try_spend()
+    budget.earn()
+    assert budget.try_spend()
+
+
+def test_the_budget_starts_empty_unless_told() -> None:
+    assert not HedgeBudget().try_spend()
+    seeded = HedgeBudget(initial=3.0)
+    assert [seeded.try_spend() for _ in range(4)] == [True, True, True, False]
+    assert HedgeBudget(initial=50.0).tokens == 10.0  # never above the cap
+
+
+def test_the_retry_budget_allows_ten_percent() -> None:
+    budget = RetryBudget()
+    retries = 0
+    for _ in range(10_000):
+        budget.earn()
+        retries += budget.try_spend()
+    assert 990 <= retries <= 1_000 + budget.cap
+
+
+def test_a_budget_of_nothing_allows_nothing() -> None:
+    budget = TokenBudget(ratio=0.0)
+    for _ in range(1_000):
+        budget.earn()
+    assert not budget.try_spend()
+
+
+@pytest.mark.parametrize("kwargs", [{"ratio": -0.1}, {"ratio": 1.5}, {"ratio": 0.1, "cap": 0.5}])
+def test_budget_settings_are_checked(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        TokenBudget(**kwargs)
