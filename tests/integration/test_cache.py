@@ -17,6 +17,7 @@ from support.servers import (
     RedisServer,
     RunningRedisCluster,
     RunningWorker,
+    flush_redis,
     free_port,
     run_worker,
     wait_for,
@@ -163,13 +164,7 @@ def test_invalidation_is_an_admin_route(repository: Path) -> None:
 @pytest.fixture
 def redis(redis: RedisServer) -> RedisServer:
     """The session's Redis, emptied: these tests count and drop keys."""
-    import redis as redis_py
-
-    client = redis_py.Redis.from_url(redis.url)
-    try:
-        client.flushall()
-    finally:
-        client.close()
+    flush_redis(redis.url)
     return redis
 
 

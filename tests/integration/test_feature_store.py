@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from support.servers import RedisServer, free_port, run_worker
+from support.servers import RedisServer, command_calls, free_port, run_worker
 from tailserve.cache.features import FeatureResolver, FeatureStore, entity_key
 from tailserve.cache.redis import connect
 from tailserve.errors import InvalidInput, Unavailable
@@ -32,8 +32,7 @@ def fresh_entity() -> str:
 
 
 async def calls(admin: Redis, command: str) -> int:
-    stats = await admin.info("commandstats")
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+    return await command_calls(admin, command)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from support.models import doubler_config, write_model
-from support.servers import RedisServer, run_worker, wait_for
+from support.servers import RedisServer, flush_redis, run_worker, wait_for
 from tailserve.cli import main
 from tailserve.settings import Settings
 
@@ -47,13 +47,7 @@ def mixed_config() -> dict[str, Any]:
 @pytest.fixture
 def redis(redis: RedisServer) -> RedisServer:
     """The session's Redis, emptied: these tests count keys."""
-    import redis as redis_py
-
-    client = redis_py.Redis.from_url(redis.url)
-    try:
-        client.flushall()
-    finally:
-        client.close()
+    flush_redis(redis.url)
     return redis
 
 

@@ -14,6 +14,7 @@ from support.servers import (
     OwnRedisServer,
     RedisServer,
     async_wait_for,
+    command_calls,
     kill_redis,
     pause_redis,
     restart_redis,
@@ -30,8 +31,7 @@ def fresh_prefix() -> str:
 
 
 async def calls(admin: Redis, command: str) -> int:
-    stats = await admin.info("commandstats")
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+    return await command_calls(admin, command)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from support.models import doubler_config, write_model
-from support.servers import RedisServer, run_worker, wait_for
+from support.servers import RedisServer, flush_redis, run_worker, wait_for
 from tailserve.cli import main
 from tailserve.settings import Settings
 
@@ -23,13 +23,7 @@ SKEW = {1.0: 6, 2.0: 4, 3.0: 2, 4.0: 1, 5.0: 1}
 @pytest.fixture
 def redis(redis: RedisServer) -> RedisServer:
     """The session's Redis, emptied: a worker must not find another test's results."""
-    import redis as redis_py
-
-    client = redis_py.Redis.from_url(redis.url)
-    try:
-        client.flushall()
-    finally:
-        client.close()
+    flush_redis(redis.url)
     return redis
 
 

@@ -334,3 +334,20 @@ async def async_wait_for(
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def flush_redis(url: str) -> None:
+    """Empty a test Redis (for tests that count or drop keys)."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+async def command_calls(client: Any, command: str) -> int:
+    """How many times Redis has run ``command`` (INFO commandstats)."""
+    stats = await client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))

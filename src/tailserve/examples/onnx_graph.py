@@ -1,6 +1,10 @@
-"""Small edits of exported ONNX graphs: expose one probability column as the only output."""
+"""Small ONNX helpers: build a hand-written graph, expose one probability column of an
+exported one as its only output."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -50,3 +54,29 @@ def prune(graph: onnx.GraphProto) -> None:
     graph.node.extend(reversed(keep))
     del graph.initializer[:]
     graph.initializer.extend(kept_inits)
+
+
+def build_model(
+    name: str,
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[tuple[str, int, list[Any]]],
+    output: str,
+    constants: Mapping[str, np.ndarray[Any, Any]],
+) -> bytes:
+    """A checked, serialised model of ``nodes``: inputs as (name, element type, shape), one
+    float output of shape [N, 1], the constants as initializers (opset 17, IR 8)."""
+    model = helper.make_model(
+        helper.make_graph(
+            list(nodes),
+            name,
+            [helper.make_tensor_value_info(n, kind, shape) for n, kind, shape in inputs],
+            [helper.make_tensor_value_info(output, TensorProto.FLOAT, [None, 1])],
+            [numpy_helper.from_array(value, key) for key, value in constants.items()],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        producer_name="tailserve-examples",
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    content: bytes = model.SerializeToString()
+    return content

@@ -137,8 +137,9 @@ def scores(weights: dict[str, Array], users: Array, items: Array) -> Array:
 
 
 def graph(weights: dict[str, Array]) -> bytes:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
+
+    from tailserve.examples.onnx_graph import build_model
 
     nodes = [
         helper.make_node("Mul", [USER_INPUT, ITEM_INPUT], ["cross"]),
@@ -152,24 +153,9 @@ def graph(weights: dict[str, Array]) -> bytes:
         helper.make_node("Sigmoid", ["logit"], [OUTPUT]),
     ]
     constants = {name: weights[name] for name in ("w1", "b1", "head_w", "head_b")}
-    model = helper.make_model(
-        helper.make_graph(
-            nodes,
-            MODEL,
-            [
-                helper.make_tensor_value_info(USER_INPUT, TensorProto.FLOAT, [None, FEATURES]),
-                helper.make_tensor_value_info(ITEM_INPUT, TensorProto.FLOAT, [None, FEATURES]),
-            ],
-            [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [None, 1])],
-            [numpy_helper.from_array(value, name) for name, value in constants.items()],
-        ),
-        opset_imports=[helper.make_opsetid("", 17)],
-        producer_name="tailserve-examples",
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    content: bytes = model.SerializeToString()
-    return content
+    inputs = [(USER_INPUT, TensorProto.FLOAT, [None, FEATURES]),
+              (ITEM_INPUT, TensorProto.FLOAT, [None, FEATURES])]  # fmt: skip
+    return build_model(MODEL, nodes, inputs, OUTPUT, constants)
 
 
 def model_config() -> dict[str, Any]:

@@ -108,8 +108,9 @@ def train() -> tuple[dict[str, np.ndarray[Any, Any]], float]:
 
 
 def graph(weights: dict[str, np.ndarray[Any, Any]]) -> bytes:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
+
+    from tailserve.examples.onnx_graph import build_model
 
     nodes = [
         helper.make_node("Gather", ["embedding", INPUT], ["embedded"]),
@@ -139,21 +140,8 @@ def graph(weights: dict[str, np.ndarray[Any, Any]]) -> bytes:
         "last_axis": np.array([-1], np.int64),
         "length_axis": np.array([1], np.int64),
     }  # fmt: skip
-    model = helper.make_model(
-        helper.make_graph(
-            nodes,
-            MODEL,
-            [helper.make_tensor_value_info(INPUT, TensorProto.INT64, [None, None])],
-            [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [None, 1])],
-            [numpy_helper.from_array(value, name) for name, value in constants.items()],
-        ),
-        opset_imports=[helper.make_opsetid("", 17)],
-        producer_name="tailserve-examples",
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    content: bytes = model.SerializeToString()
-    return content
+    inputs = [(INPUT, TensorProto.INT64, [None, None])]
+    return build_model(MODEL, nodes, inputs, OUTPUT, constants)
 
 
 def model_config() -> dict[str, Any]:
