@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,3 +52,13 @@ def own_redis(tmp_path: Path) -> Iterator[OwnRedisServer]:
             yield server
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+async def admin(redis: RedisServer) -> AsyncIterator[Any]:
+    """An asyncio client of the session's Redis, for a test to inspect it."""
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(redis.url)
+    yield client
+    await client.aclose()

@@ -31,17 +31,6 @@ def fresh_entity() -> str:
     return f"e-{uuid.uuid4().hex[:10]}"
 
 
-async def calls(admin: Redis, command: str) -> int:
-    return await command_calls(admin, command)
-
-
-@pytest.fixture
-async def admin(redis: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis.url)
-    yield client
-    await client.aclose()
-
-
 @pytest.fixture
 async def store(redis: RedisServer) -> AsyncIterator[FeatureStore]:
     # A limit no loaded test machine reaches: these tests are about behaviour, not speed.
@@ -70,9 +59,9 @@ async def test_many_ids_are_read_in_one_command(store: FeatureStore, admin: Redi
     assert await store.write_matrix(entity, "1", range(1000), FIELDS, table(1000)) == 1000
     await store.read(entity, "1", [0], FIELDS)  # the script is loaded on first use
     ids = list(range(999, 0, -2))
-    before = await calls(admin, "evalsha")
+    before = await command_calls(admin, "evalsha")
     matrix = await store.read(entity, "1", ids, FIELDS)
-    assert await calls(admin, "evalsha") == before + 1
+    assert await command_calls(admin, "evalsha") == before + 1
     np.testing.assert_array_equal(matrix, table(1000)[ids])
     # Stored compactly: one packed float32 value a hash.
     raw = await admin.hgetall(entity_key(entity, "1", 5))
@@ -143,19 +132,19 @@ async def test_the_in_process_cache_spares_redis_until_the_ttl(
     clock = Clock()
     resolver = resolver_for(entity, store, clock)
     await store.read(entity, "1", [0], FIELDS)  # the script is loaded on first use
-    before = await calls(admin, "evalsha")
+    before = await command_calls(admin, "evalsha")
     first = await resolver.resolve(id_tensor(list(range(40))))
     again = await resolver.resolve(id_tensor(list(range(39, -1, -1))))
-    assert await calls(admin, "evalsha") == before + 1
+    assert await command_calls(admin, "evalsha") == before + 1
     np.testing.assert_array_equal(again[0].data, first[0].data[::-1])
     # Only the misses go to Redis: 40..49 in one command.
     await resolver.resolve(id_tensor(list(range(50))))
-    assert await calls(admin, "evalsha") == before + 2
+    assert await command_calls(admin, "evalsha") == before + 2
     # Past the TTL the rows are read again, with what the store now holds.
     await store.write_matrix(entity, "1", range(50), FIELDS, table(50, version=0.25))
     clock.now += 11
     fresh = await resolver.resolve(id_tensor([3]))
-    assert await calls(admin, "evalsha") == before + 3
+    assert await command_calls(admin, "evalsha") == before + 3
     np.testing.assert_array_equal(fresh[0].data, table(50, version=0.25)[[3]])
 
 

@@ -30,17 +30,6 @@ def fresh_prefix() -> str:
     return version_prefix(f"m-{uuid.uuid4().hex[:12]}", 1)
 
 
-async def calls(admin: Redis, command: str) -> int:
-    return await command_calls(admin, command)
-
-
-@pytest.fixture
-async def admin(redis: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis.url)
-    yield client
-    await client.aclose()
-
-
 @pytest.fixture
 async def tier(redis: RedisServer) -> AsyncIterator[RedisTier]:
     # A budget no loaded test machine blows: these tests are about behaviour, not speed.
@@ -59,16 +48,16 @@ async def test_lookups_made_in_one_loop_turn_go_to_redis_as_one_mget(
         for i, key in enumerate(keys):
             pipe.set(key, f"value-{i}", px=60_000)
         await pipe.execute()
-    before = await calls(admin, "mget")
+    before = await command_calls(admin, "mget")
 
     values = await tier.get_many([*keys, prefix + "absent"])
 
     assert values == [f"value-{i}".encode() for i in range(20)] + [None]
-    assert await calls(admin, "mget") == before + 1
+    assert await command_calls(admin, "mget") == before + 1
     # Lookups awaited one after the other are one round trip each.
     assert await tier.get(keys[0]) == b"value-0"
     assert await tier.get(keys[1]) == b"value-1"
-    assert await calls(admin, "mget") == before + 3
+    assert await command_calls(admin, "mget") == before + 3
 
 
 async def test_writes_are_stored_in_the_background_with_their_ttl(
@@ -76,7 +65,7 @@ async def test_writes_are_stored_in_the_background_with_their_ttl(
 ) -> None:
     prefix = fresh_prefix()
     items = {f"{prefix}{i}": bytes([i]) * 64 for i in range(10)}
-    before = await calls(admin, "set")
+    before = await command_calls(admin, "set")
 
     for key, value in items.items():
         tier.put(key, value, ttl_s=30)
@@ -95,7 +84,7 @@ async def test_writes_are_stored_in_the_background_with_their_ttl(
     assert 0 < await admin.pttl(prefix + "short") <= 1_500
     assert await admin.get(prefix + "now") == b"n"
     assert 0 < await admin.pttl(prefix + "now") <= 20_000
-    assert await calls(admin, "set") == before + len(items) + 2
+    assert await command_calls(admin, "set") == before + len(items) + 2
 
 
 async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(

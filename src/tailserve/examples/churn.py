@@ -182,10 +182,11 @@ def model_config(runtime: str) -> dict[str, Any]:
     }
 
 
-def write_config(model_dir: Path, config: dict[str, Any]) -> None:
+def write_config(model_dir: Path, config: dict[str, Any], header: str = _HEADER) -> None:
+    """model.yaml under a comment header, checked as a worker would load it."""
     model_dir.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
-    (model_dir / CONFIG_FILE).write_text(f"{_HEADER}{text}", "utf-8")
+    (model_dir / CONFIG_FILE).write_text(f"{header}{text}", "utf-8")
     load_model_config(model_dir)  # what we wrote must be what a worker accepts
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from tailserve.errors import ConfigError
-from tailserve.repository.config import CONFIG_FILE, load_model_config
+from tailserve.examples.churn import write_config
+from tailserve.repository.config import load_model_config
 
 MODEL = "ranker"
 USER_INPUT, ITEM_INPUT = "user_features", "item_features"
@@ -202,10 +202,7 @@ def write_ranker(directory: Path) -> str:
     data = catalog()
     weights, _ = train(data)
     model_dir = directory / MODEL
-    model_dir.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(model_config(), sort_keys=False, default_flow_style=None)
-    (model_dir / CONFIG_FILE).write_text(f"{_HEADER}{text}", "utf-8")
-    load_model_config(model_dir)
+    write_config(model_dir, model_config(), header=_HEADER)
     (model_dir / "1").mkdir(exist_ok=True)
     (model_dir / "1" / "model.onnx").write_bytes(graph(weights))
     with (model_dir / CATALOG).open("wb") as file:

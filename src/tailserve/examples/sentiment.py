@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from tailserve.repository.config import CONFIG_FILE, load_model_config
+from tailserve.examples.churn import write_config
 
 MODEL = "sentiment"
 INPUT = "token_ids"
@@ -166,10 +165,7 @@ def model_config() -> dict[str, Any]:
 def write_sentiment(directory: Path) -> str:
     weights, _ = train()
     model_dir = directory / MODEL
-    model_dir.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(model_config(), sort_keys=False, default_flow_style=None)
-    (model_dir / CONFIG_FILE).write_text(f"{_HEADER}{text}", "utf-8")
-    load_model_config(model_dir)
+    write_config(model_dir, model_config(), header=_HEADER)
     (model_dir / "1").mkdir(exist_ok=True)
     (model_dir / "1" / "model.onnx").write_bytes(graph(weights))
     return MODEL
