@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", default=None)
     serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
+    serve.add_argument(
+        "--fault-slow-fraction", type=float,
+        help="TEST ONLY: this fraction of inference requests is made slow (0)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--fault-slow-factor", type=float, help="TEST ONLY: how many times slower (20)"
+    )
     serve.add_argument("--config", type=Path, help="YAML file of settings")
     serve.set_defaults(handler=_serve)
 
@@ -85,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     from tailserve.loadgen import command as bench
 
     bench.add_parser(commands)
+    from tailserve.router import command as route
+
+    route.add_parser(commands)
     _add_cache_commands(commands)
     return parser  # fmt: skip
 
@@ -96,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
             "repository", "host", "http_port", "grpc_port", "redis_url", "redis_cluster",
             "cache_l2_budget_ms", "worker_id", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
-            "trace_file", "trace_sample",
+            "trace_file", "trace_sample", "fault_slow_fraction", "fault_slow_factor",
         )
     }  # fmt: skip
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

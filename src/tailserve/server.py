@@ -27,7 +27,7 @@ from tailserve.errors import ConfigError
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
-from tailserve.protocols.http.app import HttpApp
+from tailserve.protocols.http.app import HttpApp, SlowFault
 from tailserve.protocols.http.timing import TimedHttpToolsProtocol
 from tailserve.repository.config import FeaturesConfig
 from tailserve.repository.manager import ModelManager
@@ -92,6 +92,11 @@ class Worker:
             admin_token=settings.admin_token,
             lifespan=self._lifespan,
             recorder=self.recorder,
+            slow_fault=(
+                SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
+                if settings.fault_slow_fraction > 0
+                else None
+            ),
         )
         self._loading: asyncio.Task[None] | None = None
         self._uvicorn: _Uvicorn | None = None

@@ -45,6 +45,10 @@ class Settings:
     trace_file: str | None = None
     trace_sample: float = 1.0
     backlog: int = 2048
+    # A test-only fault (the router benchmark's slow replica): this fraction of the inference
+    # requests take fault_slow_factor times as long. 0: off.
+    fault_slow_fraction: float = 0.0
+    fault_slow_factor: float = 20.0
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -62,6 +62,11 @@ class TokenBudget:
         self.refused += 1
         return False
 
+    def refund(self) -> None:
+        """Give back a token spent on a copy that could not be sent after all."""
+        self._tokens = min(self.cap, self._tokens + 1.0)
+        self.spent -= 1
+
 
 class HedgeBudget(TokenBudget):
     def __init__(self, *, ratio: float = 0.05, cap: float = 10.0, initial: float = 0.0) -> None:

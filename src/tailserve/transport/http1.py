@@ -66,6 +66,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._callback: Callback | None = None
+        self._ticket: Ticket | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._headers: Headers = []
         self._body: list[bytes] = []
@@ -119,12 +120,26 @@ class _Connection(asyncio.Protocol):
     def busy(self) -> bool:
         return self._callback is not None
 
-    def send(self, data: bytes, callback: Callback, deadline: float | None) -> None:
+    def send(self, ticket: Ticket) -> None:
         assert self._transport is not None and self._callback is None
-        self._callback = callback
-        if deadline is not None:
-            self._timer = self._pool.loop.call_at(deadline, self._timed_out)
-        self._transport.write(data)
+        self._callback = ticket.callback
+        self._ticket = ticket
+        ticket.connection = self
+        if ticket.deadline is not None:
+            self._timer = self._pool.loop.call_at(ticket.deadline, self._timed_out)
+        self._transport.write(ticket.data)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop the request in flight without a callback: the connection is closed, so the
+        server sees the client go and can drop the work."""
+        if self._ticket is not ticket:
+            return
+        self._callback = None
+        self._ticket = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.abort()
 
     def abort(self) -> None:
         """Close at once, dropping what is in flight (the server sees the disconnect)."""
@@ -141,6 +156,7 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self, result: Response | UpstreamError) -> None:
         callback, self._callback = self._callback, None
+        self._ticket = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -151,11 +167,25 @@ class _Connection(asyncio.Protocol):
         callback(result)
 
 
-@dataclass(slots=True)
-class _Waiting:
-    data: bytes
-    callback: Callback
-    deadline: float | None
+class Ticket:
+    """One submitted request: `cancel` withdraws it, from the queue or, once sent, by
+    closing its connection (no callback follows either way)."""
+
+    __slots__ = ("callback", "cancelled", "connection", "data", "deadline")
+
+    def __init__(self, data: bytes, callback: Callback, deadline: float | None) -> None:
+        self.data = data
+        self.callback = callback
+        self.deadline = deadline
+        self.connection: _Connection | None = None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        if self.cancelled:
+            return
+        self.cancelled = True
+        if self.connection is not None:
+            self.connection.cancel(self)
 
 
 class Pool:
@@ -183,7 +213,7 @@ class Pool:
         self._idle: list[_Connection] = []
         self._open: set[_Connection] = set()
         self._connecting = 0
-        self._waiting: deque[_Waiting] = deque()
+        self._waiting: deque[Ticket] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -195,17 +225,20 @@ class Pool:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, data: bytes, callback: Callback, timeout_s: float | None = None) -> None:
-        """Send ``data`` (a framed request); ``callback`` gets the response or the error."""
+    def submit(self, data: bytes, callback: Callback, timeout_s: float | None = None) -> Ticket:
+        """Send ``data`` (a framed request); ``callback`` gets the response or the error,
+        unless the ticket answered is cancelled first."""
         deadline = None if timeout_s is None else self.loop.time() + timeout_s
+        ticket = Ticket(data, callback, deadline)
         if self._closed:
             callback(ConnectionLost(f"the pool to {self.origin} is closed"))
-            return
+            return ticket
         if self._idle and not self._waiting:
-            self._idle.pop().send(data, callback, deadline)
-            return
-        self._waiting.append(_Waiting(data, callback, deadline))
+            self._idle.pop().send(ticket)
+            return ticket
+        self._waiting.append(ticket)
         self._pump()
+        return ticket
 
     async def request(self, data: bytes, timeout_s: float | None = None) -> Response:
         future: asyncio.Future[Response | UpstreamError] = self.loop.create_future()
@@ -224,7 +257,9 @@ class Pool:
         """Fail what waits, close every connection, and wait for connects in progress."""
         self._closed = True
         while self._waiting:
-            self._waiting.popleft().callback(ConnectionLost(f"the pool to {self.origin} closed"))
+            item = self._waiting.popleft()
+            if not item.cancelled:
+                item.callback(ConnectionLost(f"the pool to {self.origin} closed"))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -239,10 +274,12 @@ class Pool:
         now = self.loop.time()
         while self._waiting and self._idle:
             item = self._waiting.popleft()
+            if item.cancelled:
+                continue
             if item.deadline is not None and now >= item.deadline:
                 item.callback(UpstreamTimeout(f"no connection to {self.origin} came free in time"))
                 continue
-            self._idle.pop().send(item.data, item.callback, item.deadline)
+            self._idle.pop().send(item)
         wanted = len(self._waiting) - self._connecting
         room = self.max_connections - len(self._open) - self._connecting
         for _ in range(min(wanted, room)):
@@ -264,6 +301,8 @@ class Pool:
             self._connecting -= 1
             # The oldest waiting request pays for the failed attempt, so that a server that is
             # down fails requests instead of holding them until their timeout.
+            while self._waiting and self._waiting[0].cancelled:
+                self._waiting.popleft()
             if self._waiting:
                 reason = str(exc) or type(exc).__name__
                 self._waiting.popleft().callback(

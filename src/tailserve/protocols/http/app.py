@@ -8,8 +8,10 @@ handler.) Handlers return ``(status, headers, body)``; errors from the data plan
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import random
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -27,7 +29,7 @@ from tailserve.protocols.http import kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.routes import Router
-from tailserve.protocols.http.timing import RECEIVED
+from tailserve.protocols.http.timing import DISCONNECTED, RECEIVED
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,23 @@ def _decompress(encoding: bytes, body: bytes, limit: int) -> bytes:
     return out
 
 
+class SlowFault:
+    """A test-only fault: ``fraction`` of the requests take ``factor`` times as long as they
+    did (the extra time spent asleep, so the worker stays free for the others). The router
+    benchmark makes one of four workers slow this way; nothing else should set it."""
+
+    def __init__(self, fraction: float, factor: float, rng: random.Random | None = None):
+        if not 0.0 <= fraction <= 1.0 or factor < 1.0:
+            raise ValueError(f"need 0 <= fraction <= 1 and factor >= 1, not {fraction}, {factor}")
+        self.fraction = fraction
+        self.factor = factor
+        self._rng = rng or random.Random()
+
+    async def delay(self, elapsed_s: float) -> None:
+        if self.fraction and self._rng.random() < self.fraction:
+            await asyncio.sleep((self.factor - 1.0) * elapsed_s)
+
+
 class HttpApp:
     def __init__(
         self,
@@ -142,8 +161,10 @@ class HttpApp:
         admin_token: str | None = None,
         lifespan: Callable[[Receive, Send], Awaitable[None]] | None = None,
         recorder: TraceRecorder | None = None,
+        slow_fault: SlowFault | None = None,
     ) -> None:
         self.dataplane = dataplane
+        self._slow_fault = slow_fault
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self._admin = f"Bearer {admin_token}".encode() if admin_token else None
@@ -172,7 +193,19 @@ class HttpApp:
             if route.admin:
                 self._authorize(request)
             status, headers, body = await getattr(self, "_" + route.handler)(request)
+            if self._slow_fault is not None and route.protocol is not None:
+                await self._slow_fault.delay(time.perf_counter() - started)
         except ClientGone:
+            return
+        except asyncio.CancelledError:
+            if not scope.get(DISCONNECTED):
+                raise
+            # The client hung up (the loser of a hedge, a caller that gave up): its queued
+            # work is dropped and nobody is left to answer. 499 as nginx counts it.
+            if route.protocol is not None:
+                model = params.get("model", "")
+                label = model if self._known(model) else "_unknown"
+                self.metrics.on_request(label, route.protocol, 499, time.perf_counter() - started)
             return
         except TailserveError as exc:
             status, headers, body = status_of(exc), [*_JSON, *headers_of(exc)], _error(exc.message)

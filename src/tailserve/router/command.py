@@ -1,0 +1,85 @@
+"""The ``tailserve route`` command: the router in front of running workers.
+
+tailserve route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 [--port 8080]
+tailserve route --backends-file workers.txt     # one URL a line, re-read when it changes
+tailserve route --backends-dns workers.default.svc:8000   # every address of a name
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from tailserve.errors import ConfigError
+from tailserve.router.balancing import BALANCERS
+from tailserve.router.config import RouterConfig, parse_model_balance
+
+
+def add_parser(commands: Any) -> None:
+    route = commands.add_parser(
+        "route",
+        help="the router: spreads requests over workers (affinity, p2c, hedging, health)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    route.add_argument("--backend", action="append", default=[], metavar="URL",
+                       help="a worker's URL (repeat for each)")  # fmt: skip
+    route.add_argument("--backends-file", metavar="FILE", help="file of worker URLs, watched")
+    route.add_argument("--backends-dns", metavar="HOST:PORT",
+                       help="a name whose every address is a worker (re-resolved)")  # fmt: skip
+    route.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0)")
+    route.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
+    add_policy_arguments(route)
+    route.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    route.set_defaults(handler=handle)
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The routing options `route` and `up` share."""
+    parser.add_argument("--balance", choices=BALANCERS, default="p2c",
+                        help="how a replica is chosen (p2c)")  # fmt: skip
+    parser.add_argument("--model-balance", action="append", default=[], metavar="MODEL=POLICY",
+                        help="another policy for one model (repeat)")  # fmt: skip
+    parser.add_argument("--no-hedge", action="store_true", help="never hedge requests")
+    parser.add_argument("--hedge-ratio", type=float, default=0.05,
+                        help="most extra copies hedging may send, per request (0.05)")  # fmt: skip
+    parser.add_argument("--max-in-flight", type=int, default=64,
+                        help="requests in flight a worker may hold (64)")  # fmt: skip
+    parser.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
+    parser.add_argument("--decision-sample", type=float, default=0.0,
+                        help="fraction of routing decisions to log (0)")  # fmt: skip
+
+
+def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
+    return RouterConfig(
+        balance=args.balance,
+        model_balance=parse_model_balance(args.model_balance),
+        hedge=not args.no_hedge,
+        hedge_ratio=args.hedge_ratio,
+        max_in_flight=args.max_in_flight,
+        admin_token=args.admin_token,
+        decision_sample=args.decision_sample,
+        **extra,
+    )
+
+
+def handle(args: argparse.Namespace) -> int:
+    if not (args.backend or args.backends_file or args.backends_dns):
+        raise ConfigError("no backends: give --backend URL, --backends-file or --backends-dns")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = config_from(
+        args,
+        host=args.host,
+        port=args.port,
+        backends=tuple(args.backend),
+        backends_file=args.backends_file,
+        backends_dns=args.backends_dns,
+    )
+    from tailserve.loops import run
+    from tailserve.router.proxy import Router
+
+    run(Router(config).serve())
+    return 0

@@ -1,0 +1,561 @@
+"""Sending requests to replicas: the part of the router that the proxy and the in-process client
+share.
+
+A `Dispatcher` owns the backends (one keep-alive connection pool to each), the pools of
+replicas per model, and the policies of `router/`. `dispatch` takes one request, already framed
+for the wire, and answers through a callback; on the way it:
+
+1. picks the model's pool (the backends whose model index lists it READY; every backend while
+   that is unknown, so an unknown model gets the worker's own 404) and a replica from it by the
+   model's policy (affinity, p2c or round-robin), or sheds the request at once with 503 +
+   Retry-After when no replica is available (all saturated, or none in service);
+2. sends it, with what is left of its deadline in ``X-Deadline-Ms`` when it has one;
+3. for an idempotent request, arms a timer at the model's recent p95 (per cost class): if no
+   reply has come by then and the hedge budget allows, a copy goes to another replica. The
+   first reply wins; the other copy is cancelled by closing its connection, which the worker
+   notices and drops the queued work;
+4. when a copy cannot connect, or its connection dies before a reply, or a worker refuses it
+   with 429, tries once more on another replica within the retry budget;
+5. reports every attempt to the backend's state (in flight, EWMA latency, failures) and to the
+   outlier detector, which ejects a replica that keeps failing or is far slower than the rest.
+
+Membership comes from `set_members` (command line, a watched file, DNS: see membership.py).
+Active readiness checks and each backend's model index are refreshed by `run_health`.
+Everything runs on one event loop; the per-request path is callbacks, not tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import orjson
+
+from tailserve.errors import ConnectFailed, ConnectionLost, UpstreamError
+from tailserve.router.backends import Backend, Pool
+from tailserve.router.balancing import Balancer, BoundedLoadHash, make_balancer
+from tailserve.router.config import RouterConfig, parse_backend
+from tailserve.router.health import ActiveHealth, OutlierDetector
+from tailserve.router.hedging import HedgeBudget, HedgePolicy, RetryBudget
+from tailserve.router.metrics import RouterMetrics
+from tailserve.transport import http1
+from tailserve.transport.http1 import Headers, Response
+
+log = logging.getLogger(__name__)
+decisions = logging.getLogger("tailserve.router.decisions")
+
+# The pool of every backend: non-model routes, and models no backend has listed yet.
+ANY = "*"
+# The model index is read every this many health rounds (and when a backend comes back).
+_INDEX_EVERY = 5
+# Cost classes by request body size: a large request's latency says nothing about a small
+# one's, so each class keeps its own hedge delay.
+_CLASS_EDGES = ((4096, "s"), (65536, "m"))
+
+Framer = Callable[[float | None], bytes]
+
+
+def cost_class(body_size: int) -> str:
+    for edge, label in _CLASS_EDGES:
+        if body_size < edge:
+            return label
+    return "l"
+
+
+def body_key(body: bytes) -> str:
+    """The affinity key of a request with none given: a hash of its body, so identical
+    requests (identical cache keys, as a rule) meet the same replica's cache."""
+    return hashlib.blake2b(body, digest_size=8).hexdigest()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a request came to: a reply (the backend's, or the router's own when it shed the
+    request or every attempt failed), which replica gave it, and how."""
+
+    status: int
+    headers: Headers
+    body: bytes
+    backend: str | None = None
+    hedged: bool = False
+    attempts: int = 0
+    reason: str | None = None  # why the router answered itself (shed, upstream failure)
+
+
+class Upstream:
+    """One backend: its routing state and its connection pool."""
+
+    __slots__ = ("backend", "leaving", "models", "pool")
+
+    def __init__(self, backend: Backend, pool: http1.Pool) -> None:
+        self.backend = backend
+        self.pool = pool
+        # The models it has READY, from its index; None until known (then it serves all).
+        self.models: frozenset[str] | None = None
+        self.leaving = False
+
+
+class _Attempt:
+    __slots__ = ("exchange", "kind", "sent_at", "ticket", "upstream")
+
+    def __init__(self, exchange: Exchange, upstream: Upstream, kind: str, sent_at: float):
+        self.exchange = exchange
+        self.upstream = upstream
+        self.kind = kind  # first, hedge, retry
+        self.sent_at = sent_at
+        self.ticket: http1.Ticket | None = None
+
+    def on_result(self, result: Response | UpstreamError) -> None:
+        self.exchange._on_result(self, result)
+
+
+class Exchange:
+    """One request's life across its copies. `cancel` withdraws every copy (the client left)."""
+
+    __slots__ = (
+        "_d", "_policy", "_timer", "balancer", "deadline", "done", "frame", "has_deadline",
+        "idempotent", "key", "live", "model", "on_done", "pool", "retried", "tried",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        model: str,
+        pool: Pool,
+        balancer: Balancer,
+        key: str | None,
+        policy: HedgePolicy | None,
+        frame: Framer,
+        deadline: float,
+        has_deadline: bool,
+        idempotent: bool,
+        on_done: Callable[[Outcome], None],
+    ) -> None:
+        self._d = dispatcher
+        self.model = model
+        self.pool = pool
+        self.balancer = balancer
+        self.key = key
+        self._policy = policy
+        self.frame = frame
+        self.deadline = deadline
+        self.has_deadline = has_deadline
+        self.idempotent = idempotent
+        self.on_done = on_done
+        self.live: list[_Attempt] = []
+        self.tried: list[Backend] = []
+        self.done = False
+        self.retried = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- the request's course -------------------------------------------------------------
+
+    def start(self) -> None:
+        d = self._d
+        now = d.loop.time()
+        delay = self._policy.on_request(now) if self._policy is not None else None
+        d.retry_budget.earn()
+        if not self._send(now, "first"):
+            self._shed(now)
+            return
+        if delay is not None and now + delay < self.deadline and not self.done:
+            self._timer = d.loop.call_at(now + delay, self._hedge)
+
+    def cancel(self) -> None:
+        """The client is gone: withdraw every copy (each worker sees its connection close)."""
+        if self.done:
+            return
+        self.done = True
+        self._stop_timer()
+        for attempt in self.live:
+            self._withdraw(attempt, "cancelled")
+        self.live.clear()
+
+    def _send(self, now: float, kind: str) -> bool:
+        d = self._d
+        backend = self.balancer.choose(self.pool, self.key, now, self.tried)
+        if backend is None:
+            return False
+        upstream = d.upstreams.get(backend.id)
+        if upstream is None:  # left the membership since the pool was built
+            return False
+        remaining = self.deadline - now
+        self.tried.append(backend)
+        attempt = _Attempt(self, upstream, kind, now)
+        self.live.append(attempt)
+        self.pool.start(backend)
+        if d.decision_sample and d.rng.random() < d.decision_sample:
+            d.log_decision(self, backend, kind, now)
+        data = self.frame(remaining if self.has_deadline else None)
+        attempt.ticket = upstream.pool.submit(data, attempt.on_result, remaining)
+        return True
+
+    def _hedge(self) -> None:
+        self._timer = None
+        d = self._d
+        if self.done or not self.live or self._policy is None:
+            return
+        if not self._policy.try_hedge():
+            d.metrics.hedges.inc(self.model, "refused")
+            return
+        if self._send(d.loop.time(), "hedge"):
+            d.metrics.hedges.inc(self.model, "sent")
+        else:
+            # No other replica could take it: give the token back, nothing was sent.
+            self._policy.budget.refund()
+
+    def _on_result(self, attempt: _Attempt, result: Response | UpstreamError) -> None:
+        d = self._d
+        now = d.loop.time()
+        with contextlib.suppress(ValueError):
+            self.live.remove(attempt)
+        backend = attempt.upstream.backend
+        latency = now - attempt.sent_at
+        if isinstance(result, Response):
+            ok = result.status < 500
+            self.pool.finish(backend, latency, ok=ok)
+            d.metrics.attempts.inc(backend.id, attempt.kind, str(result.status))
+            if ok and self._policy is not None and result.status < 400:
+                self._policy.observe(latency, now)
+        elif isinstance(result, ConnectFailed | ConnectionLost):
+            self.pool.connect_failed(backend)
+            d.metrics.attempts.inc(backend.id, attempt.kind, "connect_failed")
+        else:  # a timeout
+            self.pool.finish(backend, latency, ok=False)
+            d.metrics.attempts.inc(backend.id, attempt.kind, "timeout")
+        d.observe_outcome(self.pool, attempt.upstream, now)
+        if self.done:
+            return
+        if isinstance(result, Response) and result.status != 429:
+            self._win(attempt, result)
+            return
+        if self.live:
+            return  # another copy is still out: it may yet answer
+        if self._may_retry(result) and self._send(now, "retry"):
+            self.retried = True
+            d.metrics.retries.inc(self.model)
+            return
+        if isinstance(result, Response):  # the worker's 429, passed on
+            self._win(attempt, result)
+            return
+        status = 504 if isinstance(result, UpstreamError) and _is_timeout(result) else 502
+        self._finish(
+            Outcome(status, _json_headers(), _error(result.message), attempts=len(self.tried),
+                    reason="upstream")
+        )  # fmt: skip
+
+    def _may_retry(self, result: Response | UpstreamError) -> bool:
+        if self.retried:
+            return False
+        # A connect that failed sent nothing: safe for any request. A connection lost mid-way
+        # or a 429 is retried only for idempotent requests.
+        safe = isinstance(result, ConnectFailed) or self.idempotent
+        if not safe or (isinstance(result, UpstreamError) and _is_timeout(result)):
+            return False
+        if self.deadline - self._d.loop.time() <= 0:
+            return False
+        return self._d.retry_budget.try_spend()
+
+    def _win(self, attempt: _Attempt, response: Response) -> None:
+        d = self._d
+        if attempt.kind == "hedge":
+            d.metrics.hedges.inc(self.model, "won")
+        for other in self.live:
+            self._withdraw(other, "lost")
+        self.live.clear()
+        self._finish(
+            Outcome(response.status, response.headers, response.body, attempt.upstream.backend.id,
+                    hedged=attempt.kind == "hedge", attempts=len(self.tried))
+        )  # fmt: skip
+
+    def _withdraw(self, attempt: _Attempt, why: str) -> None:
+        if attempt.ticket is not None:
+            attempt.ticket.cancel()
+        backend = attempt.upstream.backend
+        self.pool.cancelled(backend)
+        self._d.metrics.attempts.inc(backend.id, attempt.kind, why)
+        self._d.settle(attempt.upstream)
+
+    def _shed(self, now: float) -> None:
+        serving = self.pool.in_service(now)
+        reason = "saturated" if serving else "no_replica"
+        what = (
+            f"every replica of {self.model!r} is at its in-flight limit"
+            if serving
+            else f"no replica of {self.model!r} is in service"
+        )
+        self._d.metrics.shed.inc(self.model, reason)
+        headers = [*_json_headers(), (b"retry-after", b"1")]
+        self._finish(Outcome(503, headers, _error(what), reason=reason))
+
+    def _finish(self, outcome: Outcome) -> None:
+        self.done = True
+        self._stop_timer()
+        self.on_done(outcome)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _is_timeout(error: UpstreamError) -> bool:
+    return not isinstance(error, ConnectFailed | ConnectionLost)
+
+
+def _json_headers() -> Headers:
+    return [(b"content-type", b"application/json")]
+
+
+def _error(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.loop = loop or asyncio.get_running_loop()
+        self.rng = rng or random.Random()
+        self.decision_sample = config.decision_sample
+        self.upstreams: dict[str, Upstream] = {}
+        self._leaving: dict[str, Upstream] = {}
+        self._everyone = Pool(ANY)
+        self._pools: dict[str, Pool] = {}
+        self._balancers: dict[str, Balancer] = {}
+        self._hedges: dict[tuple[str, str], HedgePolicy] = {}
+        self.hedge_budget = HedgeBudget(ratio=config.hedge_ratio)
+        self.retry_budget = RetryBudget(ratio=config.retry_ratio)
+        self.detector = OutlierDetector()
+        self.health = ActiveHealth()
+        self.metrics = RouterMetrics(lambda: [u.backend for u in self.upstreams.values()])
+        self._health_round = 0
+        self._closed = False
+
+    # --- membership -----------------------------------------------------------------------
+
+    def set_members(self, urls: Iterable[str], *, healthy: bool = False) -> None:
+        """Make the backends exactly these URLs. New ones start out of service until their
+        first readiness check passes (unless ``healthy``); ones that left get no new requests
+        and are closed once what they have in flight is done."""
+        wanted = list(dict.fromkeys(urls))
+        for url in wanted:
+            if url in self.upstreams:
+                continue
+            host, port = parse_backend(url)
+            backend = Backend(url, url, max_in_flight=self.config.max_in_flight, healthy=healthy)
+            pool = http1.Pool(
+                host, port, max_connections=self.config.max_connections, loop=self.loop
+            )
+            self.upstreams[url] = Upstream(backend, pool)
+            self._everyone.add(backend)
+            self._leaving.pop(url, None)
+            log.info("backend %s joined", url)
+        for url in [u for u in self.upstreams if u not in set(wanted)]:
+            upstream = self.upstreams.pop(url)
+            upstream.leaving = True
+            self._everyone.remove(url)
+            self._leaving[url] = upstream
+            log.info("backend %s left: draining %d in flight", url, upstream.backend.in_flight)
+            self.settle(upstream)
+        self._pools.clear()
+
+    def settle(self, upstream: Upstream) -> None:
+        """Close a departed backend's connections once nothing is in flight to it."""
+        if (
+            upstream.leaving
+            and upstream.backend.in_flight == 0
+            and self._leaving.pop(upstream.backend.id, None) is not None
+        ):
+            self.loop.create_task(upstream.pool.close())
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [u.backend for u in self.upstreams.values()]
+
+    # --- pools and policies ---------------------------------------------------------------
+
+    def pool_for(self, model: str) -> Pool:
+        pool = self._pools.get(model)
+        if pool is None:
+            members = [
+                u.backend for u in self.upstreams.values() if u.models is None or model in u.models
+            ]
+            # No backend lists it: every backend, so the request gets a worker's own answer
+            # (404 for an unknown model, 503 for one still loading).
+            pool = Pool(model, members) if members else self._everyone
+            self._pools[model] = pool
+        return pool
+
+    def balancer_for(self, model: str) -> Balancer:
+        balancer = self._balancers.get(model)
+        if balancer is None:
+            balancer = make_balancer(
+                self.config.policy_of(model), rng=self.rng, epsilon=self.config.epsilon
+            )
+            self._balancers[model] = balancer
+        return balancer
+
+    def wants_key(self, model: str) -> bool:
+        return isinstance(self.balancer_for(model), BoundedLoadHash)
+
+    def hedge_policy(self, model: str, cost: str) -> HedgePolicy:
+        policy = self._hedges.get((model, cost))
+        if policy is None:
+            policy = HedgePolicy(
+                quantile=self.config.hedge_quantile,
+                min_delay_s=self.config.hedge_min_delay_s,
+                budget=self.hedge_budget,
+            )
+            self._hedges[(model, cost)] = policy
+        return policy
+
+    # --- requests -------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        *,
+        model: str,
+        frame: Framer,
+        on_done: Callable[[Outcome], None],
+        key: str | None = None,
+        cost: str = "s",
+        deadline_s: float | None = None,
+        idempotent: bool = False,
+        hedge: bool = False,
+    ) -> Exchange:
+        """Send one request (``frame(remaining_s)`` gives its bytes) to a replica of
+        ``model`` (or of any backend for `ANY`); ``on_done`` gets the `Outcome`, unless the
+        exchange is cancelled first. ``deadline_s``: the caller's own budget, propagated.
+        ``idempotent`` requests may be retried after a lost connection; ``hedge`` ones (an
+        inference: idempotent too) may also be hedged, when the router hedges at all."""
+        pool = self.pool_for(model) if model != ANY else self._everyone
+        hedge = hedge and self.config.hedge and model != ANY
+        idempotent = idempotent or hedge
+        policy = self.hedge_policy(model, cost) if hedge else None
+        budget = deadline_s if deadline_s is not None else self.config.request_timeout_s
+        exchange = Exchange(
+            self, model, pool, self.balancer_for(model), key, policy, frame,
+            self.loop.time() + budget, deadline_s is not None, idempotent, on_done,
+        )  # fmt: skip
+        exchange.start()
+        return exchange
+
+    async def request(self, model: str, frame: Framer, **options: object) -> Outcome:
+        """`dispatch` as a coroutine; cancelling it withdraws the request's copies."""
+        future: asyncio.Future[Outcome] = self.loop.create_future()
+
+        def done(outcome: Outcome) -> None:
+            if not future.done():
+                future.set_result(outcome)
+
+        exchange = self.dispatch(model=model, frame=frame, on_done=done, **options)  # type: ignore[arg-type]
+        try:
+            return await future
+        except asyncio.CancelledError:
+            exchange.cancel()
+            raise
+
+    def observe_outcome(self, pool: Pool, upstream: Upstream, now: float) -> None:
+        ejection = self.detector.observe(pool, upstream.backend, now)
+        if ejection is not None:
+            self.metrics.ejections.inc(ejection.backend_id, ejection.reason)
+            log.warning(
+                "ejected %s for %.1f s (%s)", ejection.backend_id, ejection.backoff_s,
+                ejection.reason,
+            )  # fmt: skip
+        self.settle(upstream)
+
+    def log_decision(self, exchange: Exchange, chosen: Backend, kind: str, now: float) -> None:
+        """One sampled routing decision, with what it was made on."""
+        record: dict[str, object] = {
+            "model": exchange.model,
+            "policy": self.config.policy_of(exchange.model),
+            "kind": kind,
+            "chosen": chosen.id,
+            "excluded": [b.id for b in exchange.tried],
+            "replicas": {
+                b.id: {
+                    "in_flight": b.in_flight,
+                    "ewma_ms": None if b.latency_s is None else round(b.latency_s * 1e3, 3),
+                    "available": b.is_available(now),
+                }
+                for b in exchange.pool
+            },
+        }
+        balancer = exchange.balancer
+        if isinstance(balancer, BoundedLoadHash) and exchange.key is not None:
+            home = next(iter(balancer.order(exchange.pool, exchange.key)), None)
+            record["key"] = exchange.key[:16]
+            record["bound"] = balancer.bound(exchange.pool, now)
+            record["home"] = None if home is None else home.id
+            record["spilled"] = home is not chosen
+        decisions.info("%s", orjson.dumps(record).decode())
+
+    # --- health ---------------------------------------------------------------------------
+
+    async def check_all(self) -> None:
+        """One round of readiness checks (and, every few rounds, model indexes)."""
+        index = self._health_round % _INDEX_EVERY == 0
+        self._health_round += 1
+        upstreams = list(self.upstreams.values())
+        await asyncio.gather(*(self._check(u, index) for u in upstreams))
+        now = self.loop.time()
+        for backend in self.detector.readmit(self._everyone, now):
+            log.info("re-admitted %s", backend.id)
+
+    async def run_health(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_all()
+
+    async def _check(self, upstream: Upstream, index: bool) -> None:
+        timeout = max(0.2, self.config.health_interval_s)
+        frame = http1.frame_request("GET", "/v2/health/ready", upstream.pool.origin)
+        try:
+            reply = await upstream.pool.request(frame, timeout)
+            ready = reply.status == 200
+        except UpstreamError:
+            ready = False
+        backend = upstream.backend
+        if self.health.record(backend, ready):
+            log.info("backend %s is %s", backend.id, "ready" if ready else "not ready")
+            index = index or ready
+        if index and ready:
+            await self._read_index(upstream, timeout)
+
+    async def _read_index(self, upstream: Upstream, timeout_s: float) -> None:
+        headers = []
+        if self.config.admin_token:
+            headers.append(("authorization", f"Bearer {self.config.admin_token}"))
+        frame = http1.frame_request(
+            "POST", "/v2/repository/index", upstream.pool.origin, b'{"ready":true}', headers
+        )
+        try:
+            reply = await upstream.pool.request(frame, timeout_s)
+            entries = orjson.loads(reply.body) if reply.status == 200 else None
+        except (UpstreamError, orjson.JSONDecodeError):
+            return
+        if not isinstance(entries, list):
+            return  # e.g. 401: no admin token given; it keeps serving every model
+        models = frozenset(
+            str(e["name"]) for e in entries if isinstance(e, dict) and e.get("state") == "READY"
+        )
+        if models != upstream.models:
+            upstream.models = models
+            self._pools.clear()
+
+    async def close(self) -> None:
+        self._closed = True
+        pools = [u.pool for u in (*self.upstreams.values(), *self._leaving.values())]
+        await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)

@@ -1,0 +1,503 @@
+"""``tailserve route``: the asyncio HTTP proxy in front of the workers.
+
+It speaks HTTP/1.1 to clients (keep-alive, pipelined requests answered in order, chunked
+request bodies) on a bare asyncio protocol with httptools' parser, and hands each request to
+the `Dispatcher` (replica choice, hedging, retries, ejection, shedding). No framework and no
+task per request: parsing, framing and the reply are a few callbacks, so the router adds
+little to a request's latency (benchmarks/router.py measures it).
+
+Routes: inference (OIP v2 ``/v2/models/{m}[/versions/{v}]/infer``, binary included, and KServe
+v1 ``/v1/models/{m}:predict``) goes to the model's pool and may be hedged and retried; model
+metadata, readiness, stats and config go to the model's pool too; ``/v2/repository/models/
+{m}/load|unload`` goes to every backend; anything else goes to any one backend (a worker's
+own 404 answers a path it does not know). The router answers itself ``/v2/health/live``,
+``/v2/health/ready`` (ready while any backend is in service), ``/metrics`` (its own metrics)
+and ``/router/backends`` (each backend's state, as JSON).
+
+Bodies are read whole (up to ``max_body_bytes``, else 413) before they are forwarded, so a
+copy can be sent again to another replica; replies come back whole the same way. Every reply
+names the replica that answered in ``x-tailserve-replica`` (and ``x-tailserve-hedged: 1``
+when a hedge won). A client that hangs up withdraws its request from every backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import logging
+import signal
+from collections import deque
+from typing import cast
+from urllib.parse import unquote
+
+import httptools
+import orjson
+
+from tailserve.router.config import RouterConfig
+from tailserve.router.dispatch import (
+    ANY,
+    Dispatcher,
+    Exchange,
+    Framer,
+    Outcome,
+    body_key,
+    cost_class,
+)
+from tailserve.router.membership import Membership
+from tailserve.router.metrics import CONTENT_TYPE, RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Not forwarded either way: they describe one connection, not the request (RFC 9110 7.6.1),
+# or the router sets them itself.
+_HOP = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
+     b"upgrade", b"trailer", b"content-length", b"expect", b"x-deadline-ms")
+)  # fmt: skip
+_REPLY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server")
+)
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_JSON = [(b"content-type", b"application/json")]
+
+
+class _Request:
+    __slots__ = ("body", "error", "headers", "keep_alive", "method", "started", "url")
+
+    def __init__(
+        self,
+        method: bytes,
+        url: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        keep_alive: bool,
+        started: float,
+    ) -> None:
+        self.method = method
+        self.url = url
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.started = started
+        # Refused before it is routed (status, message): a body over the limit.
+        self.error: tuple[int, str] | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+class _Target:
+    """Where a request goes: the model (or `ANY`), and whether it is an inference."""
+
+    __slots__ = ("broadcast", "infer", "model")
+
+    def __init__(self, model: str, infer: bool = False, broadcast: bool = False) -> None:
+        self.model = model
+        self.infer = infer
+        self.broadcast = broadcast
+
+
+def classify(method: bytes, path: str) -> _Target:
+    """Which pool a path's request belongs to."""
+    parts = path.strip("/").split("/")
+    if len(parts) >= 3 and parts[0] == "v2" and parts[1] == "models" and parts[2] != "stats":
+        model = unquote(parts[2])
+        return _Target(model, infer=method == b"POST" and parts[-1] == "infer")
+    if len(parts) >= 3 and parts[0] == "v1" and parts[1] == "models":
+        name, _, verb = parts[2].partition(":")
+        return _Target(unquote(name), infer=method == b"POST" and verb == "predict")
+    if (
+        len(parts) == 5
+        and parts[:3] == ["v2", "repository", "models"]
+        and parts[4] in ("load", "unload")
+    ):
+        return _Target(unquote(parts[3]), broadcast=True)
+    return _Target(ANY)
+
+
+class _ClientConnection(asyncio.Protocol):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+        self._too_large = False
+        self._started = 0.0
+        self._queue: deque[_Request] = deque()
+        self._busy = False
+        self._exchange: Exchange | None = None
+        self.closed = False
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._router._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._fail(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._router._connections.discard(self)
+        exchange = self._exchange
+        if exchange is not None:
+            self._exchange = None
+            exchange.cancel()
+            self._router._finished()
+
+    # --- httptools callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._body = []
+        self._size = 0
+        self._too_large = False
+        self._started = self._router.loop.time()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self._router.config.max_body_bytes:
+            self._too_large = True
+            self._body = []
+        elif not self._too_large:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = _Request(
+            self._parser.get_method(), self._url, self._headers, body,
+            self._parser.should_keep_alive(), self._started,
+        )  # fmt: skip
+        if self._too_large:
+            limit = self._router.config.max_body_bytes
+            request.body = b""
+            request.keep_alive = False  # the rest of the connection's bytes are not trusted
+            request.error = (413, f"request body is over the {limit}-byte limit")
+        self._queue.append(request)
+        if not self._busy:
+            self._next()
+
+    # --- requests, one at a time --------------------------------------------------------
+
+    def _next(self) -> None:
+        while self._queue and not self.closed and not self._busy:
+            request = self._queue.popleft()
+            if request.error is not None:
+                self._reply_error(request, *request.error)
+                continue
+            self._busy = True
+            self._router._handle(self, request)
+
+    def done(self, request: _Request, outcome: Outcome, model: str) -> None:
+        self._exchange = None
+        self._busy = False
+        router = self._router
+        router._finished()
+        router.metrics.requests.inc(model, str(outcome.status))
+        router.metrics.latency.child(model).observe(router.loop.time() - request.started)
+        if self.closed:
+            return
+        keep_alive = request.keep_alive and not router.draining
+        self._write(outcome.status, outcome.headers, outcome.body, keep_alive, outcome)
+        if keep_alive:
+            self._next()
+
+    def _reply_error(self, request: _Request, status: int, message: str) -> None:
+        body = orjson.dumps({"error": message})
+        self._write(status, _JSON, body, request.keep_alive, None)
+
+    def _fail(self, status: int, message: str) -> None:
+        if self._transport is not None and not self.closed and not self._busy:
+            self._write(status, _JSON, orjson.dumps({"error": message}), False, None)
+        elif self._transport is not None:
+            self._transport.close()
+
+    def _write(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        keep_alive: bool,
+        outcome: Outcome | None,
+    ) -> None:
+        assert self._transport is not None
+        lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown"))]
+        for name, value in headers:
+            if name.lower() not in _REPLY_HOP:
+                lines.append(name + b": " + value)
+        lines.append(b"content-length: %d" % len(body))
+        if outcome is not None and outcome.backend is not None:
+            lines.append(b"x-tailserve-replica: " + outcome.backend.encode())
+            if outcome.hedged:
+                lines.append(b"x-tailserve-hedged: 1")
+        if not keep_alive:
+            lines.append(b"connection: close")
+        self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
+        if not keep_alive:
+            self._transport.close()
+
+    def close_if_idle(self) -> None:
+        if not self._busy and self._transport is not None:
+            self._transport.close()
+
+
+class Router:
+    """The proxy: a `Dispatcher` behind an HTTP/1.1 server."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._dispatcher: Dispatcher | None = None
+        self._server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connections: set[_ClientConnection] = set()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+        self.port = config.port
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        assert self._dispatcher is not None, "the router has not started"
+        return self._dispatcher
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.dispatcher.loop
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.dispatcher.metrics
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Read the membership, check every backend once, then listen."""
+        dispatcher = self._dispatcher = Dispatcher(self.config)
+        membership = Membership(self.config, dispatcher.set_members)
+        await membership.refresh()
+        await dispatcher.check_all()
+        loop = dispatcher.loop
+        self._tasks = [
+            loop.create_task(dispatcher.run_health()),
+            loop.create_task(membership.run()),
+        ]
+        self._server = await loop.create_server(
+            lambda: _ClientConnection(self),
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            backlog=2048,
+        )
+        sockets = self._server.sockets
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        log.info(
+            "router on %s: %d backends, policy %s, hedging %s",
+            self.url, len(dispatcher.upstreams), self.config.balance,
+            "on" if self.config.hedge else "off",
+        )  # fmt: skip
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Stop accepting, let the requests in flight finish (up to the timeout), close."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.close_if_idle()
+        timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for connection in list(self._connections):
+            if connection._transport is not None:
+                connection._transport.close()
+        if self._dispatcher is not None:
+            await self._dispatcher.close()
+
+    async def serve(self) -> None:
+        """Run until SIGTERM or SIGINT, then drain."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("router draining")
+        await self.drain()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def _finished(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    def _handle(self, connection: _ClientConnection, request: _Request) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+        url = request.url
+        path = url.split(b"?", 1)[0].decode("latin-1")
+        local = self._local(request, path)
+        if local is not None:
+            connection.done(request, local, "_router")
+            return
+        target = classify(request.method, path)
+        dispatcher = self.dispatcher
+        model = target.model
+        label = model if model != ANY and self._known(model) else "_other"
+        if target.broadcast:
+            task = self.loop.create_task(self._broadcast(request, path))
+            task.add_done_callback(lambda t: connection.done(request, t.result(), label))
+            return
+        deadline_s = _deadline(request)
+        frame = _framer(request)
+        key = None
+        if target.infer and dispatcher.wants_key(model):
+            given = request.header(b"x-affinity-key")
+            key = given.decode("latin-1") if given else body_key(request.body)
+        exchange = dispatcher.dispatch(
+            model=model,
+            frame=frame,
+            on_done=lambda outcome: connection.done(request, outcome, label),
+            key=key,
+            cost=cost_class(len(request.body)),
+            deadline_s=deadline_s,
+            idempotent=request.method in (b"GET", b"HEAD"),
+            hedge=target.infer,
+        )
+        # (A request shed at once is already answered: nothing is left to cancel.)
+        connection._exchange = None if exchange.done else exchange
+
+    def _known(self, model: str) -> bool:
+        return any(
+            u.models is not None and model in u.models for u in self.dispatcher.upstreams.values()
+        )
+
+    def _local(self, request: _Request, path: str) -> Outcome | None:
+        if request.method not in (b"GET", b"HEAD"):
+            return None
+        if path == "/v2/health/live":
+            return Outcome(200, [], b"")
+        if path == "/v2/health/ready":
+            now = self.loop.time()
+            serving = [b for b in self.dispatcher.backends if b.in_service(now)]
+            if serving and not self.draining:
+                return Outcome(200, [], b"")
+            return Outcome(503, _JSON, orjson.dumps({"error": "no backend is in service"}))
+        if path == "/metrics":
+            return Outcome(200, [(b"content-type", CONTENT_TYPE.encode())], self.metrics.render())
+        if path == "/router/backends":
+            return Outcome(200, _JSON, orjson.dumps(self.state()))
+        return None
+
+    def state(self) -> dict[str, object]:
+        """Each backend's routing state and the budgets' counters (``/router/backends``)."""
+        d = self.dispatcher
+        now = self.loop.time()
+        return {
+            "backends": [
+                {
+                    "id": u.backend.id,
+                    "in_flight": u.backend.in_flight,
+                    "ewma_ms": None
+                    if u.backend.latency_s is None
+                    else round(u.backend.latency_s * 1e3, 3),
+                    "healthy": u.backend.healthy,
+                    "ejected": u.backend.is_ejected(now),
+                    "ejections": u.backend.ejections,
+                    "models": None if u.models is None else sorted(u.models),
+                }
+                for u in d.upstreams.values()
+            ],
+            "hedges": {
+                "requests": d.hedge_budget.requests,
+                "sent": d.hedge_budget.spent,
+                "refused": d.hedge_budget.refused,
+            },
+            "retries": {"sent": d.retry_budget.spent, "refused": d.retry_budget.refused},
+        }
+
+    async def _broadcast(self, request: _Request, path: str) -> Outcome:
+        """Repository load/unload: every backend does it; the worst answer is the reply."""
+        d = self.dispatcher
+        data = _framer(request)(None)
+        upstreams = list(d.upstreams.values())
+        replies = await asyncio.gather(
+            *(u.pool.request(data, self.config.request_timeout_s) for u in upstreams),
+            return_exceptions=True,
+        )
+        worst = Outcome(200, _JSON, b"{}")
+        errors = {}
+        for upstream, reply in zip(upstreams, replies, strict=True):
+            if isinstance(reply, BaseException):
+                errors[upstream.backend.id] = str(reply)
+                worst = Outcome(502, _JSON, b"")
+            elif reply.status != 200:
+                errors[upstream.backend.id] = reply.body.decode(errors="replace")
+                if reply.status > worst.status:
+                    worst = Outcome(reply.status, _JSON, b"")
+        if not upstreams:
+            return Outcome(503, _JSON, orjson.dumps({"error": "no backends"}))
+        if errors:
+            worst.body = orjson.dumps(
+                {"error": f"{path} failed on some backends", "backends": errors}
+            )
+        return worst
+
+
+def _deadline(request: _Request) -> float | None:
+    raw = request.header(b"x-deadline-ms")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value / 1e3 if value > 0 else None
+
+
+def _framer(request: _Request) -> Framer:
+    """The request's bytes for a backend, given what is left of its deadline (or None)."""
+    lines = [request.method + b" " + request.url + b" HTTP/1.1"]
+    lines += [name + b": " + value for name, value in request.headers if name not in _HOP]
+    body = request.body
+    if body or request.method in (b"POST", b"PUT", b"PATCH"):
+        lines.append(b"content-length: %d" % len(body))
+    head = b"\r\n".join(lines)
+    raw_deadline = request.header(b"x-deadline-ms")
+
+    def frame(remaining_s: float | None) -> bytes:
+        if remaining_s is None:
+            if raw_deadline is not None:  # not a number: the worker names the problem
+                return head + b"\r\nx-deadline-ms: " + raw_deadline + b"\r\n\r\n" + body
+            return head + b"\r\n\r\n" + body
+        remaining_ms = max(remaining_s * 1e3, 0.001)
+        return head + b"\r\nx-deadline-ms: %.3f\r\n\r\n" % remaining_ms + body
+
+    return frame
