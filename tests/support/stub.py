@@ -48,6 +48,8 @@ class StubApp:
     stall_after: int | None = None
     stall_s: float = 0.0
     service_s: float = 0.0
+    # The status of every answer (500: a failing server).
+    status: int = 200
     arrivals: list[Arrival] = field(default_factory=list)
     _stall_until: float = 0.0
     _lock: asyncio.Lock | None = None
@@ -72,6 +74,9 @@ class StubApp:
         if path.endswith("/config"):
             await _reply(send, orjson.dumps(CONFIG))
             return
+        if path.startswith("/v2/health/"):  # ready whatever it answers to requests
+            await _reply(send, b"{}")
+            return
         self.arrivals.append(Arrival(now, path, b"".join(chunks), headers))
         if self.stall_after is not None and len(self.arrivals) == self.stall_after:
             self._stall_until = now + self.stall_s
@@ -82,11 +87,11 @@ class StubApp:
                 self._lock = asyncio.Lock()
             async with self._lock:
                 await asyncio.sleep(self.service_s)
-        await _reply(send, REPLY)
+        await _reply(send, REPLY, self.status)
 
 
-async def _reply(send: Any, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": 200,
+async def _reply(send: Any, body: bytes, status: int = 200) -> None:
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})  # fmt: skip
     await send({"type": "http.response.body", "body": body})

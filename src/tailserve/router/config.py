@@ -31,6 +31,8 @@ class RouterConfig:
     hedge_ratio: float = 0.05
     hedge_quantile: float = 0.95
     hedge_min_delay_s: float = 0.001
+    # Replies of a model (and cost class) seen before its p95 is trusted to hedge on.
+    hedge_min_samples: int = 50
     # A request that fails to connect (or whose connection dies before a reply) is retried
     # once on another replica, within this share of requests.
     retry_ratio: float = 0.1
@@ -42,6 +44,10 @@ class RouterConfig:
     # A request with no deadline of its own gets this long upstream.
     request_timeout_s: float = 30.0
     health_interval_s: float = 1.0
+    # Outlier ejection: errors or timeouts in a row that eject a backend, and the first
+    # ejection's length (doubling with each one after).
+    eject_after_failures: int = 5
+    eject_base_s: float = 5.0
     # The bearer token of the workers' admin routes (the router reads each one's model index).
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024

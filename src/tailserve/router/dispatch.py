@@ -335,8 +335,14 @@ class Dispatcher:
         self._balancers: dict[str, Balancer] = {}
         self._hedges: dict[tuple[str, str], HedgePolicy] = {}
         self.hedge_budget = HedgeBudget(ratio=config.hedge_ratio)
-        self.retry_budget = RetryBudget(ratio=config.retry_ratio)
-        self.detector = OutlierDetector()
+        # A dead worker fails every request in flight to it at once: the burst allowance is
+        # room for those (and the connects that fail before it is ejected) to be retried.
+        self.retry_budget = RetryBudget(ratio=config.retry_ratio, cap=20.0)
+        self.detector = OutlierDetector(
+            consecutive_failures=config.eject_after_failures,
+            base_ejection_s=config.eject_base_s,
+            max_ejection_s=max(120.0, config.eject_base_s),
+        )
         self.health = ActiveHealth()
         self.metrics = RouterMetrics(lambda: [u.backend for u in self.upstreams.values()])
         self._health_round = 0
@@ -415,6 +421,7 @@ class Dispatcher:
             policy = HedgePolicy(
                 quantile=self.config.hedge_quantile,
                 min_delay_s=self.config.hedge_min_delay_s,
+                min_samples=self.config.hedge_min_samples,
                 budget=self.hedge_budget,
             )
             self._hedges[(model, cost)] = policy

@@ -1,0 +1,347 @@
+"""The router against real workers (child processes) on loopback: forwarding, affinity, hedging
+with the loser cancelled on its worker, the hedge budget, ejection and re-admission, a worker
+killed under load, shedding, deadlines, membership from a watched file, and the client library."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from support.models import doubler_config, write_model
+from support.servers import WorkerProcess, async_wait_for, worker_process
+from support.stub import StubApp, run_stub
+from tailserve.client import Client, InferenceError
+from tailserve.router.config import RouterConfig
+from tailserve.router.membership import write_members
+from tailserve.router.proxy import Router
+
+# y = 2x, slowed by the number of seconds in the version folder's `delay` file (read on every
+# batch, so a test can slow one worker down mid-run); every row it runs is noted in `ran`.
+SLOWABLE = """
+from pathlib import Path
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, version_dir, config):
+        self.dir = Path(version_dir)
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        with (self.dir / "ran").open("a") as ran:
+            ran.write("".join(f"{v:g}\\n" for v in x.ravel()))
+        delay = self.dir / "delay"
+        if delay.exists():
+            time.sleep(float(delay.read_text() or 0))
+        return {"y": (x * 2).astype(np.float32)}
+"""
+
+
+def _repository(root: Path) -> Path:
+    config = doubler_config(max_batch_size=1, slo={"p99_ms": 10_000}, warmup={"batch_sizes": [1]})
+    config["batching"] = {"max_queue_delay_ms": 0, "max_queue_size": 256}
+    write_model(root, "m", config, code=SLOWABLE)
+    return root
+
+
+@contextlib.contextmanager
+def _workers(tmp: Path, count: int, *extra: str) -> Iterator[list[WorkerProcess]]:
+    with contextlib.ExitStack() as stack:
+        workers = []
+        for i in range(count):
+            repository = _repository(tmp / f"repo{i}")
+            workers.append(stack.enter_context(worker_process(repository, tmp, *extra)))
+        yield workers
+
+
+def _model_dir(tmp: Path, index: int) -> Path:
+    return tmp / f"repo{index}" / "m" / "1"
+
+
+def _slow(tmp: Path, index: int, seconds: float) -> None:
+    (_model_dir(tmp, index) / "delay").write_text(str(seconds))
+
+
+def _ran(tmp: Path, index: int) -> list[float]:
+    path = _model_dir(tmp, index) / "ran"
+    return [float(v) for v in path.read_text().split()] if path.exists() else []
+
+
+@contextlib.asynccontextmanager
+async def _router(backends: list[str], **changes: Any) -> AsyncIterator[Router]:
+    options: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "health_interval_s": 0.1}
+    options.update(changes)
+    router = Router(RouterConfig(backends=tuple(backends), **options))
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.drain(timeout_s=5)
+
+
+async def _until(predicate: Callable[[], bool], what: str) -> None:
+    async def check() -> bool:
+        return predicate()
+
+    await async_wait_for(check, what=what)
+
+
+def _infer_body(x: float) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
+                                     "data": [x]}]})  # fmt: skip
+
+
+async def _infer(client: httpx.AsyncClient, url: str, x: float, **kwargs: Any) -> httpx.Response:
+    return await client.post(f"{url}/v2/models/m/infer", content=_infer_body(x), **kwargs)
+
+
+def _y(response: httpx.Response) -> float:
+    return float(response.json()["outputs"][0]["data"][0])
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[WorkerProcess]]]:
+    tmp = tmp_path_factory.mktemp("router-pair")
+    with _workers(tmp, 2) as workers:
+        yield tmp, workers
+
+
+async def test_forwards_requests_and_names_the_replica(pair: Any) -> None:
+    _, workers = pair
+    urls = [w.url for w in workers]
+    async with _router(urls, max_body_bytes=4096) as router, httpx.AsyncClient() as client:
+        replies = [await _infer(client, router.url, float(i)) for i in range(6)]
+        assert [_y(r) for r in replies] == [2.0 * i for i in range(6)]
+        assert {r.headers["x-tailserve-replica"] for r in replies} <= set(urls)
+        assert (await client.get(f"{router.url}/v2/health/ready")).status_code == 200
+        meta = await client.get(f"{router.url}/v2/models/m")
+        assert meta.status_code == 200 and meta.json()["name"] == "m"
+        # The worker's own errors pass through, naming the problem.
+        unknown = await client.post(f"{router.url}/v2/models/nope/infer", content=b"{}")
+        assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+        bad = await client.post(f"{router.url}/v2/models/m/infer", content=b"{not json")
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]
+        big = await client.post(f"{router.url}/v2/models/m/infer", content=b"x" * 5000)
+        assert big.status_code == 413 and "4096-byte limit" in big.json()["error"]
+        # ... and the router keeps serving.
+        assert _y(await _infer(client, router.url, 7.0)) == 14.0
+        state = (await client.get(f"{router.url}/router/backends")).json()
+        assert all(b["models"] == ["m"] and b["healthy"] for b in state["backends"])
+        metrics = (await client.get(f"{router.url}/metrics")).text
+        assert 'tailserve_router_requests_total{model="m",status="200"}' in metrics
+
+
+async def test_affinity_keeps_a_key_on_one_replica_and_spreads_keys(pair: Any) -> None:
+    _, workers = pair
+    urls = [w.url for w in workers]
+    async with (
+        _router(urls, balance="affinity", hedge=False) as router,
+        httpx.AsyncClient() as client,
+    ):
+        same = {(await _infer(client, router.url, 3.0)).headers["x-tailserve-replica"]
+                for _ in range(20)}  # fmt: skip
+        assert len(same) == 1, router.state()
+        spread = {(await _infer(client, router.url, float(i))).headers["x-tailserve-replica"]
+                  for i in range(40)}  # fmt: skip
+        assert spread == set(urls)
+        # An explicit affinity key wins over the body.
+        keyed = []
+        for i in range(20):
+            reply = await _infer(client, router.url, float(i), headers={"x-affinity-key": "u7"})
+            keyed.append(reply.headers["x-tailserve-replica"])
+        assert len(set(keyed)) == 1, (keyed, router.state())
+
+
+async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
+    tmp_path: Path,
+) -> None:
+    with _workers(tmp_path, 2) as workers:
+        urls = [w.url for w in workers]
+        async with _router(
+            urls, balance="round-robin", hedge_min_samples=5, hedge_ratio=1.0
+        ) as router, httpx.AsyncClient(timeout=30) as client:  # fmt: skip
+            for i in range(20):  # learn the model's p95 (milliseconds)
+                assert (await _infer(client, router.url, 100.0 + i)).status_code == 200
+            before = len(_ran(tmp_path, 0))
+            _slow(tmp_path, 0, 1.5)
+            started = time.monotonic()
+            replies = await asyncio.gather(
+                *(_infer(client, router.url, float(x)) for x in range(1, 7))
+            )
+            took = time.monotonic() - started
+            assert [_y(r) for r in replies] == [2.0 * x for x in range(1, 7)]
+            assert took < 1.0, f"hedges should have answered long before 1.5 s, took {took:.2f}"
+            hedged = [r for r in replies if r.headers.get("x-tailserve-hedged") == "1"]
+            assert hedged and all(r.headers["x-tailserve-replica"] == urls[1] for r in hedged)
+            # The slow worker saw its copies cancelled (499: the one it was running, at least;
+            # a copy still waiting for a connection is withdrawn before it is sent) and ran at
+            # most the one it had already started: the rest left its queue without running.
+            await _until(lambda: _cancelled(urls[0]) >= 1, what="a cancellation on the worker")
+            _slow(tmp_path, 0, 0)
+            assert (await client.post(f"{urls[0]}/v2/models/m/infer",
+                                      content=_infer_body(99.0))).status_code == 200  # fmt: skip
+            ran_after = _ran(tmp_path, 0)[before:]
+            assert ran_after[-1] == 99.0
+            assert len(ran_after[:-1]) <= 1, f"cancelled copies ran anyway: {ran_after}"
+            state = router.state()["hedges"]
+            assert isinstance(state, dict) and state["sent"] >= len(hedged)
+
+
+def _cancelled(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("tailserve_requests_total{") and 'status="499"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_the_budget_caps_hedges(tmp_path: Path) -> None:
+    with _workers(tmp_path, 2) as workers:
+        urls = [w.url for w in workers]
+        async with _router(
+            urls, balance="round-robin", hedge_min_samples=5, hedge_ratio=0.1
+        ) as router, httpx.AsyncClient(timeout=30) as client:  # fmt: skip
+            for i in range(20):
+                await _infer(client, router.url, float(i))
+            _slow(tmp_path, 0, 0.1)
+            replies = await asyncio.gather(
+                *(_infer(client, router.url, float(x)) for x in range(30))
+            )
+            assert all(r.status_code == 200 for r in replies)
+            budget = router.dispatcher.hedge_budget
+            # 50 requests earn 5 copies at 10%; about 15 of the 30 met the slow worker.
+            assert budget.spent <= 0.1 * budget.requests + 1e-9
+            assert budget.refused > 0
+            metrics = (await client.get(f"{router.url}/metrics")).text
+            assert 'tailserve_router_hedges_total{model="m",outcome="refused"}' in metrics
+
+
+async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
+    good, bad = StubApp(), StubApp(status=500)
+    with run_stub(good) as g, run_stub(bad) as b:
+        async with _router(
+            [g.url, b.url], balance="round-robin", hedge=False, eject_after_failures=3,
+            eject_base_s=0.5,
+        ) as router, httpx.AsyncClient() as client:  # fmt: skip
+            statuses = [(await _infer(client, router.url, 1.0)).status_code for _ in range(12)]
+            assert statuses.count(500) == 3  # then it is out
+            assert statuses[-4:] == [200] * 4
+            ejected = router.dispatcher.upstreams[b.url].backend
+            assert ejected.ejections == 1
+            bad.status = 200
+            await _until(
+                lambda: not ejected.is_ejected(router.loop.time()), what="the backoff to end"
+            )
+            replicas = {
+                (await _infer(client, router.url, 1.0)).headers["x-tailserve-replica"]
+                for _ in range(4)
+            }
+            assert replicas == {g.url, b.url}
+            metrics = (await client.get(f"{router.url}/metrics")).text
+            assert "tailserve_router_ejections_total" in metrics
+
+
+async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> None:
+    with _workers(tmp_path, 2) as workers:
+        urls = [w.url for w in workers]
+        async with _router(urls) as router, httpx.AsyncClient(timeout=30) as client:
+            for i in range(100):  # the retry budget is earned by traffic
+                await _infer(client, router.url, float(i))
+            _slow(tmp_path, 0, 0.05)  # requests are in flight to it when it dies
+            killed = asyncio.Event()
+            statuses: list[int] = []
+
+            async def user(offset: int) -> None:
+                for i in range(40):
+                    reply = await _infer(client, router.url, float(offset + i))
+                    statuses.append(reply.status_code)
+                    if len(statuses) == 40 and not killed.is_set():
+                        os.kill(workers[0].process.pid, signal.SIGKILL)
+                        killed.set()
+
+            await asyncio.gather(*(user(1000 * u) for u in range(4)))
+            assert killed.is_set()
+            assert statuses == [200] * 160, f"failed: {[s for s in statuses if s != 200]}"
+            retried = router.dispatcher.retry_budget.spent
+            assert retried >= 1
+            backend = router.dispatcher.upstreams[urls[0]].backend
+            await _until(lambda: not backend.in_service(router.loop.time()), "the dead one out")
+
+
+async def test_requests_are_shed_at_once_when_every_replica_is_saturated(tmp_path: Path) -> None:
+    with _workers(tmp_path, 1) as workers:
+        _slow(tmp_path, 0, 1.0)
+        async with (
+            _router([workers[0].url], max_in_flight=1, hedge=False) as router,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+            slow = asyncio.ensure_future(_infer(client, router.url, 1.0))
+            await _until(lambda: router.dispatcher.backends[0].in_flight == 1, what="one in flight")
+            started = time.monotonic()
+            shed = await _infer(client, router.url, 2.0)
+            took = time.monotonic() - started
+            assert shed.status_code == 503 and shed.headers["retry-after"] == "1"
+            assert "in-flight limit" in shed.json()["error"]
+            assert took < 0.5
+            assert (await slow).status_code == 200
+        _slow(tmp_path, 0, 0)
+
+
+async def test_the_deadline_left_is_propagated() -> None:
+    stub = StubApp()
+    with run_stub(stub) as s:
+        async with _router([s.url], hedge=False) as router, httpx.AsyncClient() as client:
+            await _infer(client, router.url, 1.0, headers={"x-deadline-ms": "800"})
+            await _infer(client, router.url, 1.0)
+    infers = [a for a in stub.arrivals if a.path.endswith("/infer")]
+    left = float(infers[0].headers["x-deadline-ms"])
+    assert 700 < left <= 800
+    assert "x-deadline-ms" not in infers[1].headers
+
+
+async def test_membership_follows_a_watched_file(pair: Any, tmp_path: Path) -> None:
+    _, workers = pair
+    members = tmp_path / "backends.txt"
+    write_members(members, [workers[0].url])
+    async with _router(
+        [], backends_file=str(members), file_interval_s=0.05
+    ) as router, httpx.AsyncClient() as client:  # fmt: skip
+        assert [b.id for b in router.dispatcher.backends] == [workers[0].url]
+        write_members(members, [workers[0].url, workers[1].url])
+        await _until(lambda: len(router.dispatcher.backends) == 2, what="2nd backend")
+        await _until(lambda: all(b.healthy for b in router.dispatcher.backends), what="its check")
+        write_members(members, [workers[1].url])
+        await _until(lambda: len(router.dispatcher.backends) == 1, what="a backend left")
+        replicas = {(await _infer(client, router.url, 1.0)).headers["x-tailserve-replica"]
+                    for _ in range(6)}  # fmt: skip
+        assert replicas == {workers[1].url}
+
+
+async def test_the_client_library_applies_the_policies_in_process(pair: Any) -> None:
+    _, workers = pair
+    urls = [w.url for w in workers]
+    async with Client(urls, balance="affinity", health_interval_s=0.1) as client:
+        result = await client.infer("m", {"x": np.array([[1.5]], dtype=np.float32)})
+        assert result.outputs["y"].tolist() == [[3.0]]
+        assert result.replica in urls
+        again = await client.infer("m", {"x": np.array([[1.5]], dtype=np.float32)})
+        assert again.replica == result.replica
+        with pytest.raises(InferenceError, match="404") as error:
+            await client.infer("nope", {"x": np.array([[1.0]], dtype=np.float32)})
+        assert error.value.status == 404
+        meta = await client.request("GET", "/v2/models/m", model="m")
+        assert meta.status == 200 and orjson.loads(meta.body)["name"] == "m"
