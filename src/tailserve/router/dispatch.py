@@ -347,6 +347,7 @@ class Dispatcher:
         self.metrics = RouterMetrics(lambda: [u.backend for u in self.upstreams.values()])
         self._health_round = 0
         self._closed = False
+        self._closing: set[asyncio.Task[None]] = set()
 
     # --- membership -----------------------------------------------------------------------
 
@@ -383,7 +384,9 @@ class Dispatcher:
             and upstream.backend.in_flight == 0
             and self._leaving.pop(upstream.backend.id, None) is not None
         ):
-            self.loop.create_task(upstream.pool.close())
+            task = self.loop.create_task(upstream.pool.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     @property
     def backends(self) -> list[Backend]:

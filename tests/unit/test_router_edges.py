@@ -1,0 +1,158 @@
+"""The router's pure edges: which pool a path goes to, cost classes, affinity keys, framing
+with the deadline left, membership sources (file and DNS, with a fake resolver), settings."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tailserve.errors import ConfigError
+from tailserve.protocols.http.app import SlowFault
+from tailserve.router.config import RouterConfig, parse_backend, parse_model_balance
+from tailserve.router.dispatch import ANY, body_key, cost_class
+from tailserve.router.hedging import HedgeBudget
+from tailserve.router.membership import Membership, parse_members, write_members
+from tailserve.router.proxy import _framer, _Request, classify
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "model", "infer", "broadcast"),
+    [
+        (b"POST", "/v2/models/churn/infer", "churn", True, False),
+        (b"POST", "/v2/models/churn/versions/2/infer", "churn", True, False),
+        (b"GET", "/v2/models/churn", "churn", False, False),
+        (b"GET", "/v2/models/churn/ready", "churn", False, False),
+        (b"GET", "/v2/models/stats", ANY, False, False),
+        (b"POST", "/v1/models/churn:predict", "churn", True, False),
+        (b"GET", "/v1/models/churn", "churn", False, False),
+        (b"POST", "/v2/repository/models/churn/load", "churn", False, True),
+        (b"POST", "/v2/repository/index", ANY, False, False),
+        (b"GET", "/v2", ANY, False, False),
+        (b"GET", "/no/such/path", ANY, False, False),
+    ],
+)
+def test_classify(method: bytes, path: str, model: str, infer: bool, broadcast: bool) -> None:
+    target = classify(method, path)
+    assert (target.model, target.infer, target.broadcast) == (model, infer, broadcast)
+
+
+def test_cost_classes_grow_with_the_body() -> None:
+    assert [cost_class(n) for n in (0, 4095, 4096, 65535, 65536, 10**7)] == [
+        "s", "s", "m", "m", "l", "l",
+    ]  # fmt: skip
+
+
+def test_body_keys_are_equal_for_equal_bodies_only() -> None:
+    assert body_key(b'{"a":1}') == body_key(b'{"a":1}')
+    assert body_key(b'{"a":1}') != body_key(b'{"a":2}')
+
+
+def _request(headers: list[tuple[bytes, bytes]], body: bytes = b"{}") -> _Request:
+    return _Request(b"POST", b"/v2/models/m/infer?x=1", headers, body, True, 0.0)
+
+
+def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
+    request = _request(
+        [(b"host", b"router"), (b"connection", b"keep-alive"), (b"x-deadline-ms", b"100"),
+         (b"transfer-encoding", b"chunked"), (b"x-request-id", b"abc")]
+    )  # fmt: skip
+    frame = _framer(request)
+    data = frame(0.0425)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v2/models/m/infer?x=1 HTTP/1.1"
+    assert b"x-request-id: abc" in lines and b"host: router" in lines
+    assert b"x-deadline-ms: 42.500" in lines
+    assert not any(line.startswith((b"connection", b"transfer-encoding")) for line in lines)
+    assert b"content-length: 2" in lines and body == b"{}"
+    # Without a deadline of its own, the request carries none.
+    assert b"x-deadline-ms" not in _framer(_request([]))(None)
+
+
+def test_a_deadline_that_is_not_a_number_reaches_the_worker_as_sent() -> None:
+    frame = _framer(_request([(b"x-deadline-ms", b"soon")]))
+    assert b"x-deadline-ms: soon" in frame(None)
+
+
+def test_members_file_lines_and_their_problems() -> None:
+    urls, problems = parse_members(
+        "# workers\nhttp://10.0.0.1:8000\n10.0.0.2:8000  # second\n\nftp://x:1\nnoport\n"
+    )
+    assert urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    assert len(problems) == 2 and "line 5" in problems[0] and "line 6" in problems[1]
+
+
+async def test_membership_unites_flags_file_and_dns(tmp_path: Path) -> None:
+    members = tmp_path / "backends"
+    write_members(members, ["http://10.0.0.9:8000"])
+    answers = {"workers.svc": ["10.1.0.1", "10.1.0.2"]}
+    applied: list[list[str]] = []
+    config = RouterConfig(
+        backends=("127.0.0.1:9000",), backends_file=str(members), backends_dns="workers.svc:8000"
+    )
+    membership = Membership(config, applied.append, resolve=lambda host, port: list(answers[host]))
+    assert await membership.refresh() == [
+        "http://127.0.0.1:9000", "http://10.0.0.9:8000",
+        "http://10.1.0.1:8000", "http://10.1.0.2:8000",
+    ]  # fmt: skip
+    # A pod goes away; the file is unreadable for a moment: the file keeps its last answer.
+    answers["workers.svc"] = ["10.1.0.2"]
+    members.unlink()
+    await membership.refresh()
+    assert applied[-1] == ["http://127.0.0.1:9000", "http://10.0.0.9:8000", "http://10.1.0.2:8000"]
+    # Nothing changed: nothing applied again.
+    count = len(applied)
+    await membership.refresh()
+    assert len(applied) == count
+
+
+async def test_a_name_that_stops_resolving_keeps_its_last_backends() -> None:
+    answers: dict[str, list[str]] = {"svc": ["10.2.0.1"]}
+
+    def resolve(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise OSError("no such name")
+        return answers[host]
+
+    membership = Membership(RouterConfig(backends_dns="svc:80"), lambda urls: None, resolve=resolve)
+    assert await membership.refresh() == ["http://10.2.0.1:80"]
+    answers.clear()
+    assert await membership.refresh() == ["http://10.2.0.1:80"]
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="unknown balancing policy 'fastest'"):
+        RouterConfig(balance="fastest")
+    with pytest.raises(ConfigError, match="not http://HOST:PORT"):
+        RouterConfig(backends=("http://no-port",))
+    with pytest.raises(ConfigError, match="has a path"):
+        parse_backend("http://h:1/v2")
+    with pytest.raises(ConfigError, match="MODEL=POLICY"):
+        parse_model_balance(["churn"])
+    config = RouterConfig(model_balance=parse_model_balance(["churn=affinity"]))
+    assert config.policy_of("churn") == "affinity" and config.policy_of("other") == "p2c"
+
+
+def test_a_refund_gives_back_a_spent_token() -> None:
+    budget = HedgeBudget(ratio=1.0)
+    budget.earn()
+    assert budget.try_spend() and not budget.try_spend()
+    budget.refund()
+    assert budget.spent == 0 and budget.try_spend()
+
+
+async def test_the_slow_fault_slows_the_chosen_fraction_by_its_factor() -> None:
+    import random
+
+    never, always = SlowFault(0.0, 20.0), SlowFault(1.0, 3.0, random.Random(1))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await never.delay(1.0)
+    assert loop.time() - started < 0.5
+    started = loop.time()
+    await always.delay(0.02)  # (3 - 1) x 20 ms
+    assert loop.time() - started >= 0.039
+    with pytest.raises(ValueError):
+        SlowFault(1.5, 2.0)
