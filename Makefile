@@ -27,7 +27,7 @@ $(REPOSITORY)/churn/model.yaml: | $(VENV)/.installed
 	$(BIN)/tailserve examples $(REPOSITORY)
 
 run: setup $(REPOSITORY)/churn/model.yaml
-	$(BIN)/tailserve serve --repository $(REPOSITORY) --http-port $(PORT)
+	$(BIN)/tailserve up --repository $(REPOSITORY) --port $(PORT)
 
 test: setup-dev
 	$(BIN)/ruff check src tests benchmarks

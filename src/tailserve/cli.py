@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     from tailserve.router import command as route
 
     route.add_parser(commands)
+    from tailserve.fleet import command as fleet
+
+    fleet.add_parser(commands)
     _add_cache_commands(commands)
     return parser  # fmt: skip
 

@@ -100,6 +100,22 @@ def test_p2c_prefers_the_faster_of_two_equally_loaded_replicas() -> None:
     assert balancer.choose(pool, None, NOW) is slow
 
 
+def test_p2c_stops_believing_a_latency_nobody_has_measured_for_a_while() -> None:
+    # Light load, nothing in flight: a replica that once looked slower would never be chosen
+    # again, and so never measured again, if its old average were believed for ever.
+    pool = pool_of(2)
+    slow, fast = pool.backends
+    pool.start(slow)
+    pool.finish(slow, 0.050, ok=True, now=NOW)
+    pool.start(fast)
+    pool.finish(fast, 0.010, ok=True, now=NOW)
+    balancer = PowerOfTwo(random.Random(7))
+    assert all(balancer.choose(pool, None, NOW + 1.0) is fast for _ in range(20))
+    fast.sampled_at = NOW + 5.0  # the fast one keeps being measured; the slow one does not
+    later = NOW + 5.0
+    assert slow in {balancer.choose(pool, None, later) for _ in range(50)}
+
+
 def test_p2c_score_is_the_expected_wait() -> None:
     backend = Backend("a", in_flight=3, latency_s=0.02)
     assert score(backend, prior_s=1.0) == pytest.approx(0.08)

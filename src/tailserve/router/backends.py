@@ -33,6 +33,8 @@ class Backend:
     # EWMA of the reply latency in seconds; None until the first sample.
     latency_s: float | None = None
     samples: int = 0
+    # When the last latency sample came (None: never, or the caller passes no times).
+    sampled_at: float | None = None
     consecutive_failures: int = 0
     # Set by the active health checks (the proxy may start a backend unhealthy until its
     # first check passes; the policies default to trusting it).
@@ -66,6 +68,7 @@ class Backend:
         """Forget the latency average and the failure streak (on ejection)."""
         self.latency_s = None
         self.samples = 0
+        self.sampled_at = None
         self.consecutive_failures = 0
 
 
@@ -143,11 +146,15 @@ class Pool:
     def start(self, backend: Backend) -> None:
         backend.in_flight += 1
 
-    def finish(self, backend: Backend, latency_s: float, *, ok: bool) -> None:
+    def finish(
+        self, backend: Backend, latency_s: float, *, ok: bool, now: float | None = None
+    ) -> None:
         """A reply came (``ok``), or the attempt timed out or the backend answered with a
         server error (not ``ok``: the proxy decides which statuses count; a client's 4xx is
         the client's fault, not the backend's)."""
         self._done(backend)
+        if now is not None:
+            backend.sampled_at = now
         if ok:
             backend.consecutive_failures = 0
             self._sample(backend, latency_s)

@@ -95,17 +95,30 @@ class PowerOfTwo:
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         first, second = self._rng.sample(candidates, 2)
-        known = [b.latency_s for b in pool if b.latency_s is not None]
-        # A backend with no sample yet is neither favoured nor shunned: it is taken to be as
-        # fast as the pool's median (with no samples at all, the score is the load alone).
+        known = [b.latency_s for b in pool if b.latency_s is not None and not _stale(b, now)]
+        # A backend with no (recent) sample is neither favoured nor shunned: it is taken to be
+        # as fast as the pool's median (with no samples at all, the score is the load alone).
         prior = statistics.median(known) if known else 1.0
-        return first if score(first, prior) <= score(second, prior) else second
+        first_score, second_score = score(first, prior, now), score(second, prior, now)
+        return first if first_score <= second_score else second
 
 
-def score(backend: Backend, prior_s: float) -> float:
+# A latency average with no new sample for this long is no longer believed (it falls back to
+# the pool's median): otherwise a backend that once looked slower would never be chosen again
+# while the load is light (nothing in flight to break the tie), and so never be measured anew.
+STALE_AFTER_S = 2.0
+
+
+def score(backend: Backend, prior_s: float, now: float | None = None) -> float:
     """Power of two choices' cost: the expected wait for a new request on this backend."""
-    latency = backend.latency_s if backend.latency_s is not None else prior_s
+    latency = backend.latency_s
+    if latency is None or (now is not None and _stale(backend, now)):
+        latency = prior_s
     return (backend.in_flight + 1) * latency
+
+
+def _stale(backend: Backend, now: float) -> bool:
+    return backend.sampled_at is not None and now - backend.sampled_at > STALE_AFTER_S
 
 
 def stable_hash(text: str) -> int:

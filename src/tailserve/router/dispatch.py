@@ -218,7 +218,7 @@ class Exchange:
         latency = now - attempt.sent_at
         if isinstance(result, Response):
             ok = result.status < 500
-            self.pool.finish(backend, latency, ok=ok)
+            self.pool.finish(backend, latency, ok=ok, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, str(result.status))
             if ok and self._policy is not None and result.status < 400:
                 self._policy.observe(latency, now)
@@ -337,7 +337,9 @@ class Dispatcher:
         self.hedge_budget = HedgeBudget(ratio=config.hedge_ratio)
         # A dead worker fails every request in flight to it at once: the burst allowance is
         # room for those (and the connects that fail before it is ejected) to be retried.
-        self.retry_budget = RetryBudget(ratio=config.retry_ratio, cap=20.0)
+        # It starts full: a router that has just started (or restarted) has earned nothing yet,
+        # and its first minutes are when workers are most likely to be restarting too.
+        self.retry_budget = RetryBudget(ratio=config.retry_ratio, cap=20.0, initial=20.0)
         self.detector = OutlierDetector(
             consecutive_failures=config.eject_after_failures,
             base_ejection_s=config.eject_base_s,
@@ -541,6 +543,9 @@ class Dispatcher:
         if self.health.record(backend, ready):
             log.info("backend %s is %s", backend.id, "ready" if ready else "not ready")
             index = index or ready
+            if ready:
+                # Back (a restarted worker, say): what was known of its latency is old news.
+                backend.reset_stats()
         if index and ready:
             await self._read_index(upstream, timeout)
 

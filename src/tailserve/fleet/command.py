@@ -1,0 +1,103 @@
+"""The ``tailserve up`` command: the whole stack on one machine.
+
+tailserve up [--repository DIR] [--port 8080] [--workers N] [--redis-url URL]
+
+Starts N workers (default: one per core) on loopback ports and the router on the public port,
+restarts a worker that dies, and on SIGTERM or Ctrl-C drains the router, then the workers.
+With no --repository it serves the example repository, building it in var/repository first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tailserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tailserve.fleet.supervisor import FleetConfig
+
+EXAMPLES = Path("var/repository")
+BALANCE = ("p2c", "affinity", "round-robin")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_parser(commands: Any) -> None:
+    up = commands.add_parser(
+        "up",
+        help="the whole stack on one machine: router, workers, and a supervisor over them",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument("--repository", help=f"model repository (default: the examples, {EXAMPLES})")
+    up.add_argument("--host", default="0.0.0.0", help="the router's address (0.0.0.0)")
+    up.add_argument("--port", type=int, default=8080, help="the router's port (8080)")
+    up.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="worker processes (default: one per core)")  # fmt: skip
+    up.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
+    up.add_argument(
+        "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
+    )
+    up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
+    up.add_argument("--balance", choices=BALANCE, default="p2c",
+                    help="how the router picks a worker (p2c)")  # fmt: skip
+    up.add_argument(
+        "--no-hedge", dest="hedge", action="store_false", help="the router sends no hedges"
+    )
+    up.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                    help="seconds SIGTERM waits for requests in flight (30)")  # fmt: skip
+    up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    up.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from tailserve.fleet.supervisor import Supervisor
+    from tailserve.loops import run
+
+    run(Supervisor(fleet_config(args, os.environ)).run())
+    return 0
+
+
+def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfig:
+    """The supervisor's settings from the flags (and the environment the workers will read)."""
+    from tailserve.fleet.supervisor import FleetConfig
+
+    repository = args.repository or str(example_repository(EXAMPLES))
+    if not Path(repository).is_dir():
+        raise ConfigError(f"no model repository at {repository}")
+    # A token set as TAILSERVE_ADMIN_TOKEN reaches the workers; the router needs it as well.
+    admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN")
+    return FleetConfig(
+        repository=repository, host=args.host, port=args.port, workers=args.workers,
+        balance=args.balance, hedge=args.hedge, admin_token=admin_token,
+        drain_timeout_s=args.drain_timeout_s, worker_args=tuple(worker_args(args)),
+    )  # fmt: skip
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The flags of ours that each ``tailserve serve`` takes as they are."""
+    out = ["--log-level", args.log_level]
+    if args.redis_url is not None:
+        out += ["--redis-url", args.redis_url]
+    if args.redis_cluster:
+        out.append("--redis-cluster")
+    return out
+
+
+def example_repository(directory: Path) -> Path:
+    """The example repository in ``directory``, written there first unless it already is."""
+    if not (directory / "churn" / "model.yaml").exists():
+        from tailserve.examples import write_examples
+
+        print(f"tailserve up: writing the example repository to {directory} ...", file=sys.stderr)
+        write_examples(directory)
+    return directory

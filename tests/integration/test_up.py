@@ -1,0 +1,215 @@
+"""`tailserve up`: the router answers for its workers, a killed worker comes back on its port,
+and SIGTERM drains the whole stack and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from support.servers import async_wait_for, free_port, wait_for
+from tailserve.examples.churn import FIELDS, sample_rows
+from tailserve.fleet.restarts import Backoff
+from tailserve.fleet.supervisor import FleetConfig, ManagedWorker, Supervisor
+
+STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
+
+
+def churn_request(rows: int = 2, seed: int = 5) -> dict[str, Any]:
+    sample = sample_rows(rows, seed)
+    inputs = [
+        {"name": f.name, "datatype": f.datatype, "shape": [rows, 1], "data": sample[f.name]}
+        for f in FIELDS
+    ]
+    return {"inputs": inputs}
+
+
+def assert_scored(reply: httpx.Response, rows: int = 2) -> None:
+    assert reply.status_code == 200, reply.text
+    (output,) = reply.json()["outputs"]
+    assert output["name"] == "churn_probability"
+    assert len(output["data"]) == rows
+    assert all(0.0 <= p <= 1.0 for p in output["data"])
+
+
+@dataclass
+class UpProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def worker_pids(self) -> dict[str, int]:
+        """The newest pid of each worker, as the supervisor logged them."""
+        return {name: int(pid) for name, pid, _ in STARTED.findall(self.log())}
+
+    def worker_urls(self) -> set[str]:
+        return {url for _, _, url in STARTED.findall(self.log())}
+
+
+@contextlib.contextmanager
+def tailserve_up(repository: Path, log_dir: Path, *extra: str) -> Iterator[UpProcess]:
+    """``tailserve up`` as a real process, once it says every worker is ready."""
+    port = free_port()
+    log_path = log_dir / f"up-{port}.log"
+    command = [sys.executable, "-m", "tailserve.cli", "up", "--repository", str(repository),
+               "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_for(
+            lambda: process.poll() is not None or "workers ready" in running.log(),
+            timeout=90,
+            what="tailserve up to report its workers ready",
+        )
+        assert process.poll() is None, f"up exited with {process.returncode}:\n{running.log()}"
+        yield running
+    finally:
+        if process.poll() is None:
+            process.kill()  # its workers are in sessions of their own: kill them too
+            process.wait(timeout=10)
+            for pid in running.worker_pids().values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_serves_inference_through_the_router_from_every_worker(
+    example_repository: Path, tmp_path: Path
+) -> None:
+    options = ("--workers", "2", "--balance", "round-robin", "--drain-timeout", "5")
+    with tailserve_up(example_repository, tmp_path, *options) as up:
+        assert f"tailserve up: router on {up.url}, 2 workers ready" in up.log()
+        assert httpx.get(f"{up.url}/v2/health/ready").status_code == 200
+        replicas: set[str] = set()
+        with httpx.Client(base_url=up.url) as client:
+
+            def both_have_answered() -> bool:
+                reply = client.post("/v2/models/churn/infer", json=churn_request())
+                assert_scored(reply)
+                replicas.add(reply.headers["x-tailserve-replica"])
+                return len(replicas) == 2
+
+            # The router may not have seen the second worker ready yet: it checks each second.
+            wait_for(both_have_answered, timeout=10, what="both workers to answer")
+        assert replicas == up.worker_urls()
+
+
+def test_sigterm_drains_the_stack_and_exits_0(example_repository: Path, tmp_path: Path) -> None:
+    with tailserve_up(example_repository, tmp_path, "--workers", "2") as up:
+        pids = up.worker_pids()
+        assert len(pids) == 2
+        assert all(alive(pid) for pid in pids.values())
+        up.process.send_signal(signal.SIGTERM)
+        assert up.process.wait(timeout=60) == 0, up.log()
+        assert not [pid for pid in pids.values() if alive(pid)]
+        log = up.log()
+        assert all(f"{name} (pid {pid}) exited with 0" in log for name, pid in pids.items())
+
+
+def test_up_without_a_repository_folder_says_so(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tailserve.cli", "up", "--repository", str(tmp_path / "no")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "no model repository" in done.stderr
+
+
+def test_up_on_a_taken_port_says_so(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "tailserve.cli", "up", "--host", "127.0.0.1",
+                   "--port", str(port), "--repository", str(tmp_path)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert f"the router cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "started (pid" not in done.stderr
+
+
+async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) -> None:
+    config = FleetConfig(
+        repository=str(example_repository), host="127.0.0.1", port=0, workers=2,
+        drain_timeout_s=5.0, backoff=Backoff(first_s=0.1),
+    )  # fmt: skip
+    supervisor = Supervisor(config)
+    await supervisor.start()
+    try:
+        await asyncio.wait_for(supervisor.ready.wait(), timeout=90)
+        victim = supervisor.workers[0]
+        pid, port = victim.pid, victim.port
+        assert pid is not None
+        async with httpx.AsyncClient(base_url=supervisor.router_url) as client:
+
+            async def infer() -> httpx.Response:
+                return await client.post("/v2/models/churn/infer", json=churn_request())
+
+            # Traffic a live fleet would have had: the router retries a failed connect within a
+            # budget that requests earn (a tenth of them), and it must have found both workers
+            # ready (it checks each second) for one to take over from the other.
+            replicas: set[str] = set()
+
+            async def both_answer() -> bool:
+                reply = await infer()
+                assert_scored(reply)
+                replicas.add(reply.headers["x-tailserve-replica"])
+                return len(replicas) == 2
+
+            await async_wait_for(both_answer, what="both workers to answer through the router")
+            for _ in range(100):
+                assert_scored(await infer())
+            os.kill(pid, signal.SIGKILL)
+            await async_wait_for(_gone(victim), what="the supervisor to see the worker die")
+            replies: list[httpx.Response] = []
+
+            async def restarted() -> bool:
+                replies.append(await infer())
+                return victim.ready
+
+            await async_wait_for(restarted, timeout_s=60, what="the worker's restart")
+            assert victim.pid != pid
+            assert victim.port == port
+            assert victim.restarts == 1
+            for reply in replies:
+                assert_scored(reply)
+
+            async def routed_to_it_again() -> bool:
+                reply = await infer()
+                assert_scored(reply)
+                return reply.headers["x-tailserve-replica"] == victim.url
+
+            # The router ejected it when its connections failed, and takes it back after.
+            # (Round-robin: power of two choices, under one request at a time, keeps choosing
+            # whichever worker it has seen answer faster.)
+            await async_wait_for(routed_to_it_again, timeout_s=30, what="traffic to it again")
+    finally:
+        await supervisor.stop()
+    assert not any(worker.running for worker in supervisor.workers)
+
+
+def _gone(worker: ManagedWorker) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return not worker.ready
+
+    return check

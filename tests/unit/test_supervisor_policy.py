@@ -1,0 +1,51 @@
+"""The supervisor's restart backoff, with explicit times (no clock, no sleeps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailserve.errors import ConfigError
+from tailserve.fleet.restarts import Backoff, RestartPolicy
+
+BACKOFF = Backoff(first_s=0.5, cap_s=10.0, stable_s=30.0)
+
+
+def crash_loop(policy: RestartPolicy, crashes: int, uptime_s: float = 1.0) -> list[float]:
+    """The delays of ``crashes`` exits, each after ``uptime_s`` of running."""
+    delays, now = [], 0.0
+    for _ in range(crashes):
+        delay = policy.delay(started_at=now, exited_at=now + uptime_s)
+        delays.append(delay)
+        now += uptime_s + delay
+    return delays
+
+
+def test_a_crash_loop_backs_off_doubling_up_to_the_cap() -> None:
+    delays = crash_loop(RestartPolicy(BACKOFF), 8)
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
+
+
+def test_a_worker_that_stayed_up_restarts_after_the_first_delay_again() -> None:
+    policy = RestartPolicy(BACKOFF)
+    assert crash_loop(policy, 5) == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert policy.delay(started_at=100.0, exited_at=130.0) == 0.5
+    assert policy.delay(started_at=131.0, exited_at=132.0) == 1.0
+
+
+def test_a_run_just_short_of_stable_keeps_the_backoff() -> None:
+    policy = RestartPolicy(BACKOFF)
+    crash_loop(policy, 3)
+    assert policy.delay(started_at=100.0, exited_at=129.9) == 4.0
+
+
+def test_workers_back_off_independently() -> None:
+    failing, healthy = RestartPolicy(BACKOFF), RestartPolicy(BACKOFF)
+    crash_loop(failing, 4)
+    assert healthy.delay(started_at=0.0, exited_at=1.0) == 0.5
+    assert failing.delay(started_at=50.0, exited_at=51.0) == 8.0
+
+
+@pytest.mark.parametrize(("first_s", "cap_s"), [(0.0, 10.0), (5.0, 1.0), (-1.0, 1.0)])
+def test_a_backoff_that_cannot_work_is_refused(first_s: float, cap_s: float) -> None:
+    with pytest.raises(ConfigError, match="backoff"):
+        Backoff(first_s=first_s, cap_s=cap_s)
