@@ -126,10 +126,15 @@ def stats(result: dict[str, Any]) -> dict[str, Any]:
 
 # --- 1. the tail -----------------------------------------------------------------------------
 
+# Latency ejection off in the three compared, so that each policy meets the slow replica on
+# its own (with it on, a slow reply of a 20 ms model ejects the replica at once, whatever the
+# policy); the last row is the router's default configuration, ejection included.
+NO_EJECT = ["--eject-latency-factor", "0"]
 TAIL_CONFIGS = {
-    "round-robin": ["--balance", "round-robin", "--no-hedge"],
-    "p2c": ["--balance", "p2c", "--no-hedge"],
-    "p2c+hedging": ["--balance", "p2c"],
+    "round-robin": ["--balance", "round-robin", "--no-hedge", *NO_EJECT],
+    "p2c": ["--balance", "p2c", "--no-hedge", *NO_EJECT],
+    "p2c+hedging": ["--balance", "p2c", *NO_EJECT],
+    "default": [],
 }
 
 
@@ -161,7 +166,7 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
     head = f"{'policy':14}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'errors':>8}{'extra':>8}"
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():
-        extra = f"{r['extra']:.1%}" if name.endswith("hedging") else "-"
+        extra = f"{r['extra']:.1%}" if name in ("p2c+hedging", "default") else "-"
         print(f"{name:14}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['p999_ms']:>10.2f}"
               f"{r['errors']:>8}{extra:>8}")  # fmt: skip
     base, hedged = results.get("round-robin"), results.get("p2c+hedging")

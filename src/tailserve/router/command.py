@@ -46,6 +46,12 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most extra copies hedging may send, per request (0.05)")  # fmt: skip
     parser.add_argument("--max-in-flight", type=int, default=64,
                         help="requests in flight a worker may hold (64)")  # fmt: skip
+    parser.add_argument(
+        "--eject-latency-factor",
+        type=float,
+        default=3.0,
+        help="eject a worker this many times slower than the rest (3; 0: never)",
+    )
     parser.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
     parser.add_argument("--decision-sample", type=float, default=0.0,
                         help="fraction of routing decisions to log (0)")  # fmt: skip
@@ -58,6 +64,7 @@ def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
         hedge=not args.no_hedge,
         hedge_ratio=args.hedge_ratio,
         max_in_flight=args.max_in_flight,
+        eject_latency_factor=args.eject_latency_factor,
         admin_token=args.admin_token,
         decision_sample=args.decision_sample,
         **extra,

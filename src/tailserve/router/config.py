@@ -48,6 +48,9 @@ class RouterConfig:
     # ejection's length (doubling with each one after).
     eject_after_failures: int = 5
     eject_base_s: float = 5.0
+    # A backend whose EWMA latency is this many times the others' median (and above 50 ms)
+    # is ejected too; 0 turns latency ejection off.
+    eject_latency_factor: float = 3.0
     # The bearer token of the workers' admin routes (the router reads each one's model index).
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -332,6 +333,7 @@ class Dispatcher:
         self._leaving: dict[str, Upstream] = {}
         self._everyone = Pool(ANY)
         self._pools: dict[str, Pool] = {}
+        self._known: frozenset[str] | None = None
         self._balancers: dict[str, Balancer] = {}
         self._hedges: dict[tuple[str, str], HedgePolicy] = {}
         self.hedge_budget = HedgeBudget(ratio=config.hedge_ratio)
@@ -342,6 +344,8 @@ class Dispatcher:
         self.retry_budget = RetryBudget(ratio=config.retry_ratio, cap=20.0, initial=20.0)
         self.detector = OutlierDetector(
             consecutive_failures=config.eject_after_failures,
+            # (An infinite factor: no latency is ever that far above the median.)
+            latency_factor=config.eject_latency_factor or math.inf,
             base_ejection_s=config.eject_base_s,
             max_ejection_s=max(120.0, config.eject_base_s),
         )
@@ -378,6 +382,7 @@ class Dispatcher:
             log.info("backend %s left: draining %d in flight", url, upstream.backend.in_flight)
             self.settle(upstream)
         self._pools.clear()
+        self._known = None
 
     def settle(self, upstream: Upstream) -> None:
         """Close a departed backend's connections once nothing is in flight to it."""
@@ -407,6 +412,16 @@ class Dispatcher:
             pool = Pool(model, members) if members else self._everyone
             self._pools[model] = pool
         return pool
+
+    def known_models(self) -> frozenset[str]:
+        """Every model some backend lists READY (kept until the membership or an index
+        changes)."""
+        known = self._known
+        if known is None:
+            known = self._known = frozenset().union(
+                *(u.models for u in self.upstreams.values() if u.models is not None)
+            )
+        return known
 
     def balancer_for(self, model: str) -> Balancer:
         balancer = self._balancers.get(model)
@@ -569,6 +584,7 @@ class Dispatcher:
         if models != upstream.models:
             upstream.models = models
             self._pools.clear()
+            self._known = None
 
     async def close(self) -> None:
         self._closed = True

@@ -395,9 +395,9 @@ class Router:
         connection._exchange = None if exchange.done else exchange
 
     def _known(self, model: str) -> bool:
-        return any(
-            u.models is not None and model in u.models for u in self.dispatcher.upstreams.values()
-        )
+        # (Only models some backend lists become metric labels: a client cannot grow the
+        # label set by inventing model names.)
+        return model in self.dispatcher.known_models()
 
     def _local(self, request: _Request, path: str) -> Outcome | None:
         if request.method not in (b"GET", b"HEAD"):
