@@ -1,10 +1,11 @@
 """Result cache tiers side by side in one run, measured with `tailserve bench`.
 
 Configurations, each in its own worker against one private redis-server (emptied between
-them): no cache; Redis only (every lookup a round trip, as the tutorials build it); L1 LRU +
-Redis; L1 W-TinyLFU + Redis. The L1 holds 100,000 results, a tenth of the key space. Workload:
-``churn`` with Zipf(1.0) keys over 1,000,000 customers (benchmarks/workloads/churn-zipf1m.yaml,
-SLO p99 50 ms).
+them): no cache; Redis only (every lookup a round trip, with the standard client redis-py, as
+the tutorials build it); the same through tailserve's lean pipelined connection; L1 LRU +
+Redis; L1 W-TinyLFU + Redis (both on the lean connection). The L1 holds 100,000 results, a
+tenth of the key space. Workload: ``churn`` with Zipf(1.0) keys over 1,000,000 customers
+(benchmarks/workloads/churn-zipf1m.yaml, SLO p99 50 ms).
 
 Last, the hit path alone ("hit-path": 10,000 customers, who all fit in L1 once seen).
 
@@ -31,12 +32,17 @@ BASE = {"enabled": True, "ttl_s": 600, "stale_s": 60}
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "no-cache": None,
     "redis-only": {**BASE, "l1": {**L1, "enabled": False}},
+    "redis-only-lean": {**BASE, "l1": {**L1, "enabled": False}},
     "l1-lru+redis": {**BASE, "l1": {**L1, "policy": "lru"}},
     "l1-tinylfu+redis": {**BASE, "l1": {**L1, "policy": "tinylfu"}},
     # The hit path alone: 10,000 customers, all of whom fit in L1 once seen.
     "hit-path": {**BASE, "l1": {**L1, "policy": "tinylfu"}},
 }
 KEYS = {"hit-path": {"space": "zipf", "size": 10_000, "s": 1.0}}
+# Redis-only as the tutorials build it: the standard client (redis-py). Every other
+# configuration, and "redis-only-lean" beside it, reaches Redis through the lean pipelined
+# connection (tailserve.cache.resp).
+FLAGS = {"redis-only": ["--redis-client", "redis-py"]}
 
 
 def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
@@ -49,7 +55,7 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
     spec = h.workload("churn-zipf1m.yaml", out, name=f"churn-{name}",
                       target=f"http://127.0.0.1:{port}", **keys)  # fmt: skip
     timing = ["--duration", str(args.duration), "--warmup", str(args.warmup)]
-    flags = ["--redis-url", redis_url] if cache else []
+    flags = ["--redis-url", redis_url, *FLAGS.get(name, [])] if cache else []
     print(f"\n=== churn: {name} ===", flush=True)
     with h.serving(h.worker(repo, port, *flags), port):
         capacity = h.bench(spec, out / f"churn-{name}.json", "--find-capacity", "--name", name,

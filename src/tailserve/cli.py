@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="the most a cache lookup waits for Redis before it counts as a miss (5)",
     )
+    serve.add_argument(
+        "--redis-client", choices=("lean", "redis-py"),
+        help="the cache's MGET/SET path on a single Redis (lean)",
+    )  # fmt: skip
     serve.add_argument("--worker-id", help="name in cache lineage (default host:pid)")
     serve.add_argument("--admin-token", help="bearer token the admin routes require")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
@@ -107,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         key: getattr(args, key)
         for key in (
             "repository", "host", "http_port", "grpc_port", "redis_url", "redis_cluster",
-            "cache_l2_budget_ms", "worker_id", "admin_token",
+            "cache_l2_budget_ms", "redis_client", "worker_id", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
             "trace_file", "trace_sample", "fault_slow_fraction", "fault_slow_factor",
         )

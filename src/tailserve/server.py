@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from tailserve.cache.redis import RedisTier, connect
+from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
@@ -110,10 +111,18 @@ class Worker:
         if not self.settings.redis_url:
             return None
         observe = self.metrics.cache_l2_latency.child().observe
+        fast = None
+        if self.settings.redis_client == "lean" and not self.settings.redis_cluster:
+            fast = LeanRedis(self.settings.redis_url)
+        elif self.settings.redis_client not in ("lean", "redis-py"):
+            raise ConfigError(
+                f"redis_client must be 'lean' or 'redis-py', not {self.settings.redis_client!r}"
+            )
         return RedisTier(
             self._redis_client(),
             budget_s=self.settings.cache_l2_budget_ms / 1e3,
             cluster=self.settings.redis_cluster,
+            fast=fast,
             on_latency=observe,
             loop_lag=lambda: self.loop_lag.lag_s,
         )

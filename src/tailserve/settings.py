@@ -30,6 +30,9 @@ class Settings:
     redis_cluster: bool = False
     # The most a result cache lookup waits for Redis before counting it a miss.
     cache_l2_budget_ms: float = 5.0
+    # The cache's hot path (MGET, SET pipeline) on a single Redis: "lean" (one pipelined
+    # connection, hiredis-packed) or "redis-py" (the standard client, as tutorials use it).
+    redis_client: str = "lean"
     # How this worker signs what it computes (cache lineage); default host:pid.
     worker_id: str | None = None
     # Admin routes (repository load/unload/index) need this bearer token when it is set.

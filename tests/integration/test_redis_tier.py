@@ -3,9 +3,11 @@ time budget, the breaker, a crash and restart, leases, invalidation by prefix.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -23,6 +25,7 @@ from support.servers import (
 from tailserve.cache.breaker import Breaker, BreakerState
 from tailserve.cache.keys import version_prefix
 from tailserve.cache.redis import RedisTier, connect
+from tailserve.cache.resp import LeanRedis, RespError
 
 
 def fresh_prefix() -> str:
@@ -30,10 +33,22 @@ def fresh_prefix() -> str:
     return version_prefix(f"m-{uuid.uuid4().hex[:12]}", 1)
 
 
+@pytest.fixture(params=["redis-py", "lean"])
+def client_kind(request: pytest.FixtureRequest) -> str:
+    """Every test runs with the hot path on redis-py and on the lean connection."""
+    kind: str = request.param
+    return kind
+
+
+def make_tier(url: str, kind: str, socket_timeout_s: float = 1.0, **options: Any) -> RedisTier:
+    fast = LeanRedis(url, command_timeout_s=socket_timeout_s) if kind == "lean" else None
+    return RedisTier(connect(url, socket_timeout=socket_timeout_s), fast=fast, **options)
+
+
 @pytest.fixture
-async def tier(redis: RedisServer) -> AsyncIterator[RedisTier]:
+async def tier(redis: RedisServer, client_kind: str) -> AsyncIterator[RedisTier]:
     # A budget no loaded test machine blows: these tests are about behaviour, not speed.
-    tier = RedisTier(connect(redis.url), budget_s=1.0)
+    tier = make_tier(redis.url, client_kind, budget_s=1.0)
     assert await tier.connect()
     yield tier
     await tier.close()
@@ -88,10 +103,10 @@ async def test_writes_are_stored_in_the_background_with_their_ttl(
 
 
 async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(
-    own_redis: OwnRedisServer,
+    own_redis: OwnRedisServer, client_kind: str
 ) -> None:
-    # The socket timeout (what redis-py would wait) is well past the budget.
-    tier = RedisTier(connect(own_redis.url, socket_timeout=0.6), budget_s=0.1)
+    # The socket timeout (what the client would wait) is well past the budget.
+    tier = make_tier(own_redis.url, client_kind, 0.6, budget_s=0.1)
     try:
         assert await tier.connect()
         await tier.put_now([("k", b"v", 60)])
@@ -122,14 +137,14 @@ async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(
 
 
 async def test_the_breaker_opens_after_repeated_failures_and_closes_when_redis_is_back(
-    own_redis: OwnRedisServer,
+    own_redis: OwnRedisServer, client_kind: str
 ) -> None:
     # The breaker's clock is the test's: the cool-down ends when the test says, not when a
     # loaded machine happens to get round to the next line.
     now = [0.0]
     changes: list[BreakerState] = []
     breaker = Breaker(clock=lambda: now[0], threshold=3, open_s=0.5, on_change=changes.append)
-    tier = RedisTier(connect(own_redis.url, socket_timeout=0.2), budget_s=0.1, breaker=breaker)
+    tier = make_tier(own_redis.url, client_kind, 0.2, budget_s=0.1, breaker=breaker)
     try:
         assert await tier.connect()
         await tier.put_now([("k", b"v", 60)])
@@ -166,10 +181,10 @@ async def test_the_breaker_opens_after_repeated_failures_and_closes_when_redis_i
 
 
 async def test_lookups_miss_while_redis_is_down_and_hit_after_it_restarts_on_its_port(
-    own_redis: OwnRedisServer,
+    own_redis: OwnRedisServer, client_kind: str
 ) -> None:
     breaker = Breaker(clock=time.monotonic, threshold=3, open_s=0.05, max_open_s=0.2)
-    tier = RedisTier(connect(own_redis.url), budget_s=0.5, breaker=breaker)
+    tier = make_tier(own_redis.url, client_kind, budget_s=0.5, breaker=breaker)
     try:
         assert await tier.connect()
         await tier.put_now([("k", b"before", 60)])
@@ -230,3 +245,26 @@ async def test_drop_prefix_removes_exactly_the_keys_under_a_prefix_with_glob_cha
     assert await admin.exists(*kept) == len(kept)
     assert await tier.drop_prefix(prefix) == 0
     await admin.delete(*kept)
+
+
+async def test_the_lean_connection_pipelines_selects_its_database_and_reports_errors(
+    redis: RedisServer,
+) -> None:
+    from redis.asyncio import Redis as Admin
+
+    url = redis.url.rsplit("/", 1)[0] + "/3"
+    lean = LeanRedis(url)
+    other = Admin.from_url(url)
+    try:
+        prefix = fresh_prefix()
+        await lean.set_many([(f"{prefix}{i}", b"v%d" % i, 60_000) for i in range(50)])
+        assert await other.get(f"{prefix}7") == b"v7"  # in database 3, as the URL says
+        assert 0 < await other.pttl(f"{prefix}7") <= 60_000
+        values = await asyncio.gather(*(lean.mget([f"{prefix}{i}", "absent"]) for i in range(50)))
+        assert values == [[b"v%d" % i, None] for i in range(50)]
+        with pytest.raises(RespError, match="expire"):
+            await lean.set_many([(prefix + "bad", b"x", -5)])
+        assert await lean.mget([f"{prefix}1"]) == [b"v1"]  # the connection goes on
+    finally:
+        await lean.close()
+        await other.aclose()

@@ -345,3 +345,63 @@ async def test_the_client_library_applies_the_policies_in_process(pair: Any) -> 
         assert error.value.status == 404
         meta = await client.request("GET", "/v2/models/m", model="m")
         assert meta.status == 200 and orjson.loads(meta.body)["name"] == "m"
+
+
+async def test_expect_continue_head_and_keep_alive_on_a_raw_connection(pair: Any) -> None:
+    _, workers = pair
+    async with _router([w.url for w in workers], hedge=False) as router:
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        body = _infer_body(2.0)
+        writer.write(
+            b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n"
+            b"expect: 100-continue\r\n\r\n" % len(body)
+        )
+        # The body goes only once the router has said to go on.
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim.startswith(b"HTTP/1.1 100 Continue")
+        writer.write(body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        reply = await reader.readexactly(_length(head))
+        assert orjson.loads(reply)["outputs"][0]["data"] == [4.0]
+        # HEAD: the head GET would send, with its length, and no body.
+        writer.write(b"HEAD /v2/models/m HTTP/1.1\r\nhost: r\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 OK") and _length(head) > 0
+        # ... so the next reply on the connection is the next request's.
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\nhost: r\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 OK") and _length(head) == 0
+        writer.close()
+
+
+def _length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    raise AssertionError(f"no content-length in {head!r}")
+
+
+async def test_sampled_decisions_say_why_a_replica_was_chosen(
+    pair: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, workers = pair
+    urls = [w.url for w in workers]
+    caplog.set_level("INFO", logger="tailserve.router.decisions")
+    async with (
+        _router(urls, balance="affinity", hedge=False, decision_sample=1.0) as router,
+        httpx.AsyncClient() as client,
+    ):
+        reply = await _infer(client, router.url, 5.0)
+    records = [
+        orjson.loads(r.getMessage())
+        for r in caplog.records
+        if r.name == "tailserve.router.decisions"
+    ]
+    assert len(records) == 1
+    decision = records[0]
+    assert decision["chosen"] == reply.headers["x-tailserve-replica"]
+    assert decision["policy"] == "affinity" and decision["kind"] == "first"
+    assert decision["home"] == decision["chosen"] and decision["spilled"] is False
+    assert set(decision["replicas"]) == set(urls)

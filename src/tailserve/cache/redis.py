@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tailserve.cache.breaker import Breaker, BreakerState
+from tailserve.cache.resp import LeanRedis
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,12 @@ class RedisTier:
         on_breaker: Callable[[BreakerState], None] | None = None,
         loop_lag: Callable[[], float] | None = None,
         write_window_s: float = 0.005,
+        fast: LeanRedis | None = None,
     ) -> None:
         self.client = client
+        # The hot path's MGET and SET pipeline go through this lean connection when given
+        # (a single Redis; a cluster's slot routing stays with redis-py).
+        self.fast = None if cluster else fast
         self.budget_s = budget_s
         # The event loop's own lag is added to the budget: a busy worker must not blame Redis
         # for the time its reply waited to be read.
@@ -93,11 +98,7 @@ class RedisTier:
         if not self._pending:
             loop.call_soon(self._flush_lookups)
         self._pending.append((key, future))
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), self.budget_s + self._lag())
-        except TimeoutError:
-            self.skipped += 1
-            return None
+        return await future
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return list(await asyncio.gather(*(self.get(key) for key in keys)))
@@ -105,13 +106,24 @@ class RedisTier:
     def _flush_lookups(self) -> None:
         batch, self._pending = self._pending, []
         if batch:
+            # One timer a batch, not one a lookup: what has no answer when it fires is a miss.
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.budget_s + self._lag(), self._expire, batch)
             self._own(self._mget(batch))
+
+    def _expire(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
+        for _, future in batch:
+            if not future.done():
+                self.skipped += 1
+                future.set_result(None)
 
     async def _mget(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
         keys = [key for key, _ in batch]
         started = time.perf_counter()
         try:
-            if self.cluster:
+            if self.fast is not None:
+                values = await self.fast.mget(keys)
+            elif self.cluster:
                 values = await self.client.mget_nonatomic(keys)
             else:
                 values = await self.client.mget(keys)
@@ -146,6 +158,9 @@ class RedisTier:
 
     async def put_now(self, items: Sequence[tuple[str, bytes, float]]) -> None:
         """Store and wait (precompute jobs); raises on failure."""
+        if self.fast is not None:
+            await self.fast.set_many([(k, v, max(1, int(t * 1000))) for k, v, t in items])
+            return
         async with self.client.pipeline(transaction=False) as pipe:
             for key, value, ttl_s in items:
                 pipe.set(key, value, px=max(1, int(ttl_s * 1000)))
@@ -158,6 +173,9 @@ class RedisTier:
 
     async def _pipeline(self, batch: list[tuple[str, bytes, int]]) -> None:
         try:
+            if self.fast is not None:
+                await self.fast.set_many(batch)
+                return
             async with self.client.pipeline(transaction=False) as pipe:
                 for key, value, ttl_ms in batch:
                     pipe.set(key, value, px=ttl_ms)
@@ -227,6 +245,8 @@ class RedisTier:
                 await task
         with contextlib.suppress(Exception):
             await self.client.aclose()
+        if self.fast is not None:
+            await self.fast.close()
 
 
 def _glob_escape(text: str) -> str:

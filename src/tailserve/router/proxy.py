@@ -174,6 +174,17 @@ class _ClientConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
 
+    def on_headers_complete(self) -> None:
+        # A client that waits for leave to send its body (curl does, past 1 KiB) gets it at
+        # once, unless the body is over the limit already by its declared length.
+        for name, value in self._headers:
+            if name == b"expect" and value.lower() == b"100-continue":
+                declared = next((v for n, v in self._headers if n == b"content-length"), b"0")
+                limit = self._router.config.max_body_bytes
+                if declared.isdigit() and int(declared) <= limit and self._transport is not None:
+                    self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                break
+
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self._router.config.max_body_bytes:
@@ -218,7 +229,10 @@ class _ClientConnection(asyncio.Protocol):
         if self.closed:
             return
         keep_alive = request.keep_alive and not router.draining
-        self._write(outcome.status, outcome.headers, outcome.body, keep_alive, outcome)
+        self._write(
+            outcome.status, outcome.headers, outcome.body, keep_alive, outcome,
+            head=request.method == b"HEAD",
+        )  # fmt: skip
         if keep_alive:
             self._next()
 
@@ -239,7 +253,10 @@ class _ClientConnection(asyncio.Protocol):
         body: bytes,
         keep_alive: bool,
         outcome: Outcome | None,
+        *,
+        head: bool = False,
     ) -> None:
+        """The reply; to a HEAD request, its head alone (with the length GET would send)."""
         assert self._transport is not None
         lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown"))]
         for name, value in headers:
@@ -252,7 +269,7 @@ class _ClientConnection(asyncio.Protocol):
                 lines.append(b"x-tailserve-hedged: 1")
         if not keep_alive:
             lines.append(b"connection: close")
-        self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
+        self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if head else body))
         if not keep_alive:
             self._transport.close()
 
@@ -484,7 +501,10 @@ def _deadline(request: _Request) -> float | None:
 
 def _framer(request: _Request) -> Framer:
     """The request's bytes for a backend, given what is left of its deadline (or None)."""
-    lines = [request.method + b" " + request.url + b" HTTP/1.1"]
+    # HEAD goes upstream as GET (our response parser expects a body where a length is
+    # given); the reply to the client drops the body again.
+    method = b"GET" if request.method == b"HEAD" else request.method
+    lines = [method + b" " + request.url + b" HTTP/1.1"]
     lines += [name + b": " + value for name, value in request.headers if name not in _HOP]
     body = request.body
     if body or request.method in (b"POST", b"PUT", b"PATCH"):
