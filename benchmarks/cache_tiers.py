@@ -13,12 +13,18 @@ For each: the SLO capacity (p99 under the SLO, no errors; the steps of the searc
 requests of the same customers, so the cache warms as it would in service), then a run at
 half that capacity: hit ratio per tier, p99 overall and of the hits alone (the hit path).
 
-    python benchmarks/cache_tiers.py [--duration 5] [--configs no-cache,redis-only,...]
+With ``--model ranker``: the ranker (500 candidates, features from the store in Redis in
+every configuration) with Zipf(1.0) over 100,000 request keys (a key: one user and their own
+candidates), SLO p99 30 ms.
+
+    python benchmarks/cache_tiers.py [--model churn|ranker] [--duration 5] [--configs ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,23 +51,37 @@ KEYS = {"hit-path": {"space": "zipf", "size": 10_000, "s": 1.0}}
 FLAGS = {"redis-only": ["--redis-client", "redis-py"]}
 
 
+# The ranker's variant: the same users come back (Zipf(1.0) over 100,000 request keys, each
+# key one user with its own 500 candidates), so a result can be served again; its features
+# come from the store in Redis in every configuration, no-cache included.
+RANKER_KEYS = {"space": "zipf", "size": 100_000, "s": 1.0}
+
+
 def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
             args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     cache = CONFIGS[name]
-    repo = h.one_model(examples / "churn", work / name, cache=cache or {})
+    model = args.model
+    repo = h.one_model(examples / model, work / f"{model}-{name}", cache=cache or {})
     h.redis_command(redis_url, "FLUSHALL")
     port = h.free_port()
-    keys = {"keys": KEYS[name]} if name in KEYS else {}
-    spec = h.workload("churn-zipf1m.yaml", out, name=f"churn-{name}",
+    if model == "ranker":
+        load_features(examples / "ranker", redis_url)
+        keys = {"keys": KEYS.get(name, RANKER_KEYS)}
+        shipped = "ranker-500.yaml"
+    else:
+        keys = {"keys": KEYS[name]} if name in KEYS else {}
+        shipped = "churn-zipf1m.yaml"
+    spec = h.workload(shipped, out, name=f"{model}-{name}",
                       target=f"http://127.0.0.1:{port}", **keys)  # fmt: skip
     timing = ["--duration", str(args.duration), "--warmup", str(args.warmup)]
-    flags = ["--redis-url", redis_url, *FLAGS.get(name, [])] if cache else []
-    print(f"\n=== churn: {name} ===", flush=True)
+    needs_redis = cache or model == "ranker"
+    flags = ["--redis-url", redis_url, *FLAGS.get(name, [])] if needs_redis else []
+    print(f"\n=== {model}: {name} ===", flush=True)
     with h.serving(h.worker(repo, port, *flags), port):
-        capacity = h.bench(spec, out / f"churn-{name}.json", "--find-capacity", "--name", name,
-                           "--report", str(out / f"churn-{name}.html"), *timing)  # fmt: skip
-        rps = (capacity["capacity"] or {}).get("rps") or 500.0
-        half = h.bench(spec, out / f"churn-{name}-half.json", "--rate", f"{rps / 2:.0f}",
+        capacity = h.bench(spec, out / f"{model}-{name}.json", "--find-capacity", "--name", name,
+                           "--report", str(out / f"{model}-{name}.html"), *timing)  # fmt: skip
+        rps = (capacity["capacity"] or {}).get("rps") or 50.0
+        half = h.bench(spec, out / f"{model}-{name}-half.json", "--rate", f"{rps / 2:.0f}",
                        "--name", name, *timing, echo=False)  # fmt: skip
     server = half.get("server") or {}
     tiers = server.get("cache") or {}
@@ -79,10 +99,19 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
     }
 
 
-def report(results: dict[str, dict[str, Any]]) -> None:
+def load_features(model_dir: Path, redis_url: str) -> None:
+    code = "import sys; from tailserve.examples import load_features as f; f(*sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", code, str(model_dir), redis_url], check=True)
+
+
+def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
     head = (f"{'config':18}{'capacity':>10}{'vs redis':>9}{'p99@half':>9}{'L1 hit':>8}"
             f"{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}{'L2 p99':>8}")  # fmt: skip
-    print("\nchurn, Zipf(1.0) over 1M customers: SLO p99 <= 50 ms; at half of each capacity")
+    if model == "ranker":
+        print("\nranker, 500 candidates, Zipf(1.0) over 100,000 request keys: SLO p99 <= 30 ms;"
+              " at half of each capacity")  # fmt: skip
+    else:
+        print("\nchurn, Zipf(1.0) over 1M customers: SLO p99 <= 50 ms; at half of each capacity")
     print(head)
     print("-" * len(head))
     redis_only = (results.get("redis-only") or {}).get("capacity") or 0.0
@@ -102,11 +131,15 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("churn", "ranker"), default="churn")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
     parser.add_argument("--warmup", type=float, default=1.5)
-    parser.add_argument("--out", type=Path, default=h.HERE / "results" / "cache_tiers")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/cache_tiers[-ranker]")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.model == "churn" else f"-{args.model}"
+        args.out = h.HERE / "results" / f"cache_tiers{suffix}"
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tailserve-cache-"))
     examples = h.examples(work / "examples")
@@ -115,10 +148,10 @@ def main() -> None:
         for name in args.configs.split(","):
             results[name] = measure(name, examples, work, args.out, redis_url, args)
     if len(results) > 1:
-        h.compare([args.out / f"churn-{n}.json" for n in results if n not in KEYS],
+        h.compare([args.out / f"{args.model}-{n}.json" for n in results if n not in KEYS],
                   args.out / "compare.html")  # fmt: skip
     print("\n\nSummary")
-    report(results)
+    report(results, args.model)
     (args.out / "summary.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     print(f"\nresults and reports: {args.out}")
 
