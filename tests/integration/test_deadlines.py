@@ -16,7 +16,8 @@ from support.models import doubler_config, write_model
 from support.servers import RunningWorker, run_worker, wait_for
 from tailserve.settings import Settings
 
-# After its warm-up calls, waits for a gate file before each batch and notes each batch it starts.
+# Real requests (values of 1 and more; warm-up draws them from [0, 1)) wait for a gate file before
+# their batch runs, and each batch they start is noted.
 HELD = """
 import time
 from pathlib import Path
@@ -28,12 +29,9 @@ class Model:
     def __init__(self, version_dir, config):
         self.gate = Path(config.parameters["gate"])
         self.marks = Path(config.parameters["marks"])
-        self.warmup_calls = int(config.parameters["warmup_calls"])
-        self.calls = 0
 
     def predict(self, inputs):
-        self.calls += 1
-        if self.calls > self.warmup_calls:
+        if inputs["x"].max() >= 1.0:
             with self.marks.open("a") as marks:
                 marks.write(f"{len(inputs['x'])}\\n")
             deadline = time.monotonic() + 20
@@ -76,7 +74,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> 
         warmup={"batch_sizes": [1, 4], "repeat": 3},
     ))  # fmt: skip
     write_model(repo, "held", doubler_config(
-        parameters={"gate": str(files["gate"]), "marks": str(files["marks"]), "warmup_calls": 2},
+        parameters={"gate": str(files["gate"]), "marks": str(files["marks"])},
         warmup={"batch_sizes": [1], "repeat": 2}, slo={"p99_ms": 5000},
     ), code=HELD)  # fmt: skip
     write_model(repo, "counter", {

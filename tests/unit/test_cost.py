@@ -77,3 +77,14 @@ def test_one_wild_observation_does_not_blow_the_margin_up() -> None:
     cost.observe(64, 0.400)  # a first big batch paying for its allocations
     assert cost.error_s < 0.003
     assert cost.bound(1) < 0.010
+
+
+def test_one_cold_large_batch_does_not_price_the_small_ones() -> None:
+    # A class seeded by a cold 64-row warm-up run (1.1 s; warm it takes 0.18 s), then only
+    # lone requests at 2.3 ms: the fit must price them at what they take where they are,
+    # not by the line through the origin that the one big, old batch dictates.
+    cost = LinearCost()
+    cost.observe(64, 1.115)
+    for _ in range(40):
+        cost.observe(1, 0.0023)
+    assert cost.predict(1) == pytest.approx(0.0023, rel=0.5)

@@ -295,3 +295,19 @@ def test_what_admission_learnt_fades_when_nothing_is_admitted_to_correct_it() ->
     # Nothing admitted, nothing answered: seconds later the lesson has faded, and the
     # batcher admits again (and learns afresh) instead of refusing everything for good.
     assert b.offer(Item(1, SHORT, 5.0, 5.2), 5.0, [5.0]) is None
+
+
+def test_a_request_with_more_rows_than_fit_before_its_deadline_still_goes() -> None:
+    # 1 ms a row: 40 rows take 41 ms. Admitted with room to spare, then time passes (the loop
+    # was busy) until its 40 rows no longer fit before its deadline. It must still go, alone;
+    # left queued, its rows would count against every request offered after it, for good.
+    slow = linear(0.001, 0.001)
+    b = batcher()
+    seeded(b, slow)
+    wide = Item(40, SHORT, 0.0, 0.200)
+    assert b.offer(wide, 0.0, [0.0]) is None
+    assert b.offer(Item(1, SHORT, 0.0, 0.300), 0.0, [0.0]) is None
+    batch = b.poll(0.170, [0.170]).batch  # 30 ms left: room for ~28 rows
+    assert batch == [wide]
+    assert len(b) == 1
+    assert b.offer(Item(1, SHORT, 0.170, 0.270), 0.170, [0.170]) is None

@@ -36,6 +36,9 @@ class LinearCost:
     _sy: float = 0.0
     _sxx: float = 0.0
     _sxy: float = 0.0
+    # The same sums weighted by 1 / seconds**2 (each batch's error taken relative to its time).
+    _rx: float = 0.0
+    _rxx: float = 0.0
 
     @classmethod
     def with_prior(cls, fixed_s: float, per_row_s: float, *, decay: float = 0.95) -> LinearCost:
@@ -66,6 +69,9 @@ class LinearCost:
         self._sy = d * self._sy + y
         self._sxx = d * self._sxx + x * x
         self._sxy = d * self._sxy + x * y
+        relative = 1.0 / max(y, 1e-6)
+        self._rx = d * self._rx + x * relative
+        self._rxx = d * self._rxx + (x * relative) ** 2
         self._fit()
 
     def _fit(self) -> None:
@@ -81,8 +87,11 @@ class LinearCost:
                 return
             fixed = mean_y - per_row * mean_x
             if fixed < 0:
-                # Through the origin instead: all of the cost is per row.
-                self.per_row_s, self.fixed_s = self._sxy / self._sxx, 0.0
+                # All of the cost is per row: a line through the origin, fitted to the batches'
+                # errors relative to their times (timing noise grows with the time). In plain
+                # seconds the largest batch would dictate the line: one cold 64-row warm-up
+                # run priced every lone request after it at seven times its cost.
+                self.per_row_s, self.fixed_s = self._rx / self._rxx, 0.0
                 return
             self.per_row_s, self.fixed_s = per_row, fixed
             return

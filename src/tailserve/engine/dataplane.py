@@ -191,6 +191,7 @@ class DataPlane:
                 "queued": scheduler.queue_depth,
                 "busy_instances": scheduler.busy_instances,
                 "rejected": dict(scheduler.stats.rejected),
+                "recent_rejections": list(scheduler.stats.recent_rejections),
                 "delays_ms": _delays(scheduler.batcher),
                 "deadline_misses": scheduler.stats.deadline_misses,
                 "cost_model": {

@@ -119,7 +119,10 @@ class _Class:
         return self.order[0][0] if self.order else 0
 
     def take(self, max_rows: int) -> list[Item]:
-        """The next batch in (priority, deadline) order, while the rows fit."""
+        """The next batch in (priority, deadline) order, while the rows fit. The first request
+        always goes, even when its rows alone pass ``max_rows`` (a request is never split, and
+        one left behind because its rows cannot all run before its deadline would stay queued
+        for good, its rows counted against every request offered after it)."""
         batch: list[Item] = []
         rows = 0
         while self.order:
@@ -127,7 +130,7 @@ class _Class:
             if item.taken:
                 heapq.heappop(self.order)
                 continue
-            if rows + item.rows > max_rows:
+            if batch and rows + item.rows > max_rows:
                 break
             heapq.heappop(self.order)
             self.remove(item)

@@ -162,6 +162,7 @@ class Scheduler:
         if self._observer is not None:
             self._observer.on_reject(self._model, rejection.reason)
         message = f"model {self._model!r}: {rejection.message}"
+        self.stats.recent_rejections.append(f"{rejection.reason}: {rejection.message}")
         if rejection.reason == "queue_full":
             raise Overloaded(message, retry_after_s=rejection.retry_after_s)
         raise DeadlineUnmeetable(message, retry_after_s=rejection.retry_after_s)

@@ -5,6 +5,7 @@ them), plus what the deadline batcher adds: rejections by reason and deadline mi
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,8 @@ class ModelStats:
     batches_by_size: dict[int, _Duration] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)
     deadline_misses: int = 0
+    # The last few refusals' messages, newest last: why requests are being turned away.
+    recent_rejections: deque[str] = field(default_factory=lambda: deque(maxlen=8))
 
     def on_success(self, seconds: float, queue_s: float) -> None:
         self.success.add(seconds)
