@@ -115,6 +115,11 @@ def test_a_deadline_that_cannot_be_met_is_refused_with_429(worker: RunningWorker
     assert served.status_code == 200 and served.json()["outputs"][0]["data"] == [3.0]
     metrics = httpx.get(f"{worker.url}/metrics").text
     assert 'tailserve_rejected_requests_total{model="slow",reason="deadline"} 3.0' in metrics
+    batching = httpx.get(f"{worker.url}/v2/models/slow/stats").json()["model_stats"][0]["batching"]
+    assert batching["rejected"]["deadline"] >= 3
+    assert "a batch of its 1 row(s) alone takes" in batching["recent_rejections"][-1]
+    # Refusals of deadlines that nothing could meet are not overload: the full share stands.
+    assert batching["admission_share"] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -311,3 +311,31 @@ def test_a_request_with_more_rows_than_fit_before_its_deadline_still_goes() -> N
     assert batch == [wide]
     assert len(b) == 1
     assert b.offer(Item(1, SHORT, 0.170, 0.270), 0.170, [0.170]) is None
+
+
+def admitted_before_a_refusal(b: DeadlineBatcher, now: float) -> int:
+    """Lone requests with 20 ms to go offered at once until one is refused: how many went in."""
+    admitted = 0
+    while b.offer(Item(1, SHORT, now, now + 0.020), now, [now]) is None:
+        admitted += 1
+    return admitted
+
+
+def test_admission_keeps_its_headroom_only_under_overload() -> None:
+    calm = batcher(admission_target=0.5)
+    seeded(calm, COST)
+    # Refusing next to nothing: a burst is admitted while the estimate says it will be served
+    # in time (the work ahead may take all of the 20 ms left, less the margins).
+    burst = admitted_before_a_refusal(calm, 0.0)
+    assert COST(SHORT, MAX_ROWS) * (burst / MAX_ROWS) > 0.012
+
+    overloaded = batcher(admission_target=0.5)
+    seeded(overloaded, COST)
+    for _ in range(10 * MAX_ROWS):  # a backlog of 10 full batches, then a flood refused
+        assert overloaded.offer(Item(1, SHORT, 0.0, 10.0), 0.0, [0.0]) is None
+    for _ in range(300):
+        assert overloaded.offer(Item(1, SHORT, 0.0, 0.020), 0.0, [0.0]) is not None
+    while overloaded.poll(1.0, [1.0], draining=True).batch:
+        pass
+    # Refusing steadily: a request may queue for only half of what it has left.
+    assert admitted_before_a_refusal(overloaded, 1.0) < 0.6 * burst

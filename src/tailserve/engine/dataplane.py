@@ -192,6 +192,7 @@ class DataPlane:
                 "busy_instances": scheduler.busy_instances,
                 "rejected": dict(scheduler.stats.rejected),
                 "recent_rejections": list(scheduler.stats.recent_rejections),
+                "admission_share": _share(scheduler.batcher),
                 "delays_ms": _delays(scheduler.batcher),
                 "deadline_misses": scheduler.stats.deadline_misses,
                 "cost_model": {
@@ -288,6 +289,12 @@ def _delays(batcher: Any) -> dict[str, float]:
     names = {"event_loop": "loop_delay_s", "hand_off": "overhead_s",
              "admission_correction": "correction_s"}  # fmt: skip
     return {name: getattr(batcher, attribute, 0.0) * 1e3 for name, attribute in names.items()}
+
+
+def _share(batcher: Any) -> float | None:
+    """The share of its time left a request may queue (the deadline batcher's only)."""
+    share = getattr(batcher, "share", None)
+    return share() if share is not None else None
 
 
 def _cost_document(cost: LinearCost, max_rows: int) -> dict[str, Any]:

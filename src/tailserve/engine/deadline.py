@@ -7,9 +7,11 @@ never share a batch.
 **Admission.** A request is refused at once (the scheduler answers 429) when its deadline cannot
 be met: not even by a batch of its rows alone started now, or when the wait for the work
 queued ahead of it (same or higher priority, every class, spread over the instances) and what
-the instances are still running would take more than ``admission_target`` of the time left
-once the known delays (the hand-off, the event loop's lag once, for the answer going out,
-a learnt correction) are taken off; the rest is headroom for what the worker cannot see.
+the instances are still running would take more than a share of the time left once the known
+delays (the hand-off, the event loop's lag once, for the answer going out, a learnt
+correction) are taken off. The share is all of it while the worker refuses next to nothing,
+and falls to ``admission_target`` as refusals near a steady few percent (overload): then the
+rest is headroom for what the worker cannot see.
 Refusing early keeps the queue at what can be served in time, so under overload the admitted
 requests keep their latency (goodput) instead of all getting slow.
 
@@ -50,6 +52,11 @@ from tailserve.engine.cost import LinearCost
 _RATE_TAU_S = 0.5
 _RATE_MIN_S = 0.05
 _NOTHING = Bucket(None, "")
+
+# The share of recent requests refused (a moving average over about 1/_REFUSAL_RATE requests)
+# at which admission keeps its full headroom: the worker is overloaded.
+_REFUSAL_RATE = 0.01
+_OVERLOADED_AT = 0.05
 
 # The weight of each answered request in the admission's correction.
 _CORRECTION_RATE = 0.01
@@ -175,6 +182,8 @@ class DeadlineBatcher:
         # with time too: were everything refused, nothing would be answered to correct it.
         self.correction_s = 0.0
         self._corrected_at = 0.0
+        # The share of recent requests refused (moving average).
+        self.refusals = 0.0
 
     def __len__(self) -> int:
         return self._queued
@@ -183,6 +192,7 @@ class DeadlineBatcher:
 
     def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
         if self._queued >= self.max_queue:
+            self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         queue = self._class(item.bucket)
         alone = queue.cost.predict(item.rows) + self.overhead_s + self.loop_delay_s
@@ -195,14 +205,16 @@ class DeadlineBatcher:
                 1.0,
             )
         queueing, delays = self._wait_estimate(item, queue, now, free_at)
-        if queueing > (budget - delays) * self.admission_target:
+        if queueing > (budget - delays) * self.share():
             wait = queueing + delays
+            self._count(refused=True)
             return Rejection(
                 "deadline",
                 f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
                 f"needs ~{wait * 1000:.1f} ms",
                 wait,
             )
+        self._count(refused=False)
         item.estimate = now + queueing + delays
         queue.push(item, next(self._seq))
         queue.rate.add(now, item.rows)
@@ -213,11 +225,13 @@ class DeadlineBatcher:
         self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
     ) -> Rejection | None:
         if self._queued >= self.max_queue:
+            self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         empty = Item(0, _NOTHING, now, deadline, priority)
         queueing, delays = self._wait_estimate(empty, None, now, free_at)
         budget = deadline - now
-        if queueing > (budget - delays) * self.admission_target:
+        if queueing > (budget - delays) * self.share():
+            self._count(refused=True)
             return Rejection(
                 "deadline",
                 f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
@@ -225,6 +239,17 @@ class DeadlineBatcher:
                 queueing + delays,
             )
         return None
+
+    def share(self) -> float:
+        """The share of its time left a request may spend queued: all of it while the worker
+        refuses next to nothing (a burst that the estimate says will be served in time is
+        served), down to ``admission_target`` as refusals near a steady share (overload: the
+        rest is headroom for what the worker cannot see, the kernel's queue above all)."""
+        pressure = min(1.0, self.refusals / _OVERLOADED_AT)
+        return 1.0 - (1.0 - self.admission_target) * pressure
+
+    def _count(self, *, refused: bool) -> None:
+        self.refusals += _REFUSAL_RATE * (refused - self.refusals)
 
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:
