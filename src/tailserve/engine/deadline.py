@@ -161,7 +161,7 @@ class DeadlineBatcher:
         instances: int,
         max_queue: int,
         target_utilization: float = 0.8,
-        admission_target: float = 0.5,
+        admission_target: float = 0.3,
     ) -> None:
         self.max_rows = max_rows
         self.admission_target = admission_target

@@ -76,7 +76,7 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Admit a request only when its answer is expected within this share of the time left to
     # its deadline: the rest is headroom for what the worker cannot see (the network, the
     # kernel's queue, the client) and for the tail.
-    admission_target: float = 0.5
+    admission_target: float = 0.3
 
 
 class Instances(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
