@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import tritonclient.http as triton
 
@@ -237,3 +240,46 @@ def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> No
         assert "queued ahead" in shed.json()["error"]
         assert all(f.result().status_code == 200 for f in backlog)
     assert httpx.post(url, content=b"{not json").status_code == 400
+
+
+def _exchange(conn: socket.socket, request: bytes) -> tuple[bytes, bytes]:
+    """Send one request; read one response (head and a Content-Length body)."""
+    conn.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(rest) < length:
+        rest += conn.recv(65536)
+    return head, rest[:length]
+
+
+def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningWorker) -> None:
+    url = f"{worker.url}/v2/models/slow/infer"
+    stats_url = f"{worker.url}/v2/models/slow/stats"
+    payload = orjson.dumps(body([1.0]))
+
+    def post(deadline_ms: int) -> bytes:
+        return (b"POST /v2/models/slow/infer HTTP/1.1\r\nhost: t\r\n"
+                b"content-type: application/json\r\nx-deadline-ms: %d\r\n"
+                b"content-length: %d\r\n\r\n" % (deadline_ms, len(payload)))  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        backlog = [pool.submit(httpx.post, url, json=body([1.0] * 4), timeout=30)
+                   for _ in range(8)]  # fmt: skip
+        wait_for(lambda: httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"] >= 4,
+                 what="a backlog to build")  # fmt: skip
+        host, port = worker.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            # Refused from its headers, its body sent all the same: the body is skipped and
+            # the next request on the connection is read from where it begins.
+            head, answer = _exchange(conn, post(100) + payload)
+            assert head.startswith(b"HTTP/1.1 429"), head
+            assert b"retry-after" in head.lower() and b"queued ahead" in answer
+            head, answer = _exchange(conn, post(30_000) + payload)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert orjson.loads(answer)["outputs"][0]["data"] == [3.0]  # (slow: 2x + 1)
+        assert all(f.result().status_code == 200 for f in backlog)
