@@ -76,6 +76,7 @@ class Worker:
             on_ready_change=self.metrics.set_model_ready,
             drain_timeout_s=settings.drain_timeout_s,
             loop_lag=lambda: self.loop_lag.lag_s,
+            loop_busy=lambda: self.loop_lag.busy,
             cache=self.cache,
             feature_resolver=self._feature_resolver if settings.redis_url else None,
         )

@@ -339,3 +339,22 @@ def test_admission_keeps_its_headroom_only_under_overload() -> None:
         pass
     # Refusing steadily: a request may queue for only half of what it has left.
     assert admitted_before_a_refusal(overloaded, 1.0) < 0.6 * burst
+
+
+def test_a_saturated_event_loop_makes_batches_wait_for_company() -> None:
+    # A cheap model (0.2 ms a batch) at 2,000 req/s: its instance is mostly idle, so batches
+    # go at once, one or two rows each. When the loop's thread is saturated (HTTP, hand-offs)
+    # the loop is the bottleneck: batches wait up to ~2 ms for company, and fill.
+    cheap = linear(0.0002, 0.000002)
+    arrivals = [Arrival(a.at, 0.050) for a in poisson(2000.0, 1.0, 0.050, seed=3)]
+    rows = {}
+    for busy in (0.3, 1.0):
+        b = batcher()
+        seeded(b, cheap)
+        b.loop_busy = busy
+        outcome = simulate(b, arrivals, cheap)
+        assert not outcome.rejected
+        assert all(run.end <= item.deadline for item, run in outcome.served)
+        rows[busy] = outcome.mean_rows()
+    assert rows[0.3] < 2.0
+    assert rows[1.0] > 2.5 * rows[0.3]

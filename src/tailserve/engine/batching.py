@@ -61,6 +61,8 @@ class Rejection:
 class Batcher(Protocol):
     # How late the event loop runs what is ready (set by the scheduler before each offer).
     loop_delay_s: float
+    # How busy the event loop's thread is, 0..1 (set by the scheduler before each offer).
+    loop_busy: float
 
     def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
         """Queue the request, or say why not. ``free_at``: when each instance is free."""
@@ -105,6 +107,7 @@ class _Fifo:
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
         self.loop_delay_s = 0.0
+        self.loop_busy = 0.0
         self.queue: deque[Item] = deque()
         self._costs: dict[Any, tuple[str, LinearCost]] = {}
 

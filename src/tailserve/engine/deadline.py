@@ -25,8 +25,9 @@ which the class's arrivals need no more than ``target_utilization`` of the insta
     rows arriving λ a second, batches costing a + b·n:   λ·(a/n + b) <= U·k   =>   n >= λa/(Uk - λb)
 
 At low load that is one row (no wait at all); as the load nears capacity it climbs to the
-maximum (full batches). While the event loop lags (it is then the bottleneck, not the
-instances), the target is at least the rows that arrive within the lag. A class that is ready
+maximum (full batches). While the event loop lags or its thread is near saturation (it is then
+the bottleneck, not the instances), the target is at least the rows that arrive within the lag,
+or within up to 2 ms as the loop's thread nears full use. A class that is ready
 goes before one that may still wait; among the ready, the higher priority and then the earlier
 latest start goes first.
 
@@ -57,6 +58,12 @@ _NOTHING = Bucket(None, "")
 # at which admission keeps its full headroom: the worker is overloaded.
 _REFUSAL_RATE = 0.01
 _OVERLOADED_AT = 0.05
+
+# From this share of its thread's time busy, the event loop counts as the bottleneck: a class
+# then waits for the rows arriving within up to _LOOP_WAIT_S (all of it at a saturated loop),
+# as every batch costs the loop a hand-off. The deadline rule still starts a batch in time.
+_LOOP_BUSY_FROM = 0.6
+_LOOP_WAIT_S = 0.002
 
 # The weight of each answered request in the admission's correction.
 _CORRECTION_RATE = 0.01
@@ -177,6 +184,8 @@ class DeadlineBatcher:
         # it goes out. (The wait before its request was seen is inside its budget already:
         # the deadline counts from when the server began to read it.)
         self.loop_delay_s = 0.0
+        # How busy the event loop's thread is (0..1).
+        self.loop_busy = 0.0
         # How much later than estimated admitted requests were answered (moving average):
         # what the estimate leaves out (idle gaps, contention) is learnt back into it. It fades
         # with time too: were everything refused, nothing would be answered to correct it.
@@ -343,10 +352,16 @@ class DeadlineBatcher:
         if room <= 0:
             return self.max_rows
         # While the event loop lags, every answer already waits about that long to go out:
-        # waiting as long for company costs little, and fewer, fuller batches give the loop
-        # (the bottleneck then, not the instances) less to do.
-        lagged = rate * self.loop_delay_s
+        # waiting as long for company costs little. And while its thread is near saturation,
+        # fewer, fuller batches give the loop (the bottleneck then, not the instances) less to
+        # do: wait up to a couple of milliseconds for company.
+        lagged = rate * max(self.loop_delay_s, self._loop_wait())
         return max(1, min(self.max_rows, math.ceil(max(rate * fixed / room, lagged))))
+
+    def _loop_wait(self) -> float:
+        """How long a class may wait for company because the event loop is the bottleneck."""
+        pressure = (self.loop_busy - _LOOP_BUSY_FROM) / (1.0 - _LOOP_BUSY_FROM)
+        return _LOOP_WAIT_S * min(1.0, max(0.0, pressure))
 
     def _expire(self, now: float) -> list[Item]:
         expired: list[Item] = []

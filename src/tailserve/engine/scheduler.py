@@ -105,6 +105,7 @@ class Scheduler:
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         loop_lag: Callable[[], float] | None = None,
+        loop_busy: Callable[[], float] | None = None,
     ) -> None:
         self._model = model
         self._runtimes = list(runtimes)
@@ -113,6 +114,7 @@ class Scheduler:
         self._observer = observer
         self._clock = clock
         self._loop_lag = loop_lag
+        self._loop_busy = loop_busy
         self.stats = ModelStats()
         self._waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
@@ -187,6 +189,8 @@ class Scheduler:
                     hard=hard_deadline)  # fmt: skip
         if self._loop_lag is not None:
             self._batcher.loop_delay_s = self._loop_lag()
+        if self._loop_busy is not None:
+            self._batcher.loop_busy = self._loop_busy()
         rejection = self._batcher.offer(item, now, self._free_times(now))
         if rejection is not None:
             self._refuse(rejection)

@@ -90,6 +90,7 @@ class ModelManager:
         on_ready_change: Callable[[str, bool], None] | None = None,
         drain_timeout_s: float = 30.0,
         loop_lag: Callable[[], float] | None = None,
+        loop_busy: Callable[[], float] | None = None,
         cache: ResultCache | None = None,
         feature_resolver: Callable[[FeaturesConfig], FeatureResolver] | None = None,
     ) -> None:
@@ -100,6 +101,7 @@ class ModelManager:
         self._on_ready_change = on_ready_change
         self._drain_timeout_s = drain_timeout_s
         self._loop_lag = loop_lag
+        self._loop_busy = loop_busy
         self._models: dict[str, ModelState] = {}
         # Loads read files and build sessions: off the event loop, one at a time (2 cores).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailserve-loader")
@@ -253,6 +255,7 @@ class ModelManager:
             batched=config.batched,
             observer=self._observer,
             loop_lag=self._loop_lag,
+            loop_busy=self._loop_busy,
         )
         for bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds)
