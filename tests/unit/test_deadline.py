@@ -358,3 +358,20 @@ def test_a_saturated_event_loop_makes_batches_wait_for_company() -> None:
         rows[busy] = outcome.mean_rows()
     assert rows[0.3] < 2.0
     assert rows[1.0] > 2.5 * rows[0.3]
+
+
+def test_after_overload_an_idle_worker_admits_a_request_its_own_batch_fills_half_of() -> None:
+    # 500 rows take ~10 ms; the budget is 25 ms. Under overload the share falls to 0.3, but a
+    # request's own batch is not waiting: once the queue is empty, it is admitted again.
+    cost = linear(0.0002, 0.00002)
+    b = DeadlineBatcher(max_rows=4096, instances=1, max_queue=10_000, admission_target=0.3)
+    for rows in (1, 500, 1000) * 4:
+        b.observe(SHORT, rows, cost(SHORT, rows), 0.0)
+    for _ in range(20):
+        assert b.offer(Item(500, SHORT, 0.0, 10.0), 0.0, [0.0]) is None
+    for _ in range(300):  # a flood refused: overload
+        assert b.offer(Item(500, SHORT, 0.0, 0.025), 0.0, [0.0]) is not None
+    assert b.share() == pytest.approx(0.3, abs=0.01)
+    while b.poll(1.0, [1.0], draining=True).batch:
+        pass
+    assert b.offer(Item(500, SHORT, 2.0, 2.025), 2.0, [2.0]) is None

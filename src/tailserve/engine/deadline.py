@@ -213,8 +213,15 @@ class DeadlineBatcher:
                 f"{item.rows} row(s) alone takes ~{alone * 1000:.1f} ms",
                 1.0,
             )
+        # Its wait for the work ahead, against a share of the time left once the delays and
+        # its own batch are taken off. (Counting its own batch against the share too refused
+        # a lone 500-row ranker request at 100 req/s once the share had fallen under overload,
+        # and the refusals kept the share down: the worker never recovered.)
+        # (What its own rows add: their batch alone, or their share of a batch already queued.)
         queueing, delays = self._wait_estimate(item, queue, now, free_at)
-        if queueing > (budget - delays) * self.share():
+        ahead, _ = self._wait_estimate(item, None, now, free_at)
+        own = queueing - ahead
+        if ahead > (budget - delays - own) * self.share():
             wait = queueing + delays
             self._count(refused=True)
             return Rejection(
@@ -274,9 +281,9 @@ class DeadlineBatcher:
         self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
     ) -> tuple[float, float]:
         """How long until the request is answered: the queueing part (a fluid estimate: the
-        instances' remaining busy time and the work queued ahead, its own rows included, shared
-        between instances), and the delays outside the model (hand-off, the event loop before
-        and after, the learnt correction)."""
+        instances' remaining busy time and the work queued ahead, its own rows included when
+        ``queue`` is its class, shared between instances), and the delays outside the model
+        (hand-off, the event loop before and after, the learnt correction)."""
         busy = sum(max(0.0, at - now) for at in free_at)
         work = variance = 0.0
         for other in self._classes.values():
