@@ -18,6 +18,7 @@ every configuration) with Zipf(1.0) over 100,000 request keys (a key: one user a
 candidates), SLO p99 30 ms.
 
     python benchmarks/cache_tiers.py [--model churn|ranker] [--duration 5] [--configs ...]
+        [--l1-entries N]   (e.g. 10000, to compare the L1 policies where they must evict)
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ RANKER_KEYS = {"space": "zipf", "size": 100_000, "s": 1.0}
 def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
             args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     cache = CONFIGS[name]
+    if cache is not None and args.l1_entries and name != "hit-path":
+        cache = {**cache, "l1": {**cache["l1"], "max_entries": args.l1_entries}}
     model = args.model
     repo = h.one_model(examples / model, work / f"{model}-{name}", cache=cache or {})
     h.redis_command(redis_url, "FLUSHALL")
@@ -133,6 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("churn", "ranker"), default="churn")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--l1-entries", type=int, default=0,
+                        help="L1 size (default 100,000); smaller than the keys a run touches, "
+                        "LRU and W-TinyLFU differ")  # fmt: skip
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/cache_tiers[-ranker]")
