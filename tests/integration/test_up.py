@@ -12,13 +12,12 @@ import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from support.servers import async_wait_for, free_port, wait_for
+from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.restarts import Backoff
 from tailserve.fleet.supervisor import FleetConfig, ManagedWorker, Supervisor
@@ -43,14 +42,8 @@ def assert_scored(reply: httpx.Response, rows: int = 2) -> None:
     assert all(0.0 <= p <= 1.0 for p in output["data"])
 
 
-@dataclass
-class UpProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class UpProcess(WorkerProcess):
+    """`tailserve up` as a process: a worker process's handle, with the workers it started."""
 
     def worker_pids(self) -> dict[str, int]:
         """The newest pid of each worker, as the supervisor logged them."""

@@ -218,8 +218,7 @@ class DeadlineBatcher:
         # a lone 500-row ranker request at 100 req/s once the share had fallen under overload,
         # and the refusals kept the share down: the worker never recovered.)
         # (What its own rows add: their batch alone, or their share of a batch already queued.)
-        queueing, delays = self._wait_estimate(item, queue, now, free_at)
-        ahead, _ = self._wait_estimate(item, None, now, free_at)
+        ahead, queueing, delays = self._wait_estimate(item, queue, now, free_at)
         own = queueing - ahead
         if ahead > (budget - delays - own) * self.share():
             wait = queueing + delays
@@ -244,7 +243,7 @@ class DeadlineBatcher:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         empty = Item(0, _NOTHING, now, deadline, priority)
-        queueing, delays = self._wait_estimate(empty, None, now, free_at)
+        queueing, _, delays = self._wait_estimate(empty, None, now, free_at)
         budget = deadline - now
         if queueing > (budget - delays) * self.share():
             self._count(refused=True)
@@ -279,25 +278,37 @@ class DeadlineBatcher:
 
     def _wait_estimate(
         self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
-    ) -> tuple[float, float]:
-        """How long until the request is answered: the queueing part (a fluid estimate: the
-        instances' remaining busy time and the work queued ahead, its own rows included when
-        ``queue`` is its class, shared between instances), and the delays outside the model
+    ) -> tuple[float, float, float]:
+        """How long until the request is answered, as a fluid estimate (the instances'
+        remaining busy time and the work queued ahead, shared between instances): the wait for
+        what is ahead of it; the same with its own rows added to its class ``queue`` (their
+        batch alone, or their share of one already queued); and the delays outside the model
         (hand-off, the event loop before and after, the learnt correction)."""
         busy = sum(max(0.0, at - now) for at in free_at)
-        work = variance = 0.0
+        work = variance = own_work = own_variance = 0.0
         for other in self._classes.values():
-            rows = other.ahead(item.priority) + (item.rows if other is queue else 0)
-            if rows <= 0:
-                continue
-            full, rest = divmod(rows, self.max_rows)
-            cost = other.cost
-            work += full * cost.predict(self.max_rows) + (cost.predict(rest) if rest else 0.0)
-            variance += (full + (rest > 0)) * cost.error_s**2
+            rows = other.ahead(item.priority)
+            batches_work, batches_variance = self._batches(other.cost, rows)
+            work += batches_work
+            variance += batches_variance
+            if other is queue and item.rows:
+                with_own = self._batches(other.cost, rows + item.rows)
+                own_work = with_own[0] - batches_work
+                own_variance = with_own[1] - batches_variance
         # The batches' errors are independent: their sum grows as the square root of their count.
-        margin = 2.0 * math.sqrt(variance)
+        instances = max(1, len(free_at))
+        ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
+        queueing = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
         delays = self.overhead_s + self.loop_delay_s + max(0.0, self._correction(now))
-        return (busy + work + margin) / max(1, len(free_at)), delays
+        return ahead, queueing, delays
+
+    def _batches(self, cost: LinearCost, rows: int) -> tuple[float, float]:
+        """The time of ``rows`` in full batches and a last partial one, and its variance."""
+        if rows <= 0:
+            return 0.0, 0.0
+        full, rest = divmod(rows, self.max_rows)
+        work = full * cost.predict(self.max_rows) + (cost.predict(rest) if rest else 0.0)
+        return work, (full + (rest > 0)) * cost.error_s**2
 
     # --- dispatch ---------------------------------------------------------------------------
 
