@@ -71,6 +71,17 @@ def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
     assert b"x-deadline-ms" not in _framer(_request([]))(None)
 
 
+def test_a_streamed_request_is_framed_as_its_head_with_its_length_or_chunked() -> None:
+    request = _request([(b"content-length", b"5000000")], body=b"")
+    request.stream, request.length = True, 5_000_000
+    head = _framer(request)(None)
+    assert head.endswith(b"content-length: 5000000\r\n\r\n")
+    request.chunked, request.length = True, None
+    head = _framer(request)(None)
+    assert head.endswith(b"transfer-encoding: chunked\r\n\r\n")
+    assert b"content-length" not in head
+
+
 def test_a_deadline_that_is_not_a_number_reaches_the_worker_as_sent() -> None:
     frame = _framer(_request([(b"x-deadline-ms", b"soon")]))
     assert b"x-deadline-ms: soon" in frame(None)

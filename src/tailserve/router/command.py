@@ -52,6 +52,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         default=3.0,
         help="eject a worker this many times slower than the rest (3; 0: never)",
     )
+    parser.add_argument("--stream-body-bytes", type=int, default=1024 * 1024, metavar="BYTES",
+                        help="bodies over this size stream through, unhedged (1 MiB)")  # fmt: skip
     parser.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
     parser.add_argument("--decision-sample", type=float, default=0.0,
                         help="fraction of routing decisions to log (0)")  # fmt: skip
@@ -65,6 +67,7 @@ def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
         hedge_ratio=args.hedge_ratio,
         max_in_flight=args.max_in_flight,
         eject_latency_factor=args.eject_latency_factor,
+        stream_body_bytes=args.stream_body_bytes,
         admin_token=args.admin_token,
         decision_sample=args.decision_sample,
         **extra,

@@ -54,6 +54,10 @@ class RouterConfig:
     # The bearer token of the workers' admin routes (the router reads each one's model index).
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
+    # Bodies larger than this (or chunked ones that grow past it) stream through instead of
+    # being read whole, both ways; a streamed request is neither hedged nor retried once
+    # any of it has gone out.
+    stream_body_bytes: int = 1024 * 1024
     # Fraction of routing decisions logged (logger tailserve.router.decisions, INFO).
     decision_sample: float = 0.0
     drain_timeout_s: float = 30.0

@@ -14,8 +14,14 @@ own 404 answers a path it does not know). The router answers itself ``/v2/health
 ``/v2/health/ready`` (ready while any backend is in service), ``/metrics`` (its own metrics)
 and ``/router/backends`` (each backend's state, as JSON).
 
-Bodies are read whole (up to ``max_body_bytes``, else 413) before they are forwarded, so a
-copy can be sent again to another replica; replies come back whole the same way. Every reply
+Bodies up to ``stream_body_bytes`` (1 MiB) are read whole before they are forwarded, so a copy
+can be sent again to another replica; replies come back whole the same way. Larger ones stream
+(`_start_stream`, `_ReplyStream`): a request whose declared length is over that size (or a
+chunked one that grows past it) is routed as its head arrives and its body follows piece by
+piece, with reading from the client paused while the backend is behind; a reply over that size
+(or chunked) is passed on as it comes, with reading from the backend paused while the client
+is behind. A streamed request is not hedged, and retried only when its first connect failed. No
+body may be over ``max_body_bytes`` (413). Every reply
 names the replica that answered in ``x-tailserve-replica`` (and ``x-tailserve-hedged: 1``
 when a hedge won). A client that hangs up withdraws its request from every backend.
 """
@@ -46,6 +52,7 @@ from tailserve.router.dispatch import (
 )
 from tailserve.router.membership import Membership
 from tailserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from tailserve.transport.http1 import Ticket
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +70,10 @@ _JSON = [(b"content-type", b"application/json")]
 
 
 class _Request:
-    __slots__ = ("body", "error", "headers", "keep_alive", "method", "started", "url")
+    __slots__ = (
+        "body", "chunked", "error", "headers", "keep_alive", "length", "method", "started",
+        "stream", "url",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -82,6 +92,10 @@ class _Request:
         self.started = started
         # Refused before it is routed (status, message): a body over the limit.
         self.error: tuple[int, str] | None = None
+        # Its body streams upstream (`_start_stream`): with this length, or chunked.
+        self.stream = False
+        self.chunked = False
+        self.length: int | None = None
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -133,6 +147,12 @@ class _ClientConnection(asyncio.Protocol):
         self._queue: deque[_Request] = deque()
         self._busy = False
         self._exchange: Exchange | None = None
+        self._length: int | None = None  # the body's declared length
+        self._streaming = False  # the body now arriving streams upstream
+        self._reading_paused = False
+        self._reply: _ReplyStream | None = None
+        self.write_paused = False
+        self.closing = False  # a reply said "connection: close": nothing more is read
         self.closed = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------
@@ -152,11 +172,20 @@ class _ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._router._connections.discard(self)
+        self._reply = None
         exchange = self._exchange
         if exchange is not None:
             self._exchange = None
             exchange.cancel()
             self._router._finished()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._reply is not None:
+            self._reply.resume()
 
     # --- httptools callbacks ------------------------------------------------------------
 
@@ -166,6 +195,7 @@ class _ClientConnection(asyncio.Protocol):
         self._body = []
         self._size = 0
         self._too_large = False
+        self._length = None
         self._started = self._router.loop.time()
 
     def on_url(self, url: bytes) -> None:
@@ -175,25 +205,52 @@ class _ClientConnection(asyncio.Protocol):
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        config = self._router.config
+        declared = next((v for n, v in self._headers if n == b"content-length"), None)
+        if declared is not None and declared.strip().isdigit():
+            self._length = int(declared)
+        fits = self._length is None or self._length <= config.max_body_bytes
         # A client that waits for leave to send its body (curl does, past 1 KiB) gets it at
         # once, unless the body is over the limit already by its declared length.
         for name, value in self._headers:
             if name == b"expect" and value.lower() == b"100-continue":
-                declared = next((v for n, v in self._headers if n == b"content-length"), b"0")
-                limit = self._router.config.max_body_bytes
-                if declared.isdigit() and int(declared) <= limit and self._transport is not None:
+                if fits and self._transport is not None:
                     self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 break
+        if fits and self._length is not None and self._length > config.stream_body_bytes:
+            self._start_stream(chunked=False)
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self._router.config.max_body_bytes:
+        config = self._router.config
+        if self._streaming:
+            if self._size > config.max_body_bytes:  # a chunked body past the limit
+                self._abandon()
+                return
+            exchange = self._exchange
+            if exchange is not None:
+                exchange.write(body)
+                if exchange.congested and not self._reading_paused and self._transport:
+                    self._reading_paused = True
+                    self._transport.pause_reading()
+            return
+        if self._size > config.max_body_bytes:
             self._too_large = True
             self._body = []
         elif not self._too_large:
             self._body.append(body)
+            if self._length is None and self._size > config.stream_body_bytes:
+                self._start_stream(chunked=True)
 
     def on_message_complete(self) -> None:
+        if self.closing:
+            return
+        if self._streaming:
+            self._streaming = False
+            self.resume_body()
+            if self._exchange is not None:
+                self._exchange.end()
+            return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = _Request(
             self._parser.get_method(), self._url, self._headers, body,
@@ -208,10 +265,85 @@ class _ClientConnection(asyncio.Protocol):
         if not self._busy:
             self._next()
 
+    # --- streamed bodies ----------------------------------------------------------------
+
+    def _start_stream(self, *, chunked: bool) -> None:
+        """Route the request now and let its body follow as it arrives: only when nothing
+        is ahead of it on this connection (pipelined requests wait their turn whole)."""
+        method = self._parser.get_method()
+        if self._busy or self._queue or self.closed or method in (b"GET", b"HEAD"):
+            return
+        path = self._url.split(b"?", 1)[0].decode("latin-1")
+        if classify(method, path).broadcast:
+            return
+        request = _Request(
+            method, self._url, self._headers, b"", self._parser.should_keep_alive(),
+            self._started,
+        )  # fmt: skip
+        request.stream = True
+        request.chunked = chunked
+        request.length = self._length
+        self._streaming = True
+        self._busy = True
+        held, self._body = self._body, []
+        self._router._handle(self, request)
+        exchange = self._exchange
+        if exchange is not None:
+            exchange.on_drain(self.resume_body)
+            for piece in held:
+                exchange.write(piece)
+
+    def resume_body(self) -> None:
+        if self._reading_paused and self._transport is not None and not self.closed:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def _abandon(self) -> None:
+        """A streamed request body went over the limit: drop the request and the connection
+        (what is already out cannot be taken back; the backend sees its connection close)."""
+        limit = self._router.config.max_body_bytes
+        log.warning("a streamed request body went over the %d-byte limit: connection dropped",
+                    limit)  # fmt: skip
+        self._streaming = False
+        if self._transport is not None:
+            self._transport.abort()
+
+    def open_reply(
+        self, request: _Request, label: str, head: Outcome, length: int | None,
+        ticket: Ticket,
+    ) -> _ReplyStream:  # fmt: skip
+        """A large reply's head has come: send it on, and its body as it arrives."""
+        keep_alive = request.keep_alive and not self._router.draining and not self._streaming
+        reply = self._reply = _ReplyStream(
+            self, request, label, head.status, ticket, chunked=length is None,
+            keep_alive=keep_alive,
+        )  # fmt: skip
+        if not self.closed:
+            assert self._transport is not None
+            self._transport.write(self._head(head.status, head.headers, length, keep_alive, head))
+        return reply
+
+    def reply_ended(self, reply: _ReplyStream, *, broken: bool) -> None:
+        if self._reply is not reply:
+            return  # the client left first: connection_lost settled the request
+        self._reply = None
+        request = reply.request
+        self._settle(request, reply.status, reply.label)
+        if self.closed or self._transport is None:
+            return
+        if broken:  # the client must not take a truncated body for a whole one
+            self.closing = True
+            self._transport.abort()
+        elif not reply.keep_alive:
+            self.closing = True
+            self._transport.close()
+        else:
+            self._next()
+
     # --- requests, one at a time --------------------------------------------------------
 
     def _next(self) -> None:
-        while self._queue and not self.closed and not self._busy:
+        while self._queue and not self.closed and not self.closing and not self._busy:
             request = self._queue.popleft()
             if request.error is not None:
                 self._reply_error(request, *request.error)
@@ -219,16 +351,20 @@ class _ClientConnection(asyncio.Protocol):
             self._busy = True
             self._router._handle(self, request)
 
-    def done(self, request: _Request, outcome: Outcome, model: str) -> None:
+    def _settle(self, request: _Request, status: int, model: str) -> None:
         self._exchange = None
         self._busy = False
         router = self._router
         router._finished()
-        router.metrics.requests.inc(model, str(outcome.status))
+        router.metrics.requests.inc(model, str(status))
         router.metrics.latency.child(model).observe(router.loop.time() - request.started)
+
+    def done(self, request: _Request, outcome: Outcome, model: str) -> None:
+        self._settle(request, outcome.status, model)
         if self.closed:
             return
-        keep_alive = request.keep_alive and not router.draining
+        # (Answered while its body still streams in: the rest of it is not read.)
+        keep_alive = request.keep_alive and not self._router.draining and not self._streaming
         self._write(
             outcome.status, outcome.headers, outcome.body, keep_alive, outcome,
             head=request.method == b"HEAD",
@@ -258,24 +394,93 @@ class _ClientConnection(asyncio.Protocol):
     ) -> None:
         """The reply; to a HEAD request, its head alone (with the length GET would send)."""
         assert self._transport is not None
+        start = self._head(status, headers, len(body), keep_alive, outcome)
+        self._transport.write(start + (b"" if head else body))
+        if not keep_alive:
+            self.closing = True
+            self._transport.close()
+
+    @staticmethod
+    def _head(
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        length: int | None,
+        keep_alive: bool,
+        outcome: Outcome | None,
+    ) -> bytes:
+        """A reply's status line and headers; chunked when the length is not known."""
         lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown"))]
         for name, value in headers:
             if name.lower() not in _REPLY_HOP:
                 lines.append(name + b": " + value)
-        lines.append(b"content-length: %d" % len(body))
+        if length is None:
+            lines.append(b"transfer-encoding: chunked")
+        else:
+            lines.append(b"content-length: %d" % length)
         if outcome is not None and outcome.backend is not None:
             lines.append(b"x-tailserve-replica: " + outcome.backend.encode())
             if outcome.hedged:
                 lines.append(b"x-tailserve-hedged: 1")
         if not keep_alive:
             lines.append(b"connection: close")
-        self._transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if head else body))
-        if not keep_alive:
-            self._transport.close()
+        return b"\r\n".join(lines) + b"\r\n\r\n"
 
     def close_if_idle(self) -> None:
         if not self._busy and self._transport is not None:
             self._transport.close()
+
+
+class _ReplyStream:
+    """A large reply on its way from a backend to the client (an `http1.Sink`)."""
+
+    __slots__ = ("chunked", "connection", "keep_alive", "label", "paused", "request", "status",
+                 "ticket")  # fmt: skip
+
+    def __init__(
+        self,
+        connection: _ClientConnection,
+        request: _Request,
+        label: str,
+        status: int,
+        ticket: Ticket,
+        *,
+        chunked: bool,
+        keep_alive: bool,
+    ) -> None:
+        self.connection = connection
+        self.request = request
+        self.label = label
+        self.status = status
+        self.ticket = ticket
+        self.chunked = chunked
+        self.keep_alive = keep_alive
+        self.paused = False
+
+    def data(self, chunk: bytes) -> None:
+        connection = self.connection
+        transport = connection._transport
+        if connection.closed or transport is None or not chunk:
+            return
+        if self.chunked:
+            chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+        transport.write(chunk)
+        if connection.write_paused and not self.paused:
+            self.paused = True
+            self.ticket.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.ticket.resume_reading()
+
+    def end(self) -> None:
+        transport = self.connection._transport
+        if self.chunked and transport is not None and not self.connection.closed:
+            transport.write(b"0\r\n\r\n")
+        self.connection.reply_ended(self, broken=False)
+
+    def abort(self) -> None:
+        self.connection.reply_ended(self, broken=True)
 
 
 class Router:
@@ -397,16 +602,28 @@ class Router:
         key = None
         if target.infer and dispatcher.wants_key(model):
             given = request.header(b"x-affinity-key")
-            key = given.decode("latin-1") if given else body_key(request.body)
+            if given:
+                key = given.decode("latin-1")
+            elif not request.stream:
+                key = body_key(request.body)
+        on_stream = None
+        if request.method != b"HEAD":
+
+            def on_stream(head: Outcome, length: int | None, ticket: Ticket) -> _ReplyStream:
+                return connection.open_reply(request, label, head, length, ticket)
+
         exchange = dispatcher.dispatch(
             model=model,
             frame=frame,
             on_done=lambda outcome: connection.done(request, outcome, label),
             key=key,
-            cost=cost_class(len(request.body)),
+            cost="l" if request.stream else cost_class(len(request.body)),
             deadline_s=deadline_s,
             idempotent=request.method in (b"GET", b"HEAD"),
             hedge=target.infer,
+            stream=request.stream,
+            chunked=request.chunked,
+            on_stream=on_stream,
         )
         # (A request shed at once is already answered: nothing is left to cancel.)
         connection._exchange = None if exchange.done else exchange
@@ -500,14 +717,19 @@ def _deadline(request: _Request) -> float | None:
 
 
 def _framer(request: _Request) -> Framer:
-    """The request's bytes for a backend, given what is left of its deadline (or None)."""
+    """The request's bytes for a backend, given what is left of its deadline (or None); of a
+    streamed request, its head alone (with its declared length, or chunked)."""
     # HEAD goes upstream as GET (our response parser expects a body where a length is
     # given); the reply to the client drops the body again.
     method = b"GET" if request.method == b"HEAD" else request.method
     lines = [method + b" " + request.url + b" HTTP/1.1"]
     lines += [name + b": " + value for name, value in request.headers if name not in _HOP]
     body = request.body
-    if body or request.method in (b"POST", b"PUT", b"PATCH"):
+    if request.stream and request.chunked:
+        lines.append(b"transfer-encoding: chunked")
+    elif request.stream:
+        lines.append(b"content-length: %d" % (request.length or 0))
+    elif body or request.method in (b"POST", b"PUT", b"PATCH"):
         lines.append(b"content-length: %d" % len(body))
     head = b"\r\n".join(lines)
     raw_deadline = request.header(b"x-deadline-ms")
