@@ -155,6 +155,7 @@ def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "hedges_sent": hedges["sent"],
                 "requests": hedges["requests"],
                 "extra": hedges["sent"] / max(1, hedges["requests"]),
+                "hedge_delay_ms": (hedges.get("delays_ms") or {}).get("steady/s"),
             }
     h.compare([out / f"tail-{n}.json" for n in TAIL_CONFIGS], out / "tail-compare.html")
     return results
@@ -175,6 +176,14 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
     p2c = results.get("p2c")
     if p2c and hedged and hedged["p999_ms"]:
         print(f"p99.9 p2c / p2c+hedging: {p2c['p999_ms'] / hedged['p999_ms']:.1f}x")
+    delay = hedged.get("hedge_delay_ms") if hedged else None
+    if base and hedged and delay:
+        # A slow reply is hedged only after the delay, and the copy then takes a normal
+        # reply's time: no hedge after the p95 answers sooner than their sum.
+        floor = delay + hedged["p50_ms"]
+        print(f"hedge delay (the recent p95) {delay:.2f} ms + p50 {hedged['p50_ms']:.2f} ms = "
+              f"{floor:.2f} ms, the least a hedged slow request can take: the most p99.9 can "
+              f"drop is round-robin / that = {base['p999_ms'] / floor:.1f}x")  # fmt: skip
 
 
 # --- 2. affinity -----------------------------------------------------------------------------

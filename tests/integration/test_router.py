@@ -198,6 +198,8 @@ async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
             assert len(ran_after[:-1]) <= 1, f"cancelled copies ran anyway: {ran_after}"
             state = router.state()["hedges"]
             assert isinstance(state, dict) and state["sent"] >= len(hedged)
+            # The delay it hedges after now: the recent p95, slow replies included.
+            assert 0.0 < state["delays_ms"]["m/s"] <= 1500.0
 
 
 def _cancelled(url: str) -> float:

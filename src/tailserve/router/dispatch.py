@@ -536,6 +536,10 @@ class Dispatcher:
             self._hedges[(model, cost)] = policy
         return policy
 
+    def hedge_policies(self) -> dict[tuple[str, str], HedgePolicy]:
+        """Every (model, cost class) hedged so far, and its policy."""
+        return dict(self._hedges)
+
     # --- requests -------------------------------------------------------------------------
 
     def dispatch(

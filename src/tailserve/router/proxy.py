@@ -673,6 +673,13 @@ class Router:
                 "requests": d.hedge_budget.requests,
                 "sent": d.hedge_budget.spent,
                 "refused": d.hedge_budget.refused,
+                # The delay after which each model and cost class hedges now (None: too few
+                # replies known yet).
+                "delays_ms": {
+                    f"{model}/{cost}": None if delay is None else round(delay * 1e3, 3)
+                    for (model, cost), policy in d.hedge_policies().items()
+                    for delay in (policy.delay_s(now),)
+                },
             },
             "retries": {"sent": d.retry_budget.spent, "refused": d.retry_budget.refused},
         }
