@@ -1,9 +1,11 @@
 """Result cache tiers side by side in one run, measured with `tailserve bench`.
 
 Configurations, each in its own worker against one private redis-server (emptied between
-them): no cache; Redis only (every lookup a round trip, with the standard client redis-py, as
-the tutorials build it); the same through tailserve's lean pipelined connection; L1 LRU +
-Redis; L1 W-TinyLFU + Redis (both on the lean connection). The L1 holds 100,000 results, a
+them): no cache; Redis only (every lookup a round trip, with the standard client redis-py);
+the same through tailserve's lean pipelined connection; L1 LRU + Redis; L1 W-TinyLFU + Redis
+(both on the lean connection). And, for ``churn``, Redis only as the tutorials build it: the
+naive FastAPI server of benchmarks/baselines with a GET/SET cache around each request
+("fastapi+redis"). The L1 holds 100,000 results, a
 tenth of the key space. Workload: ``churn`` with Zipf(1.0) keys over 1,000,000 customers
 (benchmarks/workloads/churn-zipf1m.yaml, SLO p99 50 ms).
 
@@ -24,6 +26,7 @@ candidates), SLO p99 30 ms.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +48,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # The hit path alone: 10,000 customers, all of whom fit in L1 once seen.
     "hit-path": {**BASE, "l1": {**L1, "policy": "tinylfu"}},
 }
+# Not a tailserve configuration: the tutorial server (churn only).
+TUTORIAL = "fastapi+redis"
 KEYS = {"hit-path": {"space": "zipf", "size": 10_000, "s": 1.0}}
 # Redis-only as the tutorials build it: the standard client (redis-py). Every other
 # configuration, and "redis-only-lean" beside it, reaches Redis through the lean pipelined
@@ -60,7 +65,7 @@ RANKER_KEYS = {"space": "zipf", "size": 100_000, "s": 1.0}
 
 def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
             args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
-    cache = CONFIGS[name]
+    cache = CONFIGS.get(name)
     if cache is not None and args.l1_entries and name != "hit-path":
         cache = {**cache, "l1": {**cache["l1"], "max_entries": args.l1_entries}}
     model = args.model
@@ -73,6 +78,8 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
         shipped = "ranker-500.yaml"
     else:
         keys = {"keys": KEYS[name]} if name in KEYS else {}
+        if name == TUTORIAL:  # it has no config route: the generator reads the model.yaml
+            keys["model_config"] = str(repo / model / "model.yaml")
         shipped = "churn-zipf1m.yaml"
     spec = h.workload(shipped, out, name=f"{model}-{name}",
                       target=f"http://127.0.0.1:{port}", **keys)  # fmt: skip
@@ -80,7 +87,17 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
     needs_redis = cache or model == "ranker"
     flags = ["--redis-url", redis_url, *FLAGS.get(name, [])] if needs_redis else []
     print(f"\n=== {model}: {name} ===", flush=True)
-    with h.serving(h.worker(repo, port, *flags), port):
+    command, env = h.worker(repo, port, *flags), None
+    if name == TUTORIAL:
+        command = [sys.executable, "-m", "uvicorn", "fastapi_naive:app", "--host", "127.0.0.1",
+                   "--port", str(port), "--no-access-log", "--log-level", "warning"]  # fmt: skip
+        env = {
+            **os.environ,
+            "BASELINE_MODEL_DIR": str(repo / model),
+            "BASELINE_REDIS_URL": redis_url,
+            "PYTHONPATH": str(h.HERE / "baselines"),
+        }
+    with h.serving(command, port, env=env):
         capacity = h.bench(spec, out / f"{model}-{name}.json", "--find-capacity", "--name", name,
                            "--report", str(out / f"{model}-{name}.html"), *timing)  # fmt: skip
         rps = (capacity["capacity"] or {}).get("rps") or 50.0
@@ -108,8 +125,8 @@ def load_features(model_dir: Path, redis_url: str) -> None:
 
 
 def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
-    head = (f"{'config':18}{'capacity':>10}{'vs redis':>9}{'p99@half':>9}{'L1 hit':>8}"
-            f"{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}{'L2 p99':>8}")  # fmt: skip
+    head = (f"{'config':18}{'capacity':>10}{'vs redis':>9}{'vs tutor':>9}{'p99@half':>9}"
+            f"{'L1 hit':>8}{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}{'L2 p99':>8}")  # fmt: skip
     if model == "ranker":
         print("\nranker, 500 candidates, Zipf(1.0) over 100,000 request keys: SLO p99 <= 30 ms;"
               " at half of each capacity")  # fmt: skip
@@ -118,6 +135,7 @@ def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
     print(head)
     print("-" * len(head))
     redis_only = (results.get("redis-only") or {}).get("capacity") or 0.0
+    tutorial = (results.get(TUTORIAL) or {}).get("capacity") or 0.0
 
     def ms(value: float | None) -> str:
         return f"{value:.2f}" if value is not None else "-"
@@ -125,8 +143,10 @@ def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
     for name, r in results.items():
         capacity = r["capacity"]
         ratio = f"{capacity / redis_only:.2f}x" if capacity and redis_only else "-"
+        vs_tutorial = f"{capacity / tutorial:.2f}x" if capacity and tutorial else "-"
         print(
             f"{name:18}{(f'{capacity:,.0f}' if capacity else 'none'):>10}{ratio:>9}"
+            f"{vs_tutorial:>9}"
             f"{ms(r['half']['p99_ms']):>9}{r['hits']['l1']:>8.1%}{r['hits']['l2']:>8.1%}"
             f"{r['miss']:>7.1%}{ms(r['l1_p99_ms']):>8}{ms(r['l2_p99_ms']):>8}"
         )
@@ -135,7 +155,7 @@ def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("churn", "ranker"), default="churn")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", help="comma-separated (default: all of them)")
     parser.add_argument("--l1-entries", type=int, default=0,
                         help="L1 size (default 100,000); smaller than the keys a run touches, "
                         "LRU and W-TinyLFU differ")  # fmt: skip
@@ -151,7 +171,10 @@ def main() -> None:
     examples = h.examples(work / "examples")
     results: dict[str, dict[str, Any]] = {}
     with h.redis(work) as redis_url:
-        for name in args.configs.split(","):
+        names = list(CONFIGS)
+        if args.model == "churn":
+            names.insert(1, TUTORIAL)
+        for name in args.configs.split(",") if args.configs else names:
             results[name] = measure(name, examples, work, args.out, redis_url, args)
     if len(results) > 1:
         h.compare([args.out / f"{args.model}-{n}.json" for n in results if n not in KEYS],

@@ -3,18 +3,25 @@ one. Pydantic parses the Open Inference Protocol JSON body and each request is s
 inside the event loop. It serves one model folder of a tailserve repository (ONNX or a pickled
 scikit-learn pipeline), with the same one-thread setting tailserve gives the model.
 
+With ``BASELINE_REDIS_URL`` it also caches results in Redis the way the tutorials add a cache
+(the cache benchmark's "Redis only, as the tutorials build it"): the key is a hash of the parsed
+request, each request GETs it, and a miss computes and SETs it with a TTL. (It answers
+``x-cache: l2`` or ``miss`` so the benchmark can count the hits.)
+
     BASELINE_MODEL_DIR=repo/churn uvicorn fastapi_naive:app --port 8200
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Response
 from pydantic import BaseModel
 
 MODEL_DIR = Path(os.environ["BASELINE_MODEL_DIR"])
@@ -67,6 +74,11 @@ def _load() -> Any:
 
 predict = _load()
 app = FastAPI()
+REDIS_URL = os.environ.get("BASELINE_REDIS_URL")
+if REDIS_URL:
+    import redis.asyncio as aioredis
+
+    cache = aioredis.Redis.from_url(REDIS_URL)
 
 
 class Tensor(BaseModel):
@@ -86,9 +98,24 @@ async def ready() -> dict[str, bool]:
 
 
 @app.post("/v2/models/{model}/infer")
-async def infer(model: str, request: InferRequest) -> dict[str, Any]:
+async def infer(model: str, request: InferRequest, response: Response) -> dict[str, Any]:
     if model != NAME:
         raise HTTPException(404, f"unknown model {model!r}")
+    if not REDIS_URL:
+        return _score(request)
+    key = f"{NAME}:" + hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+    cached = await cache.get(key)
+    if cached is not None:
+        response.headers["x-cache"] = "l2"
+        result: dict[str, Any] = json.loads(cached)
+        return result
+    result = _score(request)
+    await cache.set(key, json.dumps(result), ex=600)
+    response.headers["x-cache"] = "miss"
+    return result
+
+
+def _score(request: InferRequest) -> dict[str, Any]:
     columns = {tensor.name: tensor.data for tensor in request.inputs}
     missing = [name for name in FIELDS if name not in columns]
     if missing:
