@@ -9,7 +9,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,11 @@ import orjson
 import pytest
 
 from support.models import doubler_config, write_model
+from support.routing import running_router
 from support.servers import WorkerProcess, async_wait_for, worker_process
 from support.stub import StubApp, run_stub
 from tailserve.client import Client, InferenceError
-from tailserve.router.config import RouterConfig
 from tailserve.router.membership import write_members
-from tailserve.router.proxy import Router
 
 # y = 2x, slowed by the number of seconds in the version folder's `delay` file (read on every
 # batch, so a test can slow one worker down mid-run); every row it runs is noted in `ran`.
@@ -80,16 +79,7 @@ def _ran(tmp: Path, index: int) -> list[float]:
     return [float(v) for v in path.read_text().split()] if path.exists() else []
 
 
-@contextlib.asynccontextmanager
-async def _router(backends: list[str], **changes: Any) -> AsyncIterator[Router]:
-    options: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "health_interval_s": 0.1}
-    options.update(changes)
-    router = Router(RouterConfig(backends=tuple(backends), **options))
-    await router.start()
-    try:
-        yield router
-    finally:
-        await router.drain(timeout_s=5)
+_router = running_router
 
 
 async def _until(predicate: Callable[[], bool], what: str) -> None:

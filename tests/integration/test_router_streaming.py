@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from support.models import doubler_config, write_model
+from support.routing import running_router
 from support.servers import WorkerProcess, async_wait_for, free_port, worker_process
 from support.stub import RunningStub, StubApp, run_stub
 from tailserve.router.config import RouterConfig
@@ -117,19 +118,9 @@ def _app(stub: RunningStub) -> StreamingApp:
     return stub.app
 
 
-@contextlib.asynccontextmanager
-async def _router(backends: list[str], **changes: Any) -> AsyncIterator[Router]:
-    options: dict[str, Any] = {
-        "host": "127.0.0.1", "port": 0, "health_interval_s": 0.1, "hedge": False,
-        "stream_body_bytes": 64 * 1024,
-    }  # fmt: skip
-    options.update(changes)
-    router = Router(RouterConfig(backends=tuple(backends), **options))
-    await router.start()
-    try:
-        yield router
-    finally:
-        await router.drain(timeout_s=5)
+def _router(backends: list[str], **changes: Any) -> contextlib.AbstractAsyncContextManager[Router]:
+    options: dict[str, Any] = {"hedge": False, "stream_body_bytes": 64 * 1024, **changes}
+    return running_router(backends, **options)
 
 
 async def _until(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
