@@ -56,6 +56,11 @@ class StreamingApp(StubApp):
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v2/models/m/infer":
             await self._upload(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == "/refuse":  # without reading
+            body = b'{"error": "refused from the headers"}'
+            await send({"type": "http.response.start", "status": 429,
+                        "headers": [(b"content-length", str(len(body)).encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": body})
         elif scope["type"] == "http" and scope["path"] == "/download":
             await self._download(scope, receive, send)
         else:
@@ -176,6 +181,31 @@ async def test_a_large_request_body_reaches_the_backend_before_it_has_all_arrive
         assert (await _head(reader))[b":status"] == b"200"
         writer.close()
         await _until(lambda: router._in_flight == 0, what="nothing left in flight")
+
+
+async def test_a_reply_before_the_whole_body_closes_the_connection_after_it(
+    stub: RunningStub,
+) -> None:
+    app = _app(stub)
+    async with _router([stub.url]) as router:
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        writer.write(b"POST /refuse HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n" % (8 * MIB))
+        writer.write(_pattern(256 * 1024))
+        head = await _head(reader)
+        assert head[b":status"] == b"429" and head[b"connection"] == b"close"
+        body = await reader.readexactly(int(head[b"content-length"]))
+        assert b"refused" in body
+        # The rest of the body is not read: the router closes the connection.
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        await _until(lambda: router._in_flight == 0, what="nothing left in flight")
+        # The backend connection that carried half a body is not reused: the next request
+        # on a new connection is answered whole.
+        upload = _pattern(2 * MIB)
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(f"{router.url}/v2/models/m/infer", content=upload)
+        assert reply.json()["sha256"] == hashlib.sha256(upload).hexdigest()
+        assert app.received == len(upload)
 
 
 async def test_a_chunked_body_streams_once_it_grows_past_the_threshold(stub: RunningStub) -> None:
