@@ -75,8 +75,7 @@ class Worker:
             observer=self.metrics,
             on_ready_change=self.metrics.set_model_ready,
             drain_timeout_s=settings.drain_timeout_s,
-            loop_lag=lambda: self.loop_lag.lag_s,
-            loop_busy=lambda: self.loop_lag.busy,
+            loop=self.loop_lag,
             cache=self.cache,
             feature_resolver=self._feature_resolver if settings.redis_url else None,
         )

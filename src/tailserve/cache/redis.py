@@ -158,13 +158,7 @@ class RedisTier:
 
     async def put_now(self, items: Sequence[tuple[str, bytes, float]]) -> None:
         """Store and wait (precompute jobs); raises on failure."""
-        if self.fast is not None:
-            await self.fast.set_many([(k, v, max(1, int(t * 1000))) for k, v, t in items])
-            return
-        async with self.client.pipeline(transaction=False) as pipe:
-            for key, value, ttl_s in items:
-                pipe.set(key, value, px=max(1, int(ttl_s * 1000)))
-            await pipe.execute()
+        await self._set_many([(k, v, max(1, int(t * 1000))) for k, v, t in items])
 
     def _flush_writes(self) -> None:
         batch, self._writes = self._writes, []
@@ -173,15 +167,19 @@ class RedisTier:
 
     async def _pipeline(self, batch: list[tuple[str, bytes, int]]) -> None:
         try:
-            if self.fast is not None:
-                await self.fast.set_many(batch)
-                return
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key, value, ttl_ms in batch:
-                    pipe.set(key, value, px=ttl_ms)
-                await pipe.execute()
+            await self._set_many(batch)
         except Exception as exc:
             self._failed("SET", exc)
+
+    async def _set_many(self, batch: Sequence[tuple[str, bytes, int]]) -> None:
+        """SET ... PX of each (key, value, milliseconds), in one pipeline."""
+        if self.fast is not None:
+            await self.fast.set_many(batch)
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key, value, ttl_ms in batch:
+                pipe.set(key, value, px=ttl_ms)
+            await pipe.execute()
 
     # --- leases (cross-worker coalescing) ---------------------------------------------------
 

@@ -94,6 +94,13 @@ class _Pending:
         self.future = future
 
 
+class LoopState(Protocol):
+    """The event loop as the worker measures it (observability.loop_lag.LoopLag)."""
+
+    lag_s: float  # how late it runs what is ready, seconds
+    busy: float  # how busy its thread is, 0..1
+
+
 class Scheduler:
     def __init__(
         self,
@@ -104,8 +111,7 @@ class Scheduler:
         batched: bool,
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
-        loop_lag: Callable[[], float] | None = None,
-        loop_busy: Callable[[], float] | None = None,
+        loop: LoopState | None = None,
     ) -> None:
         self._model = model
         self._runtimes = list(runtimes)
@@ -113,8 +119,7 @@ class Scheduler:
         self._batched = batched
         self._observer = observer
         self._clock = clock
-        self._loop_lag = loop_lag
-        self._loop_busy = loop_busy
+        self._loop = loop
         self.stats = ModelStats()
         self._waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
@@ -151,13 +156,18 @@ class Scheduler:
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
         now = self._clock()
-        if self._loop_lag is not None:
-            self._batcher.loop_delay_s = self._loop_lag()
+        self._read_loop()
         rejection = self._batcher.shed(
             now, self._free_times(now), deadline=deadline, priority=priority
         )
         if rejection is not None:
             self._refuse(rejection)
+
+    def _read_loop(self) -> None:
+        """Tell the batcher how late and how busy the event loop is now."""
+        if self._loop is not None:
+            self._batcher.loop_delay_s = self._loop.lag_s
+            self._batcher.loop_busy = self._loop.busy
 
     def _refuse(self, rejection: Rejection) -> NoReturn:
         self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1
@@ -187,10 +197,7 @@ class Scheduler:
         )
         item = Item(rows, bucket, now, deadline, priority, _Pending(inputs, future),
                     hard=hard_deadline)  # fmt: skip
-        if self._loop_lag is not None:
-            self._batcher.loop_delay_s = self._loop_lag()
-        if self._loop_busy is not None:
-            self._batcher.loop_busy = self._loop_busy()
+        self._read_loop()
         rejection = self._batcher.offer(item, now, self._free_times(now))
         if rejection is not None:
             self._refuse(rejection)

@@ -22,7 +22,7 @@ from tailserve.cache import ModelView, ResultCache, model_view
 from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
-from tailserve.engine.scheduler import BatchObserver, Scheduler
+from tailserve.engine.scheduler import BatchObserver, LoopState, Scheduler
 from tailserve.engine.validation import InputPlan
 from tailserve.engine.warmup import warmup_batches
 from tailserve.errors import (
@@ -89,8 +89,7 @@ class ModelManager:
         observer: BatchObserver | None = None,
         on_ready_change: Callable[[str, bool], None] | None = None,
         drain_timeout_s: float = 30.0,
-        loop_lag: Callable[[], float] | None = None,
-        loop_busy: Callable[[], float] | None = None,
+        loop: LoopState | None = None,
         cache: ResultCache | None = None,
         feature_resolver: Callable[[FeaturesConfig], FeatureResolver] | None = None,
     ) -> None:
@@ -100,8 +99,7 @@ class ModelManager:
         self._observer = observer
         self._on_ready_change = on_ready_change
         self._drain_timeout_s = drain_timeout_s
-        self._loop_lag = loop_lag
-        self._loop_busy = loop_busy
+        self._loop = loop
         self._models: dict[str, ModelState] = {}
         # Loads read files and build sessions: off the event loop, one at a time (2 cores).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailserve-loader")
@@ -254,8 +252,7 @@ class ModelManager:
             batcher=_batcher(config, policy),
             batched=config.batched,
             observer=self._observer,
-            loop_lag=self._loop_lag,
-            loop_busy=self._loop_busy,
+            loop=self._loop,
         )
         for bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds)

@@ -206,17 +206,19 @@ class _ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         config = self._router.config
-        declared = next((v for n, v in self._headers if n == b"content-length"), None)
+        declared = expect = None
+        for name, value in self._headers:
+            if name == b"content-length":
+                declared = value
+            elif name == b"expect":
+                expect = value
         if declared is not None and declared.strip().isdigit():
             self._length = int(declared)
         fits = self._length is None or self._length <= config.max_body_bytes
         # A client that waits for leave to send its body (curl does, past 1 KiB) gets it at
         # once, unless the body is over the limit already by its declared length.
-        for name, value in self._headers:
-            if name == b"expect" and value.lower() == b"100-continue":
-                if fits and self._transport is not None:
-                    self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                break
+        if expect is not None and expect.lower() == b"100-continue" and fits and self._transport:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if fits and self._length is not None and self._length > config.stream_body_bytes:
             self._start_stream(chunked=False)
 

@@ -305,11 +305,6 @@ class Ticket:
     # --- a streamed request's body ----------------------------------------------------------
 
     @property
-    def sent(self) -> bool:
-        """Whether any of it has gone out on a connection."""
-        return self.connection is not None
-
-    @property
     def unsent(self) -> bool:
         """A streamed body whose end has not been written yet."""
         return not self.ended
@@ -337,15 +332,13 @@ class Ticket:
             self._put(b"0\r\n\r\n")
 
     def adopt(self, other: Ticket) -> None:
-        """Take over the body of a ticket that never got a connection (a retry)."""
+        """Take over the body of a ticket that never got a connection (a retry); this one
+        may have been sent already, so what the other held goes out through it now."""
         assert other.connection is None and other.pending is not None
-        self.pending = other.pending
-        self.pending_bytes = other.pending_bytes
-        self.chunked = other.chunked
+        pieces, other.pending, other.pending_bytes = other.pending, [], 0
         self.ended = other.ended
-        self.on_drain = other.on_drain
-        other.pending = []
-        other.pending_bytes = 0
+        for piece in pieces:  # framed already (chunked, terminal chunk included)
+            self._put(piece)
 
     def _put(self, data: bytes) -> None:
         connection = self.connection
