@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = HERE / "workloads"
@@ -122,9 +123,44 @@ def redis_command(url: str, *args: str) -> bytes:
         return conn.recv(65536)
 
 
-def workload(shipped: str, out: Path, **changes: Any) -> Path:
-    """A shipped workload with fields changed, written beside the results."""
-    spec = yaml.safe_load((WORKLOADS / shipped).read_text())
+def histogram(url: str, family: str) -> dict[float, float]:
+    """A Prometheus histogram of the server at ``url``, its label sets summed: upper bound ->
+    cumulative count."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets: dict[float, float] = {}
+    for metrics in text_string_to_metric_families(text):
+        if metrics.name != family:
+            continue
+        for sample in metrics.samples:
+            if sample.name == f"{family}_bucket":
+                upper = float(sample.labels["le"])  # "+Inf" reads as inf
+                buckets[upper] = buckets.get(upper, 0.0) + sample.value
+    return buckets
+
+
+def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The ``q`` quantile of what was observed between two snapshots, interpolated within its
+    bucket as Prometheus does; NaN if nothing was."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return float("nan")
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def workload(shipped: str, out: Path, where: Path = WORKLOADS, **changes: Any) -> Path:
+    """A shipped workload (or one in ``where``) with fields changed, written beside the
+    results."""
+    spec = yaml.safe_load((where / shipped).read_text())
     spec.update(changes)
     path = out / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -9,11 +9,16 @@ naive FastAPI server of benchmarks/baselines with a GET/SET cache around each re
 tenth of the key space. Workload: ``churn`` with Zipf(1.0) keys over 1,000,000 customers
 (benchmarks/workloads/churn-zipf1m.yaml, SLO p99 50 ms).
 
-Last, the hit path alone ("hit-path": 10,000 customers, who all fit in L1 once seen).
+Last, the hit path alone ("hit-path": 10,000 customers, who all fit in L1; each is asked for
+once before the search, so that the search and the run at half capacity measure hits, not the
+cold misses of a cache still filling).
 
 For each: the SLO capacity (p99 under the SLO, no errors; the steps of the search draw new
 requests of the same customers, so the cache warms as it would in service), then a run at
-half that capacity: hit ratio per tier, p99 overall and of the hits alone (the hit path).
+half that capacity: hit ratio per tier, p99 overall and of the hits alone (the hit path), and
+the worker's own p99 from its request histogram (received to reply ready). After the hit path,
+the measuring floor: the same requests at the same rate against a fixed reply on the worker's
+HTTP stack (benchmarks/baselines/fixed_reply.py), the least this machine and generator show.
 
 With ``--model ranker``: the ranker (500 candidates, features from the store in Redis in
 every configuration) with Zipf(1.0) over 100,000 request keys (a key: one user and their own
@@ -51,6 +56,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 # Not a tailserve configuration: the tutorial server (churn only).
 TUTORIAL = "fastapi+redis"
 KEYS = {"hit-path": {"space": "zipf", "size": 10_000, "s": 1.0}}
+# Before the hit path is measured, each of its keys is asked for once (key ids 0..size-1, the
+# ids the Zipf draws use), at this rate: misses all, so within what the model can compute.
+PREFILL_RPS = {"churn": 1000.0, "ranker": 250.0}
 # Redis-only as the tutorials build it: the standard client (redis-py). Every other
 # configuration, and "redis-only-lean" beside it, reaches Redis through the lean pipelined
 # connection (tailserve.cache.resp).
@@ -98,11 +106,15 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
             "PYTHONPATH": str(h.HERE / "baselines"),
         }
     with h.serving(command, port, env=env):
+        if name == "hit-path":
+            prefill(shipped, out, model, port, KEYS[name]["size"])
         capacity = h.bench(spec, out / f"{model}-{name}.json", "--find-capacity", "--name", name,
                            "--report", str(out / f"{model}-{name}.html"), *timing)  # fmt: skip
         rps = (capacity["capacity"] or {}).get("rps") or 50.0
+        before = server_histogram(port, name)
         half = h.bench(spec, out / f"{model}-{name}-half.json", "--rate", f"{rps / 2:.0f}",
                        "--name", name, *timing, echo=False)  # fmt: skip
+        after = server_histogram(port, name)
     server = half.get("server") or {}
     tiers = server.get("cache") or {}
     total = max(1, sum(tiers.values()))
@@ -116,7 +128,60 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
         "miss": tiers.get("miss", 0) / total if tiers else 1.0,
         "l1_p99_ms": (latency.get("l1") or {}).get("p99"),
         "l2_p99_ms": (latency.get("l2") or {}).get("p99"),
+        # The server's own account (received to reply ready), from its histogram.
+        "server_p99_ms": server_p99(before, after),
+        "spec": str(spec),
+        "model_config": str(repo / model / "model.yaml"),
     }
+
+
+# The server's time per request (received to reply ready); the tutorial server keeps none.
+DURATION = "tailserve_request_duration_seconds"
+
+
+def server_histogram(port: int, name: str) -> dict[float, float] | None:
+    return None if name == TUTORIAL else h.histogram(f"http://127.0.0.1:{port}", DURATION)
+
+
+def server_p99(before: dict[float, float] | None, after: dict[float, float] | None) -> float | None:
+    if before is None or after is None:
+        return None
+    return h.histogram_quantile(before, after, 0.99) * 1e3
+
+
+def floor(measured: dict[str, Any], out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The same requests at the same rate against a fixed reply on the worker's own HTTP stack
+    (benchmarks/baselines/fixed_reply.py): what this machine and generator show for a server
+    that does nothing."""
+    port = h.free_port()
+    rate = measured["half_rps"]
+    # The fixed reply has no configuration route: the generator reads the model.yaml.
+    spec = h.workload(Path(measured["spec"]).name, out, name="floor",
+                      target=f"http://127.0.0.1:{port}", model_config=measured["model_config"],
+                      where=out)  # fmt: skip
+    command = [sys.executable, "-m", "uvicorn", "fixed_reply:app", "--host", "127.0.0.1",
+               "--port", str(port), "--loop", "uvloop", "--http", "httptools",
+               "--no-access-log", "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(h.HERE / "baselines")}
+    print(f"\n=== measuring floor: a fixed reply at {rate:,.0f} req/s ===", flush=True)
+    with h.serving(command, port, env=env):
+        result = h.bench(spec, out / "floor.json", "--rate", f"{rate:.0f}", "--name", "floor",
+                         "--duration", str(args.duration), "--warmup", str(args.warmup),
+                         echo=False)  # fmt: skip
+    overall: dict[str, Any] = result["overall"]
+    return overall
+
+
+def prefill(shipped: str, out: Path, model: str, port: int, size: int) -> None:
+    """Ask for each of the first ``size`` keys once ("unique" keys count up from 0)."""
+    rate = PREFILL_RPS[model]
+    spec = h.workload(shipped, out, name=f"{model}-prefill", target=f"http://127.0.0.1:{port}",
+                      keys={"space": "unique"},
+                      schedule={"kind": "constant", "rate": rate})  # fmt: skip
+    seconds = size / rate * 1.02
+    print(f"filling the cache: {size:,} keys at {rate:,.0f} req/s", flush=True)
+    h.bench(spec, out / f"{model}-prefill.json", "--rate", str(rate), "--duration",
+            f"{seconds:.2f}", "--warmup", "0", echo=False)  # fmt: skip
 
 
 def load_features(model_dir: Path, redis_url: str) -> None:
@@ -126,7 +191,8 @@ def load_features(model_dir: Path, redis_url: str) -> None:
 
 def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
     head = (f"{'config':18}{'capacity':>10}{'vs redis':>9}{'vs tutor':>9}{'p99@half':>9}"
-            f"{'L1 hit':>8}{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}{'L2 p99':>8}")  # fmt: skip
+            f"{'server':>8}{'L1 hit':>8}{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}"
+            f"{'L2 p99':>8}")  # fmt: skip
     if model == "ranker":
         print("\nranker, 500 candidates, Zipf(1.0) over 100,000 request keys: SLO p99 <= 30 ms;"
               " at half of each capacity")  # fmt: skip
@@ -141,15 +207,25 @@ def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
         return f"{value:.2f}" if value is not None else "-"
 
     for name, r in results.items():
+        if name == "floor":
+            continue
         capacity = r["capacity"]
         ratio = f"{capacity / redis_only:.2f}x" if capacity and redis_only else "-"
         vs_tutorial = f"{capacity / tutorial:.2f}x" if capacity and tutorial else "-"
         print(
             f"{name:18}{(f'{capacity:,.0f}' if capacity else 'none'):>10}{ratio:>9}"
             f"{vs_tutorial:>9}"
-            f"{ms(r['half']['p99_ms']):>9}{r['hits']['l1']:>8.1%}{r['hits']['l2']:>8.1%}"
+            f"{ms(r['half']['p99_ms']):>9}{ms(r.get('server_p99_ms')):>8}"
+            f"{r['hits']['l1']:>8.1%}{r['hits']['l2']:>8.1%}"
             f"{r['miss']:>7.1%}{ms(r['l1_p99_ms']):>8}{ms(r['l2_p99_ms']):>8}"
         )
+    print("p99@half: as the generator measures it; server: the worker's own p99 (received to "
+          "reply ready)")  # fmt: skip
+    base = results.get("floor")
+    if base is not None:
+        print(f"measuring floor, a fixed reply on the same HTTP stack at {base['offered_rps']:,.0f}"
+              f" req/s (the hit path's half): p50 {base['p50_ms']:.2f} ms, p99 "
+              f"{base['p99_ms']:.2f} ms")  # fmt: skip
 
 
 def main() -> None:
@@ -176,9 +252,13 @@ def main() -> None:
             names.insert(1, TUTORIAL)
         for name in args.configs.split(",") if args.configs else names:
             results[name] = measure(name, examples, work, args.out, redis_url, args)
-    if len(results) > 1:
-        h.compare([args.out / f"{args.model}-{n}.json" for n in results if n not in KEYS],
-                  args.out / "compare.html")  # fmt: skip
+    hit_path = results.get("hit-path")
+    if hit_path is not None and hit_path["capacity"]:
+        results["floor"] = floor(hit_path, args.out, args)
+    compared = [args.out / f"{args.model}-{n}.json" for n in results
+                if n not in KEYS and n != "floor"]  # fmt: skip
+    if len(compared) > 1:
+        h.compare(compared, args.out / "compare.html")
     print("\n\nSummary")
     report(results, args.model)
     (args.out / "summary.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))

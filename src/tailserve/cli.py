@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
     serve.add_argument(
+        "--gil-switch-interval-ms", type=float,
+        help="how long the event loop may keep the GIL from a model's thread (0.5; 0: Python's)",
+    )  # fmt: skip
+    serve.add_argument(
         "--fault-slow-fraction", type=float,
         help="TEST ONLY: this fraction of inference requests is made slow (0)",
     )  # fmt: skip
@@ -114,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
             "cache_l2_budget_ms", "redis_client", "worker_id", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
             "trace_file", "trace_sample", "fault_slow_fraction", "fault_slow_factor",
+            "gil_switch_interval_ms",
         )
     }  # fmt: skip
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

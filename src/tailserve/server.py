@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -150,6 +151,9 @@ class Worker:
         return rows
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.settings.gil_switch_interval_ms > 0:
+            # Process-wide, like gc.freeze below: a worker is its own process.
+            sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1e3)
         config = uvicorn.Config(
             self.app,
             host=self.settings.host,

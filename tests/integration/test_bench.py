@@ -50,7 +50,9 @@ def test_a_constant_rate_is_kept_in_count_and_spacing() -> None:
     assert (arrivals[-1] - arrivals[0]) == pytest.approx(399 * 0.005, rel=0.05)
     assert result["overall"]["errors"] == 0
     assert result["overall"]["achieved_rps"] == pytest.approx(200, rel=0.05)
-    assert not result["generator"]["behind"]
+    # Most sends leave on time. (Not the p99 or the "behind" flag: one stall of the machine
+    # delays a dozen of these 400 sends, and tests/unit/test_bench_stats.py covers the flag.)
+    assert result["generator"]["lag_p50_ms"] < 1.0
 
 
 def test_a_stall_shows_in_the_tail_where_a_closed_loop_would_hide_it() -> None:

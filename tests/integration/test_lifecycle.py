@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from support.models import add_version, doubler_config, write_model
 from support.servers import run_worker, wait_for, worker_process
@@ -135,3 +137,18 @@ def test_reload_to_a_new_version_under_load_fails_no_request(tmp_path: Path) -> 
         assert set(statuses) == {200}
         assert versions[0] == "1" and versions[-1] == "2"
         assert httpx.get(f"{running.url}/v2/models/doubler").json()["versions"] == ["2"]
+
+
+@pytest.mark.parametrize(("setting_ms", "expected_s"), [(1.5, 0.0015), (0.0, 0.004)])
+def test_the_worker_sets_the_gil_switch_interval_unless_told_not_to(
+    tmp_path: Path, setting_ms: float, expected_s: float
+) -> None:
+    # A model's thread waits for the GIL at most about this long while the event loop is busy.
+    write_model(tmp_path, "m", doubler_config())
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)  # what "0: keep the interpreter's own" must leave alone
+    try:
+        with run_worker(Settings(repository=str(tmp_path), gil_switch_interval_ms=setting_ms)):
+            assert sys.getswitchinterval() == pytest.approx(expected_s)
+    finally:
+        sys.setswitchinterval(before)

@@ -54,6 +54,19 @@ async def tier(redis: RedisServer, client_kind: str) -> AsyncIterator[RedisTier]
     await tier.close()
 
 
+async def connected_clients(admin: Redis) -> int:
+    return int((await admin.info("clients"))["connected_clients"])
+
+
+async def test_connect_opens_the_lookup_connection_so_the_first_lookup_does_not(
+    tier: RedisTier, admin: Redis
+) -> None:
+    # A connection set up inside the first lookup would cost it most of its 5 ms budget.
+    opened = await connected_clients(admin)
+    assert await tier.get(fresh_prefix() + "absent") is None
+    assert await connected_clients(admin) == opened
+
+
 async def test_lookups_made_in_one_loop_turn_go_to_redis_as_one_mget(
     tier: RedisTier, admin: Redis
 ) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from support.servers import WorkerProcess, async_wait_for, worker_process
 from support.stub import StubApp, run_stub
 from tailserve.client import Client, InferenceError
 from tailserve.router.membership import write_members
+from tailserve.router.proxy import Router
 
 # y = 2x, slowed by the number of seconds in the version folder's `delay` file (read on every
 # batch, so a test can slow one worker down mid-run); every row it runs is noted in `ran`.
@@ -158,38 +159,32 @@ async def test_affinity_keeps_a_key_on_one_replica_and_spreads_keys(pair: Any) -
 async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
     tmp_path: Path,
 ) -> None:
-    with _workers(tmp_path, 2) as workers:
-        urls = [w.url for w in workers]
-        async with _router(
-            urls, balance="round-robin", hedge_min_samples=5, hedge_ratio=1.0
-        ) as router, httpx.AsyncClient(timeout=30) as client:  # fmt: skip
-            for i in range(20):  # learn the model's p95 (milliseconds)
-                assert (await _infer(client, router.url, 100.0 + i)).status_code == 200
-            before = len(_ran(tmp_path, 0))
-            _slow(tmp_path, 0, 1.5)
-            started = time.monotonic()
-            replies = await asyncio.gather(
-                *(_infer(client, router.url, float(x)) for x in range(1, 7))
-            )
-            took = time.monotonic() - started
-            assert [_y(r) for r in replies] == [2.0 * x for x in range(1, 7)]
-            assert took < 1.0, f"hedges should have answered long before 1.5 s, took {took:.2f}"
-            hedged = [r for r in replies if r.headers.get("x-tailserve-hedged") == "1"]
-            assert hedged and all(r.headers["x-tailserve-replica"] == urls[1] for r in hedged)
-            # The slow worker saw its copies cancelled (499: the one it was running, at least;
-            # a copy still waiting for a connection is withdrawn before it is sent) and ran at
-            # most the one it had already started: the rest left its queue without running.
-            await _until(lambda: _cancelled(urls[0]) >= 1, what="a cancellation on the worker")
-            _slow(tmp_path, 0, 0)
-            assert (await client.post(f"{urls[0]}/v2/models/m/infer",
-                                      content=_infer_body(99.0))).status_code == 200  # fmt: skip
-            ran_after = _ran(tmp_path, 0)[before:]
-            assert ran_after[-1] == 99.0
-            assert len(ran_after[:-1]) <= 1, f"cancelled copies ran anyway: {ran_after}"
-            state = router.state()["hedges"]
-            assert isinstance(state, dict) and state["sent"] >= len(hedged)
-            # The delay it hedges after now: the recent p95, slow replies included.
-            assert 0.0 < state["delays_ms"]["m/s"] <= 1500.0
+    async with _hedging(tmp_path, "round-robin", 1.0) as (urls, router, client):
+        for i in range(20):  # learn the model's p95 (milliseconds)
+            assert (await _infer(client, router.url, 100.0 + i)).status_code == 200
+        before = len(_ran(tmp_path, 0))
+        _slow(tmp_path, 0, 1.5)
+        started = time.monotonic()
+        replies = await asyncio.gather(*(_infer(client, router.url, float(x)) for x in range(1, 7)))
+        took = time.monotonic() - started
+        assert [_y(r) for r in replies] == [2.0 * x for x in range(1, 7)]
+        assert took < 1.0, f"hedges should have answered long before 1.5 s, took {took:.2f}"
+        hedged = [r for r in replies if r.headers.get("x-tailserve-hedged") == "1"]
+        assert hedged and all(r.headers["x-tailserve-replica"] == urls[1] for r in hedged)
+        # The slow worker saw its copies cancelled (499: the one it was running, at least;
+        # a copy still waiting for a connection is withdrawn before it is sent) and ran at
+        # most the one it had already started: the rest left its queue without running.
+        await _until(lambda: _cancelled(urls[0]) >= 1, what="a cancellation on the worker")
+        _slow(tmp_path, 0, 0)
+        assert (await client.post(f"{urls[0]}/v2/models/m/infer",
+                                  content=_infer_body(99.0))).status_code == 200  # fmt: skip
+        ran_after = _ran(tmp_path, 0)[before:]
+        assert ran_after[-1] == 99.0
+        assert len(ran_after[:-1]) <= 1, f"cancelled copies ran anyway: {ran_after}"
+        state = router.state()["hedges"]
+        assert isinstance(state, dict) and state["sent"] >= len(hedged)
+        # The delay it hedges after now: the recent p95, slow replies included.
+        assert 0.0 < state["delays_ms"]["m/s"] <= 1500.0
 
 
 def _cancelled(url: str) -> float:
@@ -202,24 +197,99 @@ def _cancelled(url: str) -> float:
 
 
 async def test_the_budget_caps_hedges(tmp_path: Path) -> None:
-    with _workers(tmp_path, 2) as workers:
+    async with _hedging(tmp_path, "round-robin", 0.1) as (_, router, client):
+        for i in range(20):
+            await _infer(client, router.url, float(i))
+        _slow(tmp_path, 0, 0.1)
+        replies = await asyncio.gather(*(_infer(client, router.url, float(x)) for x in range(30)))
+        assert all(r.status_code == 200 for r in replies)
+        budget = router.dispatcher.hedge_budget
+        # 50 requests earn 5 copies at 10%; about 15 of the 30 met the slow worker.
+        assert budget.spent <= 0.1 * budget.requests + 1e-9
+        assert budget.refused > 0
+        metrics = (await client.get(f"{router.url}/metrics")).text
+        assert 'tailserve_router_hedges_total{model="m",outcome="refused"}' in metrics
+
+
+@contextlib.asynccontextmanager
+async def _hedging(
+    tmp: Path, balance: str, ratio: float
+) -> AsyncIterator[tuple[list[str], Router, httpx.AsyncClient]]:
+    """Two slowable workers behind a router that hedges once 5 replies are known, within
+    ``ratio`` of the requests; yields the workers' URLs, the router and a client."""
+    with _workers(tmp, 2) as workers:
         urls = [w.url for w in workers]
         async with _router(
-            urls, balance="round-robin", hedge_min_samples=5, hedge_ratio=0.1
+            urls, balance=balance, hedge_min_samples=5, hedge_ratio=ratio
         ) as router, httpx.AsyncClient(timeout=30) as client:  # fmt: skip
-            for i in range(20):
-                await _infer(client, router.url, float(i))
-            _slow(tmp_path, 0, 0.1)
-            replies = await asyncio.gather(
-                *(_infer(client, router.url, float(x)) for x in range(30))
-            )
-            assert all(r.status_code == 200 for r in replies)
-            budget = router.dispatcher.hedge_budget
-            # 50 requests earn 5 copies at 10%; about 15 of the 30 met the slow worker.
-            assert budget.spent <= 0.1 * budget.requests + 1e-9
-            assert budget.refused > 0
-            metrics = (await client.get(f"{router.url}/metrics")).text
-            assert 'tailserve_router_hedges_total{model="m",outcome="refused"}' in metrics
+            yield urls, router, client
+
+
+async def _learn_keys(client: httpx.AsyncClient, url: str) -> dict[str, str]:
+    """20 requests, each with an affinity key of its own (the router learns the model's p95
+    from them): answers, for each worker, a key whose requests go to it."""
+    home: dict[str, str] = {}
+    for i in range(20):
+        reply = await _infer(client, url, 100.0 + i, headers={"x-affinity-key": f"k{i}"})
+        home.setdefault(reply.headers["x-tailserve-replica"], f"k{i}")
+    return home
+
+
+async def test_a_hedge_that_finds_the_budget_empty_goes_out_with_the_next_token(
+    tmp_path: Path,
+) -> None:
+    ratio = 0.04  # 20 requests earn 0.8 of a copy: the first one due finds the budget empty
+    async with _hedging(tmp_path, "affinity", ratio) as (urls, router, client):
+        home = await _learn_keys(client, router.url)
+        slow_key, fast_key = home[urls[0]], home[urls[1]]
+        dispatcher = router.dispatcher
+        # (A learning request slower than the p99 may have had a late hedge of its own.)
+        late = dispatcher.late_hedges
+        _slow(tmp_path, 0, 3.0)
+        started = time.monotonic()
+        stuck = asyncio.ensure_future(
+            _infer(client, router.url, 1.0, headers={"x-affinity-key": slow_key})
+        )
+        await _until(lambda: dispatcher.hedges_waiting == 1,
+                     what="the stuck request's hedge to wait for a token")  # fmt: skip
+        assert dispatcher.hedge_budget.refused >= 1 and dispatcher.late_hedges == late
+        earning = 0
+        while not stuck.done() and earning < 40:  # each request earns 0.04 of a token
+            reply = await _infer(client, router.url, 50.0 + earning,
+                                 headers={"x-affinity-key": fast_key})  # fmt: skip
+            assert reply.status_code == 200
+            earning += 1
+        reply = await stuck
+        took = time.monotonic() - started
+        assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
+        assert reply.headers["x-tailserve-replica"] == urls[1]
+        assert took < 2.0, f"the late hedge should have answered before the 3 s reply: {took}"
+        assert dispatcher.late_hedges == late + 1 and dispatcher.hedges_waiting == 0
+        # It waited for the token the requests after it earned: the budget still holds.
+        budget = dispatcher.hedge_budget
+        assert budget.spent <= ratio * budget.requests + 1e-9
+        _slow(tmp_path, 0, 0)
+
+
+async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
+    tmp_path: Path,
+) -> None:
+    # 20 requests at 15% earn 3 copies: below half the cap (10), so a hedge is rationed and
+    # waits until the request has had no reply for the p99; nothing else comes meanwhile.
+    async with _hedging(tmp_path, "affinity", 0.15) as (urls, router, client):
+        home = await _learn_keys(client, router.url)
+        dispatcher = router.dispatcher
+        assert 1.0 <= dispatcher.hedge_budget.tokens < 5.0
+        late = dispatcher.late_hedges
+        _slow(tmp_path, 0, 3.0)
+        started = time.monotonic()
+        reply = await _infer(client, router.url, 1.0,
+                             headers={"x-affinity-key": home[urls[0]]})  # fmt: skip
+        took = time.monotonic() - started
+        assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
+        assert took < 2.0, f"the rationed hedge should have gone out when overdue: {took}"
+        assert dispatcher.hedge_budget.refused >= 1 and dispatcher.late_hedges == late + 1
+        _slow(tmp_path, 0, 0)
 
 
 async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
@@ -253,7 +323,11 @@ async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> No
         async with _router(urls) as router, httpx.AsyncClient(timeout=30) as client:
             for i in range(100):  # the retry budget is earned by traffic
                 await _infer(client, router.url, float(i))
-            _slow(tmp_path, 0, 0.05)  # requests are in flight to it when it dies
+            # Both slow alike, so neither is ejected as a latency outlier before the kill (a
+            # lone slow one was, and then nothing was in flight to it when it died).
+            _slow(tmp_path, 0, 0.05)
+            _slow(tmp_path, 1, 0.05)
+            backend = router.dispatcher.upstreams[urls[0]].backend
             killed = asyncio.Event()
             statuses: list[int] = []
 
@@ -261,7 +335,8 @@ async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> No
                 for i in range(40):
                     reply = await _infer(client, router.url, float(offset + i))
                     statuses.append(reply.status_code)
-                    if len(statuses) == 40 and not killed.is_set():
+                    # Killed with requests in flight to it, once some traffic has gone by.
+                    if len(statuses) >= 40 and backend.in_flight and not killed.is_set():
                         os.kill(workers[0].process.pid, signal.SIGKILL)
                         killed.set()
 
@@ -270,7 +345,6 @@ async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> No
             assert statuses == [200] * 160, f"failed: {[s for s in statuses if s != 200]}"
             retried = router.dispatcher.retry_budget.spent
             assert retried >= 1
-            backend = router.dispatcher.upstreams[urls[0]].backend
             await _until(lambda: not backend.in_service(router.loop.time()), "the dead one out")
 
 

@@ -122,6 +122,21 @@ def test_p2c_score_is_the_expected_wait() -> None:
     assert score(Backend("new", in_flight=1), prior_s=0.01) == pytest.approx(0.02)
 
 
+def test_a_p2c_copy_goes_to_the_least_loaded_of_all_the_others() -> None:
+    # A hedge is there to beat a late reply: two random picks would often both be busy.
+    pool = pool_of(5)
+    tried, busy1, busy2, idle1, idle2 = pool.backends
+    for backend in pool:
+        backend.latency_s, backend.samples = 0.010, 10
+    tried.in_flight, busy1.in_flight, busy2.in_flight = 1, 2, 2
+    balancer = PowerOfTwo(random.Random(5))
+    copies = Counter(balancer.choose(pool, None, NOW, (tried,), copy=True) for _ in range(200))
+    assert set(copies) == {idle1, idle2}  # ties broken at random, not always the first idle
+    assert min(copies.values()) > 50
+    firsts = {balancer.choose(pool, None, NOW, (tried,)) for _ in range(200)}
+    assert busy1 in firsts or busy2 in firsts  # a first choice is still two random picks
+
+
 def test_p2c_spreads_load_evenly() -> None:
     pool = pool_of(10)
     balancer = PowerOfTwo(random.Random(3))

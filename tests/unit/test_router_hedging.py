@@ -96,7 +96,7 @@ def test_the_delay_is_floored_and_capped() -> None:
 
 
 def test_on_request_earns_budget_and_answers_the_delay() -> None:
-    policy = HedgePolicy(min_samples=10, budget=HedgeBudget(ratio=0.5))
+    policy = HedgePolicy(min_samples=10, budget=HedgeBudget(ratio=0.5, cap=2.0))
     assert policy.on_request(now=0.0) is None
     for i in range(10):
         policy.observe(0.030, now=i * 0.01)
@@ -106,9 +106,101 @@ def test_on_request_earns_budget_and_answers_the_delay() -> None:
     assert not policy.try_hedge()
 
 
+# --- rationing ---------------------------------------------------------------------------------
+
+
+def test_a_hedge_goes_out_at_once_only_while_the_budget_holds_half_its_cap() -> None:
+    policy = HedgePolicy(budget=HedgeBudget(cap=10.0, initial=5.0))
+    assert policy.try_hedge()  # 5 tokens: plenty
+    assert not policy.try_hedge()  # 4 left: rationed, though a token is there
+    assert policy.budget.spent == 1 and policy.budget.refused == 1
+    assert policy.budget.tokens == pytest.approx(4.0)
+
+
+def _learned(policy: HedgePolicy, latencies: list[float]) -> HedgePolicy:
+    for i, latency in enumerate(latencies):
+        policy.observe(latency, now=i * 0.001)
+    return policy
+
+
+# 1,000 healthy replies: p95 9 ms, p99 12 ms (nearest rank).
+HEALTHY = [0.007] * 900 + [0.009] * 50 + [0.012] * 40 + [0.014] * 10
+
+
+def test_while_rationed_a_waiting_request_takes_a_token_after_the_p99() -> None:
+    now = 1.0
+    rationed = _learned(HedgePolicy(budget=HedgeBudget(cap=10.0, initial=2.0)), HEALTHY)
+    assert rationed.delay_s(now) == pytest.approx(0.009)
+    assert rationed.overdue_s(now) == pytest.approx(0.012)
+    assert not rationed.may_hedge_late(waited_s=0.011, now=now)
+    assert rationed.may_hedge_late(waited_s=0.012, now=now)
+    broke = _learned(HedgePolicy(budget=HedgeBudget(cap=10.0, initial=0.5)), HEALTHY)
+    assert not broke.may_hedge_late(waited_s=1.0, now=now)
+    flush = _learned(HedgePolicy(budget=HedgeBudget(cap=10.0, initial=6.0)), HEALTHY)
+    assert flush.may_hedge_late(waited_s=0.009, now=now)
+    assert HedgePolicy().overdue_s() is None  # nothing known: no hedging at all
+
+
+def _stuck_hedged_in_time(ration: bool) -> tuple[int, int, float]:
+    """A request every 5 ms for 200 s, with healthy replies as in HEALTHY and 1.25% stuck
+    (200 ms); a hedge comes due at the p95 (9 ms). Simulated in 1 ms ticks, tokens handed out
+    as they are earned (on arrivals), like the dispatcher. Returns the stuck requests, those of
+    them hedged by 25 ms (a healthy reply's time after the p99), and copies per request."""
+    rng = random.Random(11)
+    policy = _learned(HedgePolicy(budget=HedgeBudget()), HEALTHY)
+    count, gap, stuck_ms = 40_000, 5, 200
+    latency = [stuck_ms if rng.random() < 0.0125 else round(rng.choice(HEALTHY) * 1e3)
+               for _ in range(count)]  # fmt: skip
+    due = policy.delay_s(1.0)
+    assert due is not None
+    delay = round(due * 1e3)
+    waiting: list[int] = []
+    stuck = in_time = 0
+    for tick in range(count * gap):
+        now = 1.0  # the window is fixed: the policy's clock only ages samples out
+        if tick % gap == 0:
+            policy.budget.earn()  # request tick // gap arrives
+            while waiting:  # the tokens earned go to the waiting, oldest first
+                j = waiting[0]
+                waited = tick - j * gap
+                if latency[j] <= waited:
+                    waiting.pop(0)  # answered meanwhile
+                elif ration and policy.may_hedge_late(waited / 1e3, now):
+                    assert policy.budget.try_spend()
+                    waiting.pop(0)
+                    in_time += latency[j] == stuck_ms and waited <= 25
+                else:
+                    break
+        if (tick - delay) % gap == 0 and tick >= delay:
+            j = (tick - delay) // gap  # its hedge comes due now
+            if latency[j] > delay:
+                stuck += latency[j] == stuck_ms
+                if policy.try_hedge() if ration else policy.budget.try_spend():
+                    in_time += latency[j] == stuck_ms
+                elif ration:
+                    waiting.append(j)
+    return stuck, in_time, policy.budget.spent / count
+
+
+def test_rationing_spends_the_budget_on_the_stuck_requests() -> None:
+    stuck, in_time, extra = _stuck_hedged_in_time(ration=True)
+    assert stuck > 400
+    assert in_time >= 0.99 * stuck, (in_time, stuck)
+    assert extra <= 0.05 + 10 / 40_000
+    # Spent as they come due, the same tokens go mostly to the healthy replies just past the
+    # p95, and stuck requests find the bucket empty.
+    stuck, in_time, _ = _stuck_hedged_in_time(ration=False)
+    assert in_time < 0.95 * stuck, (in_time, stuck)
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [{"quantile": 1.0}, {"window": 10, "min_samples": 20}, {"min_delay_s": 2.0}],
+    [
+        {"quantile": 1.0},
+        {"window": 10, "min_samples": 20},
+        {"min_delay_s": 2.0},
+        {"quantile": 0.99, "late_quantile": 0.95},
+    ],
 )
 def test_nonsense_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -81,6 +81,8 @@ class RedisTier:
         try:
             async with asyncio.timeout(1.0):
                 await self.client.ping()
+                if self.fast is not None:
+                    await self.fast.open()
         except Exception as exc:
             log.warning("redis does not answer yet (%s); serving without L2 until it does", exc)
             return False

@@ -143,6 +143,11 @@ class LeanRedis:
         self._protocol = protocol
         return protocol
 
+    async def open(self) -> None:
+        """Connect now (at start-up), so the first lookup does not pay for it; raises
+        `RespError` when Redis does not answer."""
+        await self._connection()
+
     async def mget(self, keys: Sequence[str]) -> list[bytes | None]:
         protocol = await self._connection()
         (future,) = protocol.send(_pack(("MGET", *keys)), 1)

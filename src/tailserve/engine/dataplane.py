@@ -94,8 +94,15 @@ class DataPlane:
     ) -> None:
         """Before reading a request: refuse it at once if its model is already too busy for
         any request of its deadline (the header's, else the SLO). A priority or timeout in
-        the body is not known yet: the request is taken to have the highest priority."""
+        the body is not known yet: the request is taken to have the highest priority.
+
+        A model with a result cache is not refused here: its request may be a hit, answered
+        without the model (refused for the model's queue, hits were lost under load while
+        misses filled it). A miss meets the same test when it is offered to the scheduler.
+        """
         served = self.manager.get(name, version)
+        if served.cache is not None and self.cache is not None:
+            return
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
         served.scheduler.shed(deadline=received_at + budget, priority=1)

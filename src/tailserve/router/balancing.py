@@ -4,7 +4,8 @@ two choices, round-robin.
 Every balancer answers ``choose(pool, key, now, exclude)`` with an available backend (healthy,
 not ejected, under its in-flight limit, not in ``exclude``) or None when there is none: the
 caller then sheds the request at once (503 + Retry-After). ``exclude`` holds the backends a
-request has already tried, so a hedge or a retry goes to another replica.
+request has already tried, so a hedge or a retry goes to another replica; ``copy`` says the
+request is such a copy (see power of two choices below).
 
 **Affinity** (`BoundedLoadHash`): consistent hashing with bounded loads (Mirrokni, Thorup and
 Zadimoghaddam, 2018). Each backend id is hashed to ``vnodes`` points of a 64-bit ring
@@ -28,7 +29,12 @@ one with the lower score
 where latency is the backend's EWMA of reply latency (the median of the others' while it has
 no sample yet): the expected time until a new request would be answered if it queued behind
 the ones in flight. Two random choices, rather than the best of all, keep a burst of requests
-from herding onto one momentarily best replica (Mitzenmacher, 2001).
+from herding onto one momentarily best replica (Mitzenmacher, 2001). A copy (a hedge or a
+retry) goes to the best of all the others instead: it is there to beat an attempt that is
+already late, and one that lands behind a batch on a busy replica adds that batch's time to
+the request's tail (a hedge waiting there cost up to a whole service time more than one sent
+to an idle replica). Copies are a few percent of requests, and each counts in flight at once,
+so they do not herd.
 
 **Round-robin** (`RoundRobin`): the baseline; cycles through the pool's order, skipping what
 is unavailable.
@@ -58,7 +64,13 @@ _RING_CACHE = 64
 
 class Balancer(Protocol):
     def choose(
-        self, pool: Pool, key: str | None, now: float, exclude: Collection[Backend] = ()
+        self,
+        pool: Pool,
+        key: str | None,
+        now: float,
+        exclude: Collection[Backend] = (),
+        *,
+        copy: bool = False,
     ) -> Backend | None: ...
 
 
@@ -67,11 +79,19 @@ def _candidates(pool: Pool, now: float, exclude: Collection[Backend]) -> list[Ba
 
 
 class RoundRobin:
+    """The baseline: a copy takes its turn like any request."""
+
     def __init__(self) -> None:
         self._next = 0
 
     def choose(
-        self, pool: Pool, key: str | None, now: float, exclude: Collection[Backend] = ()
+        self,
+        pool: Pool,
+        key: str | None,
+        now: float,
+        exclude: Collection[Backend] = (),
+        *,
+        copy: bool = False,
     ) -> Backend | None:
         backends = pool.backends
         count = len(backends)
@@ -89,16 +109,26 @@ class PowerOfTwo:
         self._rng = rng if rng is not None else random.Random()
 
     def choose(
-        self, pool: Pool, key: str | None, now: float, exclude: Collection[Backend] = ()
+        self,
+        pool: Pool,
+        key: str | None,
+        now: float,
+        exclude: Collection[Backend] = (),
+        *,
+        copy: bool = False,
     ) -> Backend | None:
         candidates = _candidates(pool, now, exclude)
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        first, second = self._rng.sample(candidates, 2)
         known = [b.latency_s for b in pool if b.latency_s is not None and not _stale(b, now)]
         # A backend with no (recent) sample is neither favoured nor shunned: it is taken to be
         # as fast as the pool's median (with no samples at all, the score is the load alone).
         prior = statistics.median(known) if known else 1.0
+        if copy:
+            # Ties are broken at random, or every copy would go to the pool's first idle one.
+            self._rng.shuffle(candidates)
+            return min(candidates, key=lambda b: score(b, prior, now))
+        first, second = self._rng.sample(candidates, 2)
         first_score, second_score = score(first, prior, now), score(second, prior, now)
         return first if first_score <= second_score else second
 
@@ -190,10 +220,18 @@ class BoundedLoadHash:
                 yield backend
 
     def choose(
-        self, pool: Pool, key: str | None, now: float, exclude: Collection[Backend] = ()
+        self,
+        pool: Pool,
+        key: str | None,
+        now: float,
+        exclude: Collection[Backend] = (),
+        *,
+        copy: bool = False,
     ) -> Backend | None:
+        # A keyed copy walks on round the ring like any request of its key (the next replica
+        # is the one that warms up for the key when its own is out).
         if key is None:
-            return self._fallback.choose(pool, key, now, exclude)
+            return self._fallback.choose(pool, key, now, exclude, copy=copy)
         bound = self.bound(pool, now)
         least: Backend | None = None
         for backend in self.order(pool, key):

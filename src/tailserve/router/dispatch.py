@@ -11,9 +11,11 @@ for the wire, and answers through a callback; on the way it:
    Retry-After when no replica is available (all saturated, or none in service);
 2. sends it, with what is left of its deadline in ``X-Deadline-Ms`` when it has one;
 3. for an idempotent request, arms a timer at the model's recent p95 (per cost class): if no
-   reply has come by then and the hedge budget allows, a copy goes to another replica. The
-   first reply wins; the other copy is cancelled by closing its connection, which the worker
-   notices and drops the queued work;
+   reply has come by then and the hedge budget allows, a copy goes to another replica (the
+   least loaded; while the budget is short, the request waits for a token, and gets one
+   once it has had no reply for the recent p99: see hedging.py). The first reply wins; the
+   other copy is cancelled by closing its connection, which the worker notices and drops the
+   queued work;
 4. when a copy cannot connect, or its connection dies before a reply, or a worker refuses it
    with 429, tries once more on another replica within the retry budget;
 5. streams large bodies instead (``stream``: the request's body follows as the caller writes
@@ -37,6 +39,7 @@ import hashlib
 import logging
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -62,6 +65,8 @@ _INDEX_EVERY = 5
 # Cost classes by request body size: a large request's latency says nothing about a small
 # one's, so each class keeps its own hedge delay.
 _CLASS_EDGES = ((4096, "s"), (65536, "m"))
+# The most requests waiting for a hedge token; past it, a hedge that finds no token is dropped.
+_HEDGE_QUEUE = 1024
 
 Framer = Callable[[float | None], bytes]
 
@@ -137,7 +142,7 @@ class Exchange:
     __slots__ = (
         "_d", "_drain", "_policy", "_timer", "balancer", "body", "chunked", "deadline", "done",
         "frame", "has_deadline", "idempotent", "key", "live", "model", "on_done", "on_stream",
-        "pool", "retried", "stream", "tried",
+        "pool", "retried", "started", "stream", "tried",
     )  # fmt: skip
 
     def __init__(
@@ -174,6 +179,7 @@ class Exchange:
         self.done = False
         self.retried = False
         self._timer: asyncio.TimerHandle | None = None
+        self.started = 0.0
         # A streamed request: its body goes out through the current attempt's ticket.
         self.stream = stream
         self.chunked = chunked
@@ -205,8 +211,11 @@ class Exchange:
 
     def start(self) -> None:
         d = self._d
-        now = d.loop.time()
-        delay = self._policy.on_request(now) if self._policy is not None else None
+        now = self.started = d.loop.time()
+        delay = None
+        if self._policy is not None:
+            delay = self._policy.on_request(now)  # earns a share of a hedge token
+            d.release_hedges(now)
         d.retry_budget.earn()
         if not self._send(now, "first"):
             self._shed(now)
@@ -227,7 +236,7 @@ class Exchange:
 
     def _send(self, now: float, kind: str) -> bool:
         d = self._d
-        backend = self.balancer.choose(self.pool, self.key, now, self.tried)
+        backend = self.balancer.choose(self.pool, self.key, now, self.tried, copy=kind != "first")
         if backend is None:
             return False
         upstream = d.upstreams.get(backend.id)
@@ -260,9 +269,31 @@ class Exchange:
             return
         if not self._policy.try_hedge():
             d.metrics.hedges.inc(self.model, "refused")
+            # It waits for a token (hedging.py: rationing); tokens come with new requests,
+            # and the queue is looked at again when this one turns overdue.
+            d.defer_hedge(self, self._policy.overdue_s(d.loop.time()))
             return
+        self.send_hedge()
+
+    def awaits_hedge(self, now: float) -> bool:
+        """Whether this request, queued for a hedge token, still wants one: unanswered, with
+        only its first copy out, and time left."""
+        return not self.done and len(self.live) == 1 and now < self.deadline
+
+    def may_hedge_late(self, now: float) -> bool:
+        """Whether this queued request may take a token now (hedging.py: rationing)."""
+        policy = self._policy
+        return policy is not None and policy.may_hedge_late(now - self.started, now)
+
+    def send_hedge(self, *, late: bool = False) -> None:
+        """Send the copy its spent token paid for."""
+        d = self._d
+        assert self._policy is not None
         if self._send(d.loop.time(), "hedge"):
             d.metrics.hedges.inc(self.model, "sent")
+            if late:
+                d.late_hedges += 1
+                d.metrics.hedges.inc(self.model, "late")
         else:
             # No other replica could take it: give the token back, nothing was sent.
             self._policy.budget.refund()
@@ -426,6 +457,9 @@ class Dispatcher:
         self._balancers: dict[str, Balancer] = {}
         self._hedges: dict[tuple[str, str], HedgePolicy] = {}
         self.hedge_budget = HedgeBudget(ratio=config.hedge_ratio)
+        # Requests whose hedge came due while the budget was short, oldest first.
+        self._hedge_queue: deque[Exchange] = deque()
+        self.late_hedges = 0
         # A dead worker fails every request in flight to it at once: the burst allowance is
         # room for those (and the connects that fail before it is ejected) to be retried.
         # It starts full: a router that has just started (or restarted) has earned nothing yet,
@@ -539,6 +573,45 @@ class Dispatcher:
     def hedge_policies(self) -> dict[tuple[str, str], HedgePolicy]:
         """Every (model, cost class) hedged so far, and its policy."""
         return dict(self._hedges)
+
+    @property
+    def hedges_waiting(self) -> int:
+        """Requests waiting for a hedge token now (the queue also holds ones answered since,
+        dropped as the queue is next served)."""
+        now = self.loop.time()
+        return sum(1 for e in self._hedge_queue if e.awaits_hedge(now))
+
+    def defer_hedge(self, exchange: Exchange, overdue_s: float | None) -> None:
+        """``exchange``'s hedge came due with the budget short: queue it for a token, and
+        serve the queue again once it has waited ``overdue_s`` (with no new requests, no
+        token would be handed out otherwise)."""
+        queue = self._hedge_queue
+        if len(queue) >= _HEDGE_QUEUE:
+            now = self.loop.time()
+            queue = self._hedge_queue = deque(e for e in queue if e.awaits_hedge(now))
+            if len(queue) >= _HEDGE_QUEUE:
+                return  # (counted as refused already)
+        queue.append(exchange)
+        if overdue_s is not None:
+            self.loop.call_at(exchange.started + overdue_s, self._release_hedges_now)
+
+    def _release_hedges_now(self) -> None:
+        if not self._closed:
+            self.release_hedges(self.loop.time())
+
+    def release_hedges(self, now: float) -> None:
+        """Hand the tokens there are to the requests that have waited longest for one (as
+        far as the rationing lets them: hedging.py). Called as tokens are earned."""
+        queue, budget = self._hedge_queue, self.hedge_budget
+        while queue:
+            head = queue[0]
+            if not head.awaits_hedge(now):
+                queue.popleft()  # answered meanwhile
+            elif head.may_hedge_late(now) and budget.try_spend():
+                queue.popleft()
+                head.send_hedge(late=True)
+            else:
+                return
 
     # --- requests -------------------------------------------------------------------------
 

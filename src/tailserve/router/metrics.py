@@ -75,7 +75,8 @@ class RouterMetrics:
         )
         self.hedges = LoopCounter(
             "tailserve_router_hedges",
-            "Hedged copies by outcome: sent, won (its reply came first), refused (no budget).",
+            "Hedged copies by outcome: sent, won (its reply came first), refused (the budget "
+            "was empty when it came due; it then waits for a token), late (sent after waiting).",
             ["model", "outcome"],
         )
         self.retries = LoopCounter(

@@ -674,7 +674,11 @@ class Router:
             "hedges": {
                 "requests": d.hedge_budget.requests,
                 "sent": d.hedge_budget.spent,
+                # Refused: found the budget empty when due (each then waits for a token);
+                # late: sent once one came; waiting: queued for one now.
                 "refused": d.hedge_budget.refused,
+                "late": d.late_hedges,
+                "waiting": d.hedges_waiting,
                 # The delay after which each model and cost class hedges now (None: too few
                 # replies known yet).
                 "delays_ms": {
