@@ -107,40 +107,86 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
         raise InvalidInput(f"tensor {name!r}: 'data' is missing")
     if not isinstance(data, list):
         data = [data]
-    if datatype == "BYTES":
-        flat = _flatten(name, data)
-        for item in flat:
-            if not isinstance(item, str | bytes):
-                raise InvalidInput(
-                    f"tensor {name!r}: BYTES data must be strings, got {type(item).__name__}"
-                )
-        array = np.empty(len(flat), dtype=object)
-        array[:] = flat
-    else:
-        try:
-            array = np.asarray(data)
-        except (ValueError, TypeError) as exc:
-            raise InvalidInput(f"tensor {name!r}: data is not a regular nested list") from exc
-        accepts = _ACCEPTS_KINDS[dtype.kind]
-        if array.size and array.dtype.kind not in accepts:
-            found = "non-numeric values" if array.dtype.kind in "OUS" else f"{array.dtype} values"
-            raise InvalidInput(f"tensor {name!r}: datatype {datatype} cannot hold {found}")
-        narrower = dtype.itemsize < 8 or dtype.kind == "u"
-        if narrower and dtype.kind in "iu" and array.size and array.dtype.kind in "iu":
-            # astype wraps silently (300 -> 44 as UINT8): refuse values the type cannot hold.
-            info = np.iinfo(dtype)
-            if array.min() < info.min or array.max() > info.max:
-                raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}")
-        try:
-            array = array.astype(dtype, copy=False)
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}") from exc
+    array = _small_numbers(dtype, data)
+    if array is None:
+        if datatype == "BYTES":
+            array = _bytes_array(name, data)
+        else:
+            array = _number_array(name, datatype, dtype, data)
     count = math.prod(shape)
     if array.size != count:
         raise InvalidInput(
             f"tensor {name!r}: shape {list(shape)} needs {count} elements, data has {array.size}"
         )
     return array.reshape(shape)
+
+
+# A short flat list of plain numbers (most requests' tensors: a field or a few per row) is
+# converted in one call, to the same values the general path gives; anything else takes the
+# general path, which also says what is wrong.
+_SMALL = 64
+_EXACT_IN_DOUBLE = 2**53
+
+
+def _small_numbers(dtype: np.dtype[Any], data: list[Any]) -> np.ndarray[Any, Any] | None:
+    if len(data) > _SMALL:
+        return None
+    kind = dtype.kind
+    if kind in "iu":
+        for value in data:
+            if type(value) is not int:  # bools and floats: the general path
+                return None
+        try:
+            return np.array(data, dtype=dtype)
+        except OverflowError:  # out of the type's range: the general path says so
+            return None
+    if kind == "f":
+        for value in data:
+            kind_of = type(value)
+            if kind_of is int:
+                # An int reaches a float type through a double on the general path too: exact
+                # up to 2**53, past that the two roundings might differ.
+                if not -_EXACT_IN_DOUBLE <= value <= _EXACT_IN_DOUBLE:
+                    return None
+            elif kind_of is not float:
+                return None
+        return np.array(data, dtype=dtype)
+    return None
+
+
+def _bytes_array(name: str, data: list[Any]) -> np.ndarray[Any, Any]:
+    flat = _flatten(name, data)
+    for item in flat:
+        if not isinstance(item, str | bytes):
+            raise InvalidInput(
+                f"tensor {name!r}: BYTES data must be strings, got {type(item).__name__}"
+            )
+    array = np.empty(len(flat), dtype=object)
+    array[:] = flat
+    return array
+
+
+def _number_array(
+    name: str, datatype: str, dtype: np.dtype[Any], data: list[Any]
+) -> np.ndarray[Any, Any]:
+    try:
+        array = np.asarray(data)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"tensor {name!r}: data is not a regular nested list") from exc
+    accepts = _ACCEPTS_KINDS[dtype.kind]
+    if array.size and array.dtype.kind not in accepts:
+        found = "non-numeric values" if array.dtype.kind in "OUS" else f"{array.dtype} values"
+        raise InvalidInput(f"tensor {name!r}: datatype {datatype} cannot hold {found}")
+    narrower = dtype.itemsize < 8 or dtype.kind == "u"
+    if narrower and dtype.kind in "iu" and array.size and array.dtype.kind in "iu":
+        # astype wraps silently (300 -> 44 as UINT8): refuse values the type cannot hold.
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}")
+    try:
+        return array.astype(dtype, copy=False)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}") from exc
 
 
 def _flatten(name: str, data: list[Any]) -> list[Any]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import numpy as np
 
 from tailserve.cache.keys import KeyBuilder, KeyRule, model_prefix, schema_hash, version_prefix
@@ -85,3 +88,27 @@ def test_parameters_named_by_the_rule_change_the_key_and_others_do_not() -> None
     assert key(tensors(), {"top_k": 5, "timeout": 1}) == key(tensors(), {"top_k": 5})
     # A parameter outside the rule (a deadline, a priority) never splits the cache.
     assert builder().key(tensors(), {"timeout": 10}) == builder().key(tensors())
+
+
+def test_the_key_is_the_documented_framing_so_stored_results_outlive_a_worker() -> None:
+    # Rebuilt by hand from the module's description: results written to Redis (precomputed,
+    # or by another worker) are found only if every worker frames a key the same way.
+    def framed(data: bytes) -> bytes:
+        return struct.pack("<Q", len(data)) + data
+
+    digest = hashlib.blake2b(digest_size=16)
+    for part in ("churn", "1", SCHEMA, ""):
+        digest.update(framed(part.encode()))
+    for name, datatype, array in (
+        ("a", "FP32", np.array([1.5, 2.5], dtype=np.float32)),
+        ("b", "INT64", np.array([3, 4], dtype=np.int64)),
+    ):
+        digest.update(framed(f"{name}\x00{datatype}\x00{array.shape}".encode()))
+        digest.update(framed(array.tobytes()))
+    expected = version_prefix("churn", 1) + digest.hexdigest()
+    keys = builder()
+    assert keys.key(tensors()) == expected
+    # Again, from the builder's remembered framing of those tensors' names and shapes.
+    assert keys.key(tensors()) == expected
+    # A new shape of a known tensor is framed anew, not taken for the old one.
+    assert keys.key(tensors(a=((1.5, 2.5),))) != expected

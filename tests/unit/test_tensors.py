@@ -84,3 +84,34 @@ def test_binary_size_mismatch_is_an_error() -> None:
         from_binary("x", "FP32", [2], b"\x00" * 4)
     with pytest.raises(InvalidInput, match="runs past the end"):
         from_binary("s", "BYTES", [1], struct.pack("<I", 10) + b"abc")
+
+
+SHORT_LISTS = [
+    [3], [0, -7, 2**40], [2**63 - 1], [-(2**63)], [300], [-1], [1.5], [0.1, 2.5e38], [5, 2.5],
+    [2**53], [2**53 + 1], [True], [True, 2], [1e300], [70000.0], ["a"], [None], [],
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e300 as FP16/FP32: inf
+@pytest.mark.parametrize("datatype", NUMERIC)
+@pytest.mark.parametrize("values", SHORT_LISTS, ids=str)
+def test_a_short_list_decodes_as_the_general_path_decodes_it(
+    datatype: str, values: list[object]
+) -> None:
+    # Short flat lists of plain numbers take a shortcut; past 64 values the general path
+    # decodes. The same values, repeated past 64, must give the same array or the same error.
+    many = values * 70
+    try:
+        general: np.ndarray | str = from_json("x", datatype, [len(many)], many)[: len(values)]
+    except InvalidInput as exc:
+        general = exc.message
+    try:
+        short: np.ndarray | str = from_json("x", datatype, [len(values)], values)
+    except InvalidInput as exc:
+        short = exc.message
+    if isinstance(general, str):
+        assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
+    else:
+        assert isinstance(short, np.ndarray), short
+        assert short.dtype == general.dtype
+        assert short.tobytes() == general.tobytes()

@@ -59,7 +59,7 @@ class KeyRule:
 class KeyBuilder:
     """The keys of one served version of one model."""
 
-    __slots__ = ("_head", "_rule", "prefix")
+    __slots__ = ("_head", "_heads", "_rule", "prefix")
 
     def __init__(
         self,
@@ -75,6 +75,8 @@ class KeyBuilder:
         for part in (model, str(version), schema, feature_version):
             _frame(head, part.encode())
         self._head = head
+        # Each tensor's framed name, datatype and shape, made once per kind of tensor seen.
+        self._heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
 
     def key(self, tensors: Sequence[Tensor], parameters: Mapping[str, Any] | None = None) -> str:
         rule = self._rule
@@ -83,9 +85,10 @@ class KeyBuilder:
         for tensor in sorted(tensors, key=_name):
             if tensor.name in rule.exclude:
                 continue
-            head = f"{tensor.name}\x00{tensor.datatype}\x00{tensor.data.shape}".encode()
-            data = canonical_bytes(tensor.data, rule.round.get(tensor.name))
-            parts += (_LENGTH.pack(len(head)), head, _LENGTH.pack(len(data)), data)
+            array = tensor.data
+            data = canonical_bytes(array, rule.round.get(tensor.name))
+            parts += (self._framed_head(tensor.name, tensor.datatype, array.shape),
+                      _LENGTH.pack(len(data)), data)  # fmt: skip
         if rule.parameters:
             given = parameters or {}
             for name in rule.parameters:
@@ -94,6 +97,20 @@ class KeyBuilder:
         digest = self._head.copy()
         digest.update(b"".join(parts))
         return self.prefix + digest.hexdigest()
+
+    def _framed_head(self, name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
+        known = (name, datatype, shape)
+        framed = self._heads.get(known)
+        if framed is None:
+            head = f"{name}\x00{datatype}\x00{shape}".encode()
+            framed = _LENGTH.pack(len(head)) + head
+            if len(self._heads) >= _HEADS_KEPT:  # shapes a client can vary without end
+                self._heads.clear()
+            self._heads[known] = framed
+        return framed
+
+
+_HEADS_KEPT = 1024
 
 
 def canonical_bytes(array: np.ndarray[Any, Any], grid: float | None = None) -> bytes:
