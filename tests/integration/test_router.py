@@ -350,7 +350,7 @@ async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> No
 
 async def test_requests_are_shed_at_once_when_every_replica_is_saturated(tmp_path: Path) -> None:
     with _workers(tmp_path, 1) as workers:
-        _slow(tmp_path, 0, 1.0)
+        _slow(tmp_path, 0, 3.0)
         async with (
             _router([workers[0].url], max_in_flight=1, hedge=False) as router,
             httpx.AsyncClient(timeout=30) as client,
@@ -362,7 +362,7 @@ async def test_requests_are_shed_at_once_when_every_replica_is_saturated(tmp_pat
             took = time.monotonic() - started
             assert shed.status_code == 503 and shed.headers["retry-after"] == "1"
             assert "in-flight limit" in shed.json()["error"]
-            assert took < 0.5
+            assert took < 1.5  # not after the 3 s reply (the slack: a stalling machine)
             assert (await slow).status_code == 200
         _slow(tmp_path, 0, 0)
 
