@@ -191,6 +191,8 @@ def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 # Hedges that came due with the budget empty, and those sent once a token came.
                 "refused": hedges["refused"],
                 "late": hedges.get("late", 0),
+                # Sent at their delay though rationed: their replica kept losing to hedges.
+                "suspect": hedges.get("suspect", 0),
                 "hedge_delay_ms": (hedges.get("delays_ms") or {}).get("steady/s"),
             }
     h.compare([out / f"tail-{n}.json" for n in TAIL_CONFIGS], out / "tail-compare.html")
@@ -201,16 +203,18 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\n1. Tail: 4 workers, {args.service_ms:g} ms per batch, one slow (5% x 20); "
           f"{args.tail_rate:g} req/s offered")  # fmt: skip
     head = (f"{'policy':14}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'errors':>8}{'extra':>8}"
-            f"{'no token':>10}{'late':>6}")  # fmt: skip
+            f"{'no token':>10}{'late':>6}{'suspect':>9}")  # fmt: skip
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():
         hedging = name in ("p2c+hedging", "default")
         extra = f"{r['extra']:.1%}" if hedging else "-"
-        refused, late = (
-            (str(r.get("refused", "-")), str(r.get("late", "-"))) if hedging else ("-", "-")
+        refused, late, suspect = (
+            (str(r.get(k, "-")) for k in ("refused", "late", "suspect"))
+            if hedging
+            else ("-", "-", "-")
         )
         print(f"{name:14}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['p999_ms']:>10.2f}"
-              f"{r['errors']:>8}{extra:>8}{refused:>10}{late:>6}")  # fmt: skip
+              f"{r['errors']:>8}{extra:>8}{refused:>10}{late:>6}{suspect:>9}")  # fmt: skip
     base, hedged = results.get("round-robin"), results.get("p2c+hedging")
     if base and hedged and hedged["p999_ms"]:
         print(f"p99.9 round-robin / p2c+hedging: {base['p999_ms'] / hedged['p999_ms']:.1f}x")

@@ -292,6 +292,37 @@ async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
         _slow(tmp_path, 0, 0)
 
 
+async def test_a_replica_that_keeps_losing_to_hedges_has_its_late_requests_hedged_at_once(
+    tmp_path: Path,
+) -> None:
+    # Rationed as in the test above: the first stuck request on worker 0 waits for the p99.
+    # Its hedge wins, so worker 0 has lost to a hedge where worker 1 never has: suspect. Its
+    # next stuck request is hedged at its delay (the p95), not made to wait for the p99.
+    async with _hedging(tmp_path, "affinity", 0.15) as (urls, router, client):
+        home = await _learn_keys(client, router.url)
+        dispatcher = router.dispatcher
+        pool = dispatcher.pool_for("m")
+        first = next(b for b in pool if b.url == urls[0])
+        assert not pool.suspect(first)
+        _slow(tmp_path, 0, 3.0)
+        stuck = {"x-affinity-key": home[urls[0]]}
+        late, suspect = dispatcher.late_hedges, dispatcher.suspect_hedges
+        reply = await _infer(client, router.url, 1.0, headers=stuck)
+        assert reply.headers.get("x-tailserve-hedged") == "1"
+        assert dispatcher.late_hedges == late + 1 and dispatcher.suspect_hedges == suspect
+        assert pool.suspect(first), first.overtaken
+        assert 1.0 <= dispatcher.hedge_budget.tokens < 5.0  # still rationed, a token there
+        reply = await _infer(client, router.url, 2.0, headers=stuck)
+        assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
+        assert _y(reply) == 4.0
+        assert dispatcher.suspect_hedges == suspect + 1 and dispatcher.late_hedges == late + 1
+        state = (await client.get(f"{router.url}/router/backends")).json()
+        assert state["hedges"]["suspect"] == suspect + 1
+        shares = {b["id"]: b["overtaken"] for b in state["backends"]}
+        assert shares[first.id] > 0.0
+        _slow(tmp_path, 0, 0)
+
+
 async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
     good, bad = StubApp(), StubApp(status=500)
     with run_stub(good) as g, run_stub(bad) as b:

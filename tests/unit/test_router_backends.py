@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tailserve.router import Backend, Pool
@@ -100,3 +102,24 @@ def test_membership() -> None:
 def test_the_decay_must_be_a_weight(alpha: float) -> None:
     with pytest.raises(ValueError, match="ewma_alpha"):
         Pool("churn", ewma_alpha=alpha)
+
+
+def test_a_replica_whose_requests_keep_losing_to_hedges_is_suspect_until_it_recovers() -> None:
+    rng = random.Random(3)
+    backends = [Backend(f"w{i}") for i in range(4)]
+    pool = Pool("m", backends)
+    slow, healthy = backends[3], backends[:3]
+    flagged = {b.id: 0 for b in backends}
+    checks = 2_000
+    for n in range(checks + 500):
+        for b in backends:  # 5% of the slow one's requests overtaken, 0.5% of the others'
+            pool.overtaken(b, rng.random() < (0.05 if b is slow else 0.005))
+        if n >= 500:  # after a warm-up of 500 requests each
+            for b in backends:
+                flagged[b.id] += pool.suspect(b)
+    assert flagged[slow.id] >= 0.8 * checks, flagged  # 1,866 of 2,000
+    assert all(flagged[b.id] <= 0.1 * checks for b in healthy), flagged  # 32, 38, 88 of 2,000
+    # It recovers: a hundred requests answered first and it is no longer suspect.
+    for _ in range(100):
+        pool.overtaken(slow, False)
+    assert not pool.suspect(slow)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tailserve.router import HedgeBudget, HedgePolicy, RetryBudget, TokenBudget
+from tailserve.router import Backend, HedgeBudget, HedgePolicy, Pool, RetryBudget, TokenBudget
 
 # --- the hedge delay --------------------------------------------------------------------------
 
@@ -191,6 +191,78 @@ def test_rationing_spends_the_budget_on_the_stuck_requests() -> None:
     # p95, and stuck requests find the bucket empty.
     stuck, in_time, _ = _stuck_hedged_in_time(ration=False)
     assert in_time < 0.95 * stuck, (in_time, stuck)
+
+
+def test_while_rationed_a_request_on_a_suspect_replica_takes_a_token_at_its_delay() -> None:
+    policy = HedgePolicy(budget=HedgeBudget(cap=10.0, initial=2.0))
+    assert not policy.try_hedge()  # rationed
+    assert policy.try_hedge(suspect=True)  # a token is there
+    assert policy.budget.spent == 1 and policy.budget.refused == 1
+    broke = HedgePolicy(budget=HedgeBudget(cap=10.0, initial=0.5))
+    assert not broke.try_hedge(suspect=True)  # no token: it waits like any other
+    assert broke.budget.refused == 1
+
+
+def _stuck_hedged_at_delay(suspicion: bool) -> tuple[int, int, float]:
+    """Four replicas in turn, a request every 5 ms for 200 s; 5% of replica 3's requests stuck
+    (200 ms), the rest as in HEALTHY. A hedge comes due at the p95 (9 ms); while rationed it
+    waits for the p99, unless (with ``suspicion``) its replica is suspect. A hedge's copy
+    takes 7 ms, so a healthy request hedged loses only if it was to take longer than that
+    more. Returns the stuck requests, those of them hedged at the delay, copies per request."""
+    rng = random.Random(5)
+    backends = [Backend(f"w{i}") for i in range(4)]
+    pool = Pool("m", backends)
+    policy = _learned(HedgePolicy(budget=HedgeBudget()), HEALTHY)
+    count, gap, stuck_ms, copy_ms = 40_000, 5, 200, 7
+    latency = [stuck_ms if j % 4 == 3 and rng.random() < 0.05 else
+               round(rng.choice(HEALTHY) * 1e3) for j in range(count)]  # fmt: skip
+    due = policy.delay_s(1.0)
+    assert due is not None
+    delay = round(due * 1e3)
+    waiting: list[int] = []
+    stuck = at_delay = 0
+
+    def hedged(j: int, waited: int) -> None:
+        pool.overtaken(backends[j % 4], latency[j] > waited + copy_ms)
+
+    for tick in range(count * gap):
+        if tick % gap == 0:
+            policy.budget.earn()
+            while waiting:
+                j = waiting[0]
+                waited = tick - j * gap
+                if latency[j] <= waited:
+                    waiting.pop(0)
+                    pool.overtaken(backends[j % 4], False)
+                elif policy.may_hedge_late(waited / 1e3, 1.0):
+                    assert policy.budget.try_spend()
+                    waiting.pop(0)
+                    hedged(j, waited)
+                else:
+                    break
+        if (tick - delay) % gap == 0 and tick >= delay:
+            j = (tick - delay) // gap
+            if latency[j] <= delay:
+                pool.overtaken(backends[j % 4], False)
+                continue
+            stuck += latency[j] == stuck_ms
+            suspect = suspicion and pool.suspect(backends[j % 4])
+            if policy.try_hedge(suspect=suspect):
+                at_delay += latency[j] == stuck_ms
+                hedged(j, delay)
+            else:
+                waiting.append(j)
+    return stuck, at_delay, policy.budget.spent / count
+
+
+def test_suspicion_hedges_the_stuck_replicas_requests_at_their_delay() -> None:
+    stuck, at_delay, extra = _stuck_hedged_at_delay(suspicion=True)
+    assert stuck > 400
+    assert at_delay >= 0.95 * stuck, (at_delay, stuck)  # 502 of 509
+    assert extra <= 0.05 + 10 / 40_000
+    # Rationing alone makes those that come due while the budget is short wait for the p99.
+    stuck, at_delay, _ = _stuck_hedged_at_delay(suspicion=False)
+    assert at_delay < 0.85 * stuck, (at_delay, stuck)  # 367 of 509
 
 
 @pytest.mark.parametrize(

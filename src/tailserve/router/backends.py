@@ -17,6 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+# The weight of one request in a backend's share of requests overtaken by a hedge: 0.02
+# remembers about the last fifty, enough to tell 5% from 1% without waiting long for it.
+OVERTAKEN_ALPHA = 0.02
+# A replica is suspect when at least this share of its requests lose to hedges...
+SUSPECT_SHARE = 0.02
+# ...and this many times the pool's median share.
+SUSPECT_FACTOR = 3.0
+
 
 @dataclass(slots=True, eq=False)
 class Backend:
@@ -44,6 +52,10 @@ class Backend:
     ejected_until: float | None = None
     ejections: int = 0
     readmitted_at: float | None = None
+    # The share of its first copies that a hedge sent elsewhere beat (an average over recent
+    # requests: see Pool.overtaken). A healthy replica's tail seldom loses to a copy sent at
+    # the p95; a replica that stalls loses most of its stalled requests.
+    overtaken: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -168,6 +180,20 @@ class Pool:
     def connect_failed(self, backend: Backend) -> None:
         self._done(backend)
         backend.consecutive_failures += 1
+
+    def overtaken(self, backend: Backend, lost: bool) -> None:
+        """A request's first copy to ``backend`` ended: it answered first (``lost`` False) or a
+        hedge sent elsewhere answered before it (True)."""
+        backend.overtaken += OVERTAKEN_ALPHA * (float(lost) - backend.overtaken)
+
+    def suspect(self, backend: Backend) -> bool:
+        """Whether ``backend`` loses to hedges far more often than its peers: at least
+        ``SUSPECT_SHARE`` of its recent requests, and ``SUSPECT_FACTOR`` times the pool's
+        median. Its requests that are late are likely stuck, not a healthy tail."""
+        shares = sorted(b.overtaken for b in self._backends.values())
+        if backend.overtaken < SUSPECT_SHARE or not shares:
+            return False
+        return backend.overtaken >= SUSPECT_FACTOR * shares[(len(shares) - 1) // 2]
 
     def cancelled(self, backend: Backend) -> None:
         # The losing copy of a hedge: its latency is unknown (only "longer than the winner's"),

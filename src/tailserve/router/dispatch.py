@@ -267,12 +267,17 @@ class Exchange:
         d = self._d
         if self.done or not self.live or self._policy is None:
             return
-        if not self._policy.try_hedge():
+        first = self.live[0].upstream.backend
+        suspect = self.pool.suspect(first)
+        if not self._policy.try_hedge(suspect=suspect):
             d.metrics.hedges.inc(self.model, "refused")
             # It waits for a token (hedging.py: rationing); tokens come with new requests,
             # and the queue is looked at again when this one turns overdue.
             d.defer_hedge(self, self._policy.overdue_s(d.loop.time()))
             return
+        if suspect and not self._policy.budget.plenty:
+            d.suspect_hedges += 1
+            d.metrics.hedges.inc(self.model, "suspect")
         self.send_hedge()
 
     def awaits_hedge(self, now: float) -> bool:
@@ -358,6 +363,7 @@ class Exchange:
         attempt.streamed = True
         if attempt.kind == "hedge":
             d.metrics.hedges.inc(self.model, "won")
+        self._note_overtaken(attempt)
         for other in self.live:
             if other is not attempt:
                 self._withdraw(other, "lost")
@@ -386,6 +392,7 @@ class Exchange:
         d = self._d
         if attempt.kind == "hedge":
             d.metrics.hedges.inc(self.model, "won")
+        self._note_overtaken(attempt)
         for other in self.live:
             self._withdraw(other, "lost")
         self.live.clear()
@@ -393,6 +400,15 @@ class Exchange:
             Outcome(response.status, response.headers, response.body, attempt.upstream.backend.id,
                     hedged=attempt.kind == "hedge", attempts=len(self.tried))
         )  # fmt: skip
+
+    def _note_overtaken(self, winner: _Attempt) -> None:
+        """Whether the first copy's replica was beaten by a hedge (see Pool.suspect)."""
+        if winner.kind == "first":
+            self.pool.overtaken(winner.upstream.backend, False)
+        elif winner.kind == "hedge":
+            for other in self.live:
+                if other.kind == "first":
+                    self.pool.overtaken(other.upstream.backend, True)
 
     def _withdraw(self, attempt: _Attempt, why: str) -> None:
         if attempt.ticket is not None:
@@ -460,6 +476,8 @@ class Dispatcher:
         # Requests whose hedge came due while the budget was short, oldest first.
         self._hedge_queue: deque[Exchange] = deque()
         self.late_hedges = 0
+        # Hedges sent at their delay while rationed, because the replica was suspect.
+        self.suspect_hedges = 0
         # A dead worker fails every request in flight to it at once: the burst allowance is
         # room for those (and the connects that fail before it is ejected) to be retried.
         # It starts full: a router that has just started (or restarted) has earned nothing yet,

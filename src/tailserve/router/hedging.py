@@ -30,6 +30,12 @@ it waits (the dispatcher's queue, oldest first), and takes a token once the requ
 no reply for the model's recent p99 (``late_quantile``, from the same window): by then all
 but 1% of healthy replies have come, so the token most likely goes to a stuck one. A request
 that answers meanwhile leaves the queue.
+
+One exception: a request on a *suspect* replica takes a token at its delay whenever there is
+one. A replica is suspect when its requests lose to hedges far more often than its peers'
+(`Pool.suspect`): 5% of its replies 20 times late means about 5% of its requests overtaken,
+against well under 1% on a healthy one, whose tail mostly answers soon after the p95. Its
+late requests are likely stuck, so they need not wait for the p99 to prove it.
 """
 
 from __future__ import annotations
@@ -175,11 +181,13 @@ class HedgePolicy:
         self.budget.earn()
         return self.delay_s(now)
 
-    def try_hedge(self) -> bool:
-        """The delay has passed with no reply: may a copy go out at once? Only while the
-        budget is plentiful (then it spends a token); otherwise the request waits for one
-        (`may_hedge_late`), and the refusal is counted."""
-        return self.budget.try_spend() if self.budget.plenty else self.budget.refuse()
+    def try_hedge(self, *, suspect: bool = False) -> bool:
+        """The delay has passed with no reply: may a copy go out at once? While the budget
+        is plentiful, or when the request waits on a ``suspect`` replica (one whose requests
+        keep losing to hedges) and a token is there: then it spends a token. Otherwise the
+        request waits for one (`may_hedge_late`), and the refusal is counted."""
+        budget = self.budget
+        return budget.try_spend() if budget.plenty or suspect else budget.refuse()
 
     def overdue_s(self, now: float | None = None) -> float | None:
         """How long a request waits, while the budget is rationed, before it may take a

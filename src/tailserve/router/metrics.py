@@ -76,7 +76,9 @@ class RouterMetrics:
         self.hedges = LoopCounter(
             "tailserve_router_hedges",
             "Hedged copies by outcome: sent, won (its reply came first), refused (the budget "
-            "was empty when it came due; it then waits for a token), late (sent after waiting).",
+            "was short when it came due; it then waits for a token), late (sent after waiting), "
+            "suspect (sent at its delay though the budget was short: its replica keeps losing "
+            "to hedges).",
             ["model", "outcome"],
         )
         self.retries = LoopCounter(

@@ -667,6 +667,8 @@ class Router:
                     "healthy": u.backend.healthy,
                     "ejected": u.backend.is_ejected(now),
                     "ejections": u.backend.ejections,
+                    # The share of its recent requests that a hedge elsewhere beat.
+                    "overtaken": round(u.backend.overtaken, 4),
                     "models": None if u.models is None else sorted(u.models),
                 }
                 for u in d.upstreams.values()
@@ -678,6 +680,7 @@ class Router:
                 # late: sent once one came; waiting: queued for one now.
                 "refused": d.hedge_budget.refused,
                 "late": d.late_hedges,
+                "suspect": d.suspect_hedges,
                 "waiting": d.hedges_waiting,
                 # The delay after which each model and cost class hedges now (None: too few
                 # replies known yet).
