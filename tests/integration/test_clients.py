@@ -47,9 +47,11 @@ def columns(rows: int, seed: int = 3) -> dict[str, np.ndarray[Any, Any]]:
     return out
 
 
-def triton_infer(client: Any, model: str, rows: int, *, binary: bool) -> np.ndarray[Any, Any]:
+def triton_infer(
+    client: Any, model: str, rows: int, *, binary: bool, seed: int = 3
+) -> np.ndarray[Any, Any]:
     inputs = []
-    for name, array in columns(rows).items():
+    for name, array in columns(rows, seed).items():
         tensor = triton.InferInput(name, list(array.shape), FIELDS[name])
         tensor.set_data_from_numpy(array, binary_data=binary)
         inputs.append(tensor)
@@ -169,3 +171,19 @@ def test_tritonclient_compressed_requests(worker: RunningWorker, algorithm: str)
     packed = client.infer("churn", inputs, request_compression_algorithm=algorithm)
     client.close()
     np.testing.assert_allclose(packed.as_numpy("churn_probability"), plain, rtol=1e-6)
+
+
+def test_a_small_onnx_models_batches_run_on_the_event_loop(worker: RunningWorker) -> None:
+    # churn's batches take a fraction of a millisecond: below instances.inline_below_ms, they
+    # run on the loop's thread rather than being handed to the instance's (scheduler.py).
+    def inline() -> int:
+        stats = httpx.get(f"{worker.url}/v2/models/churn/stats").json()["model_stats"][0]
+        count: int = stats["batching"]["inline_batches"]
+        return count
+
+    before = inline()
+    client = triton.InferenceServerClient(worker.url.removeprefix("http://"))
+    for seed in range(100, 106):  # new inputs each time: computed, not found in the cache
+        probabilities = triton_infer(client, "churn", 4, binary=True, seed=seed)
+        assert probabilities.shape == (4, 1) and ((probabilities >= 0) & (probabilities <= 1)).all()
+    assert inline() >= before + 6

@@ -239,3 +239,101 @@ async def test_the_next_batch_waits_in_the_instances_thread_not_on_the_loop() ->
     results = await asyncio.gather(first, second)
     assert [out["y"][0, 0] for out, _ in results] == [100.0, 101.0]
     await s.close()
+
+
+class ThreadRecorder(Recorder):
+    """A steady Recorder that notes which thread ran each batch and how many ran at once."""
+
+    def __init__(self, *, steady: bool = True) -> None:
+        super().__init__()
+        self.steady = steady
+        self.threads: list[int] = []
+        self.running = 0
+        self.most_at_once = 0
+        self._lock = threading.Lock()
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        with self._lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            self.threads.append(threading.get_ident())
+            return super().predict(inputs)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def inline_scheduler(runtime: Any, bound_s: float) -> Scheduler:
+    s = Scheduler(model="m", runtimes=[runtime], batcher=NoBatching(max_queue=100),
+                  batched=True, inline_below_s=bound_s)  # fmt: skip
+    s.start()
+    return s
+
+
+async def test_a_batch_predicted_below_the_inline_bound_runs_on_the_loops_thread() -> None:
+    runtime = ThreadRecorder()
+    s = inline_scheduler(runtime, 0.005)
+    s.seed(ALL, 1, 0.001)  # measured: 1 ms a batch
+    results = await asyncio.gather(*(s.infer(x(float(i)), 1, ALL) for i in range(5)))
+    await s.close()
+    assert [out["y"][0, 0] for out, _ in results] == [100.0, 101.0, 102.0, 103.0, 104.0]
+    assert runtime.threads == [threading.get_ident()] * 5
+    assert s.inline_batches == 5
+    assert all(stats.batch_size == 1 for _, stats in results)
+
+
+async def test_a_costlier_unmeasured_or_unsteady_batch_goes_to_the_instances_thread() -> None:
+    costly = ThreadRecorder()
+    s = inline_scheduler(costly, 0.005)
+    s.seed(ALL, 1, 0.050)  # 50 ms a batch
+    await asyncio.gather(*(s.infer(x(float(i)), 1, ALL) for i in range(3)))
+    await s.close()
+    assert threading.get_ident() not in costly.threads and s.inline_batches == 0
+    # A runtime that is not steady (a Python model's code may sleep or wait) never runs inline.
+    unsteady = ThreadRecorder(steady=False)
+    s = inline_scheduler(unsteady, 0.005)
+    s.seed(ALL, 1, 0.001)
+    await asyncio.gather(*(s.infer(x(float(i)), 1, ALL) for i in range(3)))
+    await s.close()
+    assert threading.get_ident() not in unsteady.threads and s.inline_batches == 0
+    # Nothing measured yet: the first batch goes to the thread; once measured (fast), the
+    # batches after it run on the loop.
+    fresh = ThreadRecorder()
+    s = inline_scheduler(fresh, 0.005)
+    await s.infer(x(1.0), 1, ALL)
+    await s.infer(x(2.0), 1, ALL)
+    await s.close()
+    assert fresh.threads[0] != threading.get_ident()
+    assert fresh.threads[1] == threading.get_ident() and s.inline_batches == 1
+
+
+async def test_a_batch_never_runs_on_the_loop_while_the_instances_thread_holds_one() -> None:
+    runtime = ThreadRecorder()
+    runtime.release.clear()
+    s = inline_scheduler(runtime, 0.005)
+    first = asyncio.create_task(s.infer(x(0.0), 1, ALL))  # unmeasured: to the thread
+    assert await asyncio.to_thread(runtime.entered.wait, 5)
+    s.seed(ALL, 1, 0.001)  # now cheap enough to run inline, but the thread is busy
+    rest = [asyncio.create_task(s.infer(x(float(i)), 1, ALL)) for i in range(1, 4)]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert runtime.threads == [runtime.threads[0]] and s.inline_batches == 0
+    runtime.release.set()
+    results = await asyncio.gather(first, *rest)
+    await s.close()
+    assert [out["y"][0, 0] for out, _ in results] == [100.0, 101.0, 102.0, 103.0]
+    assert runtime.most_at_once == 1
+
+
+async def test_a_failing_inline_batch_fails_its_members_and_the_next_one_runs() -> None:
+    runtime = ThreadRecorder()
+    s = inline_scheduler(runtime, 0.005)
+    s.seed(ALL, 1, 0.001)
+    runtime.fail = True
+    with pytest.raises(ModelExecutionError, match="boom"):
+        await s.infer(x(1.0), 1, ALL)
+    runtime.fail = False
+    outputs, _ = await s.infer(x(2.0), 1, ALL)
+    await s.close()
+    assert outputs["y"][0, 0] == 102.0 and s.inline_batches == 2

@@ -197,6 +197,8 @@ class DataPlane:
                 "policy": served.policy,
                 "queued": scheduler.queue_depth,
                 "busy_instances": scheduler.busy_instances,
+                # Batches run on the event loop's thread (cheap ones: instances.inline_below_ms).
+                "inline_batches": scheduler.inline_batches,
                 "rejected": dict(scheduler.stats.rejected),
                 "recent_rejections": list(scheduler.stats.recent_rejections),
                 "admission_share": _share(scheduler.batcher),

@@ -82,6 +82,9 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class Instances(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     count: int = 1
     intra_op_threads: int = 1
+    # A batch predicted to run in at most this long runs on the event loop's thread, not
+    # handed to the instance's thread (whose hand-off costs more than such a batch); 0: never.
+    inline_below_ms: float = 0.5
     # ONNX Runtime execution providers in order of preference, e.g. [cuda, cpu].
     providers: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
 
@@ -263,6 +266,8 @@ def _check(config: ModelConfig, source: str) -> None:
                        f"(known: {', '.join(PROVIDERS)})")  # fmt: skip
     if config.instances.intra_op_threads < 0:
         raise fail("instances.intra_op_threads", "must be >= 0 (0: the runtime decides)")
+    if not 0 <= config.instances.inline_below_ms <= 10:
+        raise fail("instances.inline_below_ms", "must be within [0, 10] (0: never inline)")
     policy = config.version_policy
     chosen = sum([policy.latest is not None, policy.specific is not None, policy.all])
     if chosen > 1:

@@ -253,6 +253,7 @@ class ModelManager:
             batched=config.batched,
             observer=self._observer,
             loop=self._loop,
+            inline_below_s=config.instances.inline_below_ms / 1e3,
         )
         for bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds)

@@ -1,9 +1,13 @@
 """The one small interface every model backend implements.
 
 A runtime is built from a `RuntimeContext`, loads its artifact, and predicts a batch of named
-arrays. Every method may block: the engine calls them from executor threads, never from the
-event loop. One runtime object is one model instance; the engine builds as many as the model's
-``instances.count`` and never calls ``predict`` on one object from two threads at once.
+arrays. Every method may block: the engine calls them from executor threads. The one exception
+is ``predict`` on a runtime that says it is ``steady`` (pure computation, no I/O, no sleeps, no
+waiting on anything else, so its time follows its batch's size): a batch the cost model
+predicts to take well under a millisecond then runs on the event loop's thread (see
+engine/scheduler.py). One runtime object is one model instance; the engine builds as many as
+the model's ``instances.count`` and never calls ``predict`` on one object from two threads at
+once.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class RuntimeContext:
 
 
 class Runtime(Protocol):
+    # Whether a cheap batch may run on the event loop's thread (see above). A Python model's
+    # own code may sleep, wait or do I/O, so its runtime is not.
+    steady: bool
+
     def load(self) -> None:
         """Read the artifact from ``context.version_dir``; raise ModelLoadError on failure."""
 

@@ -36,6 +36,8 @@ class _Column:
 
 
 class LightGBMRuntime:
+    steady = True  # compute alone: its time follows the batch's size
+
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
         self._where = context.where

@@ -48,6 +48,8 @@ class _Feed:
 
 
 class OnnxRuntime:
+    steady = True  # compute alone: its time follows the batch's size
+
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
         self._where = context.where

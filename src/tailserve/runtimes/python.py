@@ -26,6 +26,8 @@ _instances = itertools.count(1)
 
 
 class PythonRuntime:
+    steady = False  # the model's own code may sleep, wait or do I/O
+
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
         self._where = context.where

@@ -24,6 +24,8 @@ ARTIFACT = "model.joblib"
 
 
 class SklearnRuntime:
+    steady = True  # compute alone: its time follows the batch's size
+
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
         self._where = context.where
