@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -47,14 +48,34 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 180.
 @contextlib.contextmanager
 def serving(command: Sequence[str], port: int, **popen: Any) -> Iterator[str]:
     """A server process until the block ends; yields its URL once it is ready."""
+    with server_process(command, port, **popen) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(
+    command: Sequence[str], port: int, **popen: Any
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`serving`, yielding the process as well (to read its CPU time: `cpu_seconds`)."""
     process = subprocess.Popen(list(command), **{**QUIET, **popen})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return orjson.loads(reply.read())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used, all its threads (Linux: /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker(repository: Path, port: int, *flags: str) -> list[str]:

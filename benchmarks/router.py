@@ -26,7 +26,6 @@ import contextlib
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -147,11 +146,6 @@ def router(backends: Sequence[str], *flags: str) -> Iterator[str]:
         yield url
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return orjson.loads(response.read())
-
-
 def stats(result: dict[str, Any]) -> dict[str, Any]:
     overall: dict[str, Any] = result["overall"]
     return overall
@@ -180,7 +174,7 @@ def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
             with router(urls, *flags) as target:
                 path = spec(out, f"tail-{name}", "steady", target, args.tail_rate, args)
                 result = h.bench(path, out / f"tail-{name}.json", "--name", name)
-                state = get_json(f"{target}/router/backends")
+                state = h.get_json(f"{target}/router/backends")
             hedges = state["hedges"]
             results[name] = {
                 **{k: stats(result)[k] for k in ("p50_ms", "p99_ms", "p999_ms", "errors")},

@@ -284,3 +284,21 @@ def test_coming_back_can_require_several_passes() -> None:
     checks = ActiveHealth(healthy_after=3)
     assert [checks.record(backend, ready=True) for _ in range(3)] == [False, False, True]
     assert backend.healthy
+
+
+def test_a_dead_replicas_last_latency_does_not_get_the_survivor_ejected() -> None:
+    # Two replicas at 50 ms; one dies (its connects fail) and the survivor, taking all the
+    # load, slows to 200 ms: four times the dead one's last average, but it is the only one
+    # answering, and there is no one left to judge it against.
+    pool = pool_of(2)
+    detector = OutlierDetector(min_samples=5, latency_floor_s=0.0)
+    warm(pool, detector, {"w0": 0.050, "w1": 0.050}, count=5)
+    dead, survivor = pool.backends
+    pool.start(dead)
+    pool.connect_failed(dead)
+    assert detector.observe(pool, dead, now=0.0) is None  # one failure: not yet ejected
+    ejections = [reply(pool, detector, survivor, 0.200, now=0.0) for _ in range(20)]
+    assert ejections == [None] * 20 and pool.ejected(0.0) == []
+    # Once the other answers again, it is a reference again.
+    reply(pool, detector, dead, 0.050, now=0.0)
+    assert detector.is_latency_outlier(pool, survivor, now=0.0)

@@ -83,8 +83,9 @@ class Instances(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     count: int = 1
     intra_op_threads: int = 1
     # A batch predicted to run in at most this long runs on the event loop's thread, not
-    # handed to the instance's thread (whose hand-off costs more than such a batch); 0: never.
-    inline_below_ms: float = 0.5
+    # handed to the instance's thread (whose hand-off costs the loop about as much as such a
+    # batch); 0: never. Steady runtimes only (runtimes/base.py).
+    inline_below_ms: float = 0.2
     # ONNX Runtime execution providers in order of preference, e.g. [cuda, cpu].
     providers: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
 

@@ -9,7 +9,8 @@ answers not ready, so this is also how a drain empties a backend without errors.
 
 - ``consecutive_failures`` errors or timeouts in a row (a failed connect counts), or
 - a latency outlier: its EWMA latency, over at least ``min_samples`` replies, above
-  ``latency_factor`` times the median of the other backends' and above ``latency_floor_s``
+  ``latency_factor`` times the median of the other backends' (those in service and not
+  failing: a dead replica's last average is no reference) and above ``latency_floor_s``
   (at sub-millisecond latencies three times the median is still no problem worth a replica).
 
 An ejected backend gets no traffic for a backoff of ``base_ejection_s · 2^k`` (capped at
@@ -93,7 +94,10 @@ class OutlierDetector:
         if latency <= self.latency_floor_s:
             return False
         # The others' median, not the pool's: in a pool of two the slow one would pull the
-        # median up with it and could never be three times it.
+        # median up with it and could never be three times it. Only others that answer: a
+        # replica that has just died keeps the average of its last replies, and the survivor,
+        # slower under the load it took over, must not be judged (and ejected, leaving none)
+        # against that.
         others = [
             b.latency_s
             for b in pool
@@ -101,6 +105,7 @@ class OutlierDetector:
             and b.latency_s is not None
             and b.samples >= self.min_samples
             and b.in_service(now)
+            and not b.consecutive_failures
         ]
         if not others:
             return False
