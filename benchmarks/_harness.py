@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -201,3 +202,26 @@ def compare(results: Sequence[Path], report: Path) -> None:
     command = [sys.executable, "-m", "tailserve.cli", "bench", "compare",
                *map(str, results), "--report", str(report)]  # fmt: skip
     subprocess.run(command, check=True)
+
+
+def rounds_parser(
+    doc: str, models: Sequence[str], out: str, *, duration: float, rate_help: str
+) -> argparse.ArgumentParser:
+    """The options of a benchmark that alternates configurations at one fixed rate."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(models), default=models[0])
+    parser.add_argument("--rate", type=float, help=rate_help)
+    parser.add_argument("--duration", type=float, default=duration, help="seconds a round")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / out)
+    return parser
+
+
+def rounds_args(parser: argparse.ArgumentParser, rates: dict[str, float]) -> argparse.Namespace:
+    """Parse `rounds_parser`'s options: the model's default rate filled in, the output folder
+    made."""
+    args = parser.parse_args()
+    args.rate = args.rate or rates[args.model]
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args

@@ -53,16 +53,9 @@ def one(repository: Path, out: Path, name: str, interval: str, args: argparse.Na
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=tuple(MODELS), default="churn")
-    parser.add_argument("--rate", type=float, help="default: near the model's capacity")
-    parser.add_argument("--duration", type=float, default=15.0)
-    parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=h.HERE / "results" / "gil_switch")
-    args = parser.parse_args()
-    args.rate = args.rate or MODELS[args.model][1]
-    args.out.mkdir(parents=True, exist_ok=True)
+    parser = h.rounds_parser(__doc__, list(MODELS), "gil_switch", duration=15.0,
+                             rate_help="default: near the model's capacity")  # fmt: skip
+    args = h.rounds_args(parser, {model: rate for model, (_, rate) in MODELS.items()})
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         examples = h.examples(work / "examples")

@@ -74,17 +74,10 @@ def one(repo: Path, out: Path, name: str, args: argparse.Namespace, index: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=tuple(MODELS), default="churn")
-    parser.add_argument("--rate", type=float, help="default: churn 2,400, sentiment 5,000")
+    parser = h.rounds_parser(__doc__, list(MODELS), "inline_batches", duration=10.0,
+                             rate_help="default: churn 2,400, sentiment 5,000")  # fmt: skip
     parser.add_argument("--bound-ms", type=float, default=0.2, help="the loop's bound")
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=h.HERE / "results" / "inline_batches")
-    args = parser.parse_args()
-    args.rate = args.rate or MODELS[args.model][1]
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = h.rounds_args(parser, {model: rate for model, (_, rate) in MODELS.items()})
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         examples = h.examples(work / "examples")

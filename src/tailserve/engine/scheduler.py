@@ -347,12 +347,7 @@ class Scheduler:
         dispatched = self._clock()
         try:
             outputs, started, ended = await loop.run_in_executor(
-                instance.executor,
-                self._execute,
-                instance.runtime,
-                [item.payload.inputs for item in batch],
-                [item.rows for item in batch],
-                bucket,
+                instance.executor, self._execute, instance.runtime, batch, bucket
             )
         except Exception as exc:
             self._failed(batch, exc)
@@ -370,12 +365,7 @@ class Scheduler:
     ) -> None:
         dispatched = self._clock()
         try:
-            outputs, started, ended = self._execute(
-                instance.runtime,
-                [item.payload.inputs for item in batch],
-                [item.rows for item in batch],
-                bucket,
-            )
+            outputs, started, ended = self._execute(instance.runtime, batch, bucket)
         except Exception as exc:
             self._failed(batch, exc)
             return
@@ -426,12 +416,15 @@ class Scheduler:
                                                 missed))  # fmt: skip
 
     def _execute(
-        self, runtime: Runtime, parts: list[Arrays], sizes: list[int], bucket: Bucket
+        self, runtime: Runtime, batch: list[Item], bucket: Bucket
     ) -> tuple[list[Arrays], float, float]:
-        """In the instance's thread: pad and merge the requests, predict, split the rows back.
+        """In the instance's thread (or on the loop, for a cheap batch): pad and merge the
+        requests, predict, split the rows back.
 
-        Returns the parts and when (on the scheduler's clock) the thread began and ended."""
+        Returns the parts and when (on the scheduler's clock) it began and ended."""
         started = self._clock()
+        parts: list[Arrays] = [item.payload.inputs for item in batch]
+        sizes = [item.rows for item in batch]
         if bucket.pad is not None and (len(parts) > 1 or bucket.pad.length is not None):
             parts = pad_parts(parts, bucket.pad)
         if len(parts) == 1:
