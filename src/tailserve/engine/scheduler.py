@@ -127,6 +127,8 @@ class Scheduler:
         self._model = model
         self._inline_below_s = inline_below_s
         self.inline_batches = 0
+        # Cost classes whose cost has been measured (a class once measured stays so).
+        self._measured: set[str] = set()
         self._runtimes = list(runtimes)
         self._batcher = batcher
         self._batched = batched
@@ -306,8 +308,12 @@ class Scheduler:
 
     def _known(self, bucket: Bucket) -> bool:
         """Whether the class's cost has been measured (not the model's first guess)."""
-        cost = self._batcher.costs().get(bucket.label)
-        return cost is not None and cost.observations > 0
+        if bucket.label not in self._measured:
+            cost = self._batcher.costs().get(bucket.label)
+            if cost is None or not cost.observations:
+                return False
+            self._measured.add(bucket.label)
+        return True
 
     def _expire(self, items: list[Item], now: float) -> None:
         self.stats.rejected["expired"] = self.stats.rejected.get("expired", 0) + len(items)

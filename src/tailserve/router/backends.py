@@ -190,9 +190,9 @@ class Pool:
         """Whether ``backend`` loses to hedges far more often than its peers: at least
         ``SUSPECT_SHARE`` of its recent requests, and ``SUSPECT_FACTOR`` times the pool's
         median. Its requests that are late are likely stuck, not a healthy tail."""
-        shares = sorted(b.overtaken for b in self._backends.values())
-        if backend.overtaken < SUSPECT_SHARE or not shares:
+        if backend.overtaken < SUSPECT_SHARE:
             return False
+        shares = sorted(b.overtaken for b in self._backends.values())
         return backend.overtaken >= SUSPECT_FACTOR * shares[(len(shares) - 1) // 2]
 
     def cancelled(self, backend: Backend) -> None:

@@ -267,15 +267,16 @@ class Exchange:
         d = self._d
         if self.done or not self.live or self._policy is None:
             return
-        first = self.live[0].upstream.backend
-        suspect = self.pool.suspect(first)
+        # Only a rationed budget asks whether the replica is suspect.
+        rationed = not self._policy.budget.plenty
+        suspect = rationed and self.pool.suspect(self.live[0].upstream.backend)
         if not self._policy.try_hedge(suspect=suspect):
             d.metrics.hedges.inc(self.model, "refused")
             # It waits for a token (hedging.py: rationing); tokens come with new requests,
             # and the queue is looked at again when this one turns overdue.
             d.defer_hedge(self, self._policy.overdue_s(d.loop.time()))
             return
-        if suspect and not self._policy.budget.plenty:
+        if suspect:
             d.suspect_hedges += 1
             d.metrics.hedges.inc(self.model, "suspect")
         self.send_hedge()
