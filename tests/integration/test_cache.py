@@ -381,8 +381,11 @@ def test_workers_share_results_and_invalidations_on_a_redis_cluster(
     repository: Path, redis_cluster: RunningRedisCluster
 ) -> None:
     def settings(worker_id: str, node: int) -> Settings:
+        # As with_redis: a generous budget, since this checks sharing, not the cluster's speed
+        # (a loaded machine made b's first lookup, which opens a connection, a skipped miss).
         return Settings(repository=str(repository), redis_url=redis_cluster.node_url(node),
-                        redis_cluster=True, worker_id=worker_id)  # fmt: skip
+                        redis_cluster=True, worker_id=worker_id,
+                        cache_l2_budget_ms=1000)  # fmt: skip
 
     with run_worker(settings("a", 0)) as a, run_worker(settings("b", 2)) as b:
         wait_for(lambda: a.worker.cache.subscribed.is_set() and b.worker.cache.subscribed.is_set(),
