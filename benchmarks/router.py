@@ -26,12 +26,14 @@ import contextlib
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 import _harness as h
 
@@ -153,10 +155,11 @@ def stats(result: dict[str, Any]) -> dict[str, Any]:
 
 # --- 1. the tail -----------------------------------------------------------------------------
 
-# Latency ejection off in the three compared, so that each policy meets the slow replica on
-# its own (with it on, a slow reply of a 20 ms model ejects the replica at once, whatever the
-# policy); the last row is the router's default configuration, ejection included.
-NO_EJECT = ["--eject-latency-factor", "0"]
+# Ejection off in the three compared, so that each policy meets the slow replica on its own
+# (latency ejection: a slow reply of a 20 ms model would eject the replica at once, whatever
+# the policy; limping ejection would take out the replica whose requests keep losing to
+# hedges); the last row is the router's default configuration, ejection included.
+NO_EJECT = ["--eject-latency-factor", "0", "--eject-overtaken-share", "0"]
 TAIL_CONFIGS = {
     "round-robin": ["--balance", "round-robin", "--no-hedge", *NO_EJECT],
     "p2c": ["--balance", "p2c", "--no-hedge", *NO_EJECT],
@@ -175,6 +178,7 @@ def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 path = spec(out, f"tail-{name}", "steady", target, args.tail_rate, args)
                 result = h.bench(path, out / f"tail-{name}.json", "--name", name)
                 state = h.get_json(f"{target}/router/backends")
+                ejected = ejections(target)
             hedges = state["hedges"]
             results[name] = {
                 **{k: stats(result)[k] for k in ("p50_ms", "p99_ms", "p999_ms", "errors")},
@@ -188,9 +192,24 @@ def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 # Sent at their delay though rationed: their replica kept losing to hedges.
                 "suspect": hedges.get("suspect", 0),
                 "hedge_delay_ms": (hedges.get("delays_ms") or {}).get("steady/s"),
+                "ejections": ejected,
             }
     h.compare([out / f"tail-{n}.json" for n in TAIL_CONFIGS], out / "tail-compare.html")
     return results
+
+
+def ejections(target: str) -> dict[str, int]:
+    """The router's outlier ejections so far, by reason."""
+    with urllib.request.urlopen(f"{target}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "tailserve_router_ejections":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    reason = sample.labels["reason"]
+                    counts[reason] = counts.get(reason, 0) + int(sample.value)
+    return counts
 
 
 def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
@@ -209,7 +228,15 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
         )
         print(f"{name:14}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['p999_ms']:>10.2f}"
               f"{r['errors']:>8}{extra:>8}{refused:>10}{late:>6}{suspect:>9}")  # fmt: skip
+    for name, r in results.items():
+        if r.get("ejections"):
+            reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(r["ejections"].items()))
+            print(f"{name}: ejections {reasons}")
     base, hedged = results.get("round-robin"), results.get("p2c+hedging")
+    default = results.get("default")
+    if base and default and default["p999_ms"]:
+        print(f"p99.9 round-robin / default (hedging and ejection): "
+              f"{base['p999_ms'] / default['p999_ms']:.1f}x")  # fmt: skip
     if base and hedged and hedged["p999_ms"]:
         print(f"p99.9 round-robin / p2c+hedging: {base['p999_ms'] / hedged['p999_ms']:.1f}x")
     p2c = results.get("p2c")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -302,3 +303,107 @@ def test_a_dead_replicas_last_latency_does_not_get_the_survivor_ejected() -> Non
     # Once the other answers again, it is a reference again.
     reply(pool, detector, dead, 0.050, now=0.0)
     assert detector.is_latency_outlier(pool, survivor, now=0.0)
+
+
+# --- limping: requests that keep losing to hedges ------------------------------------------------
+
+
+def first_copy(
+    pool: Pool, detector: OutlierDetector, backend: Backend, lost: bool, now: float = 0.0
+) -> Ejection | None:
+    """One request's first copy to ``backend``: answered (``lost`` False), or beaten by a hedge
+    sent elsewhere (then withdrawn, and the next reply of ``backend`` is judged)."""
+    pool.start(backend)
+    pool.overtaken(backend, lost)
+    if lost:
+        pool.cancelled(backend)
+        return None
+    pool.finish(backend, 0.007, ok=True)
+    return detector.observe(pool, backend, now)
+
+
+def test_a_replica_whose_requests_keep_losing_to_hedges_is_ejected_as_limping() -> None:
+    pool = pool_of(4)
+    detector = OutlierDetector(latency_floor_s=0.05)
+    limping, *healthy = pool.backends
+    for i in range(100):  # the others: one loss in a hundred
+        for backend in healthy:
+            first_copy(pool, detector, backend, lost=i == 50)
+    # One request in twenty stalls and loses to its hedge. Its average latency says nothing
+    # (7 ms): the losses do, once there are five of them.
+    ejections = []
+    for i in range(200):
+        ejections.append(first_copy(pool, detector, limping, lost=i % 20 == 19))
+        if ejections[-1] is not None:
+            break
+    ejection = ejections[-1]
+    assert ejection is not None and ejection.reason == "overtaken" and ejection.backend_id == "w0"
+    assert len(ejections) == 5 * 20 + 1  # judged on its first reply after the fifth loss
+    assert pool.ejected(0.0) == [limping]
+    # Ejection forgets the counts (only new losses may eject it again), not the average share
+    # hedging reads: back from its backoff, its late requests are hedged at their delay.
+    assert (limping.first_copies, limping.first_losses) == (0, 0)
+    assert pool.suspect(limping)
+
+
+def test_a_healthy_tail_that_loses_a_hedge_now_and_then_is_never_ejected() -> None:
+    # Every replica loses one request in two hundred to a hedge, at random: over 100,000
+    # requests no window of a few hundred holds five losses and 2% on the same replica.
+    rng = random.Random(11)
+    pool = pool_of(4)
+    detector = OutlierDetector()
+    for _ in range(25_000):
+        for backend in pool:
+            assert first_copy(pool, detector, backend, lost=rng.random() < 0.005) is None
+    assert pool.ejected(0.0) == []
+
+
+def test_a_pool_wide_run_of_losses_ejects_no_one() -> None:
+    # Everything stalls now and then (the machine, not a replica): each replica loses 5%,
+    # no more than its peers, so no one is ejected.
+    pool = pool_of(4)
+    detector = OutlierDetector()
+    for i in range(400):
+        for backend in pool:
+            assert first_copy(pool, detector, backend, lost=i % 20 == 19) is None
+    assert all(b.first_losses >= 5 for b in pool)
+
+
+def test_limping_is_judged_against_others_that_have_answered_enough() -> None:
+    pool = pool_of(3)
+    detector = OutlierDetector(min_samples=20)
+    limping, other, newcomer = pool.backends
+    for _ in range(19):
+        first_copy(pool, detector, other, lost=False)
+    for _ in range(10):
+        assert first_copy(pool, detector, limping, lost=True) is None
+    # Not one reply yet from the newcomer and 19 from the other: no one to compare with.
+    assert first_copy(pool, detector, limping, lost=False) is None
+    first_copy(pool, detector, other, lost=False)
+    ejection = first_copy(pool, detector, limping, lost=False)
+    assert ejection is not None and ejection.reason == "overtaken"
+    assert newcomer.first_copies == 0
+
+
+def test_a_share_out_of_reach_turns_limping_ejection_off() -> None:
+    pool = pool_of(2)
+    detector = OutlierDetector(overtaken_share=math.inf)
+    limping, other = pool.backends
+    for _ in range(50):
+        first_copy(pool, detector, other, lost=False)
+    assert all(first_copy(pool, detector, limping, lost=i % 2 == 0) is None for i in range(200))
+    assert pool.ejected(0.0) == []
+
+
+def test_losses_are_counted_over_the_last_few_hundred_requests() -> None:
+    pool = pool_of(1)
+    backend = pool.backends[0]
+    for i in range(199):
+        pool.overtaken(backend, lost=i < 10)
+    assert (backend.first_copies, backend.first_losses) == (199, 10)
+    pool.overtaken(backend, lost=False)  # the 200th: both halve
+    assert (backend.first_copies, backend.first_losses) == (100, 5)
+    # Old losses fade: after 300 clean requests, one more halving has passed.
+    for _ in range(300):
+        pool.overtaken(backend, lost=False)
+    assert backend.first_losses <= 2

@@ -24,6 +24,9 @@ OVERTAKEN_ALPHA = 0.02
 SUSPECT_SHARE = 0.02
 # ...and this many times the pool's median share.
 SUSPECT_FACTOR = 3.0
+# The counts outlier ejection judges a replica's losses to hedges on (see health.py) are
+# halved once its first copies reach this many: they speak of its last few hundred requests.
+OVERTAKEN_WINDOW = 200
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +59,10 @@ class Backend:
     # requests: see Pool.overtaken). A healthy replica's tail seldom loses to a copy sent at
     # the p95; a replica that stalls loses most of its stalled requests.
     overtaken: float = 0.0
+    # The same as counts, for outlier ejection: its first copies and those a hedge beat, over
+    # its last OVERTAKEN_WINDOW to twice that many requests (forgotten on ejection).
+    first_copies: int = 0
+    first_losses: int = 0
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -77,11 +84,16 @@ class Backend:
         return self.in_service(now) and not self.saturated
 
     def reset_stats(self) -> None:
-        """Forget the latency average and the failure streak (on ejection)."""
+        """Forget the latency average, the failure streak and the losses to hedges (on
+        ejection). The average share overtaken stays: a replica back from an ejection for its
+        losses is still suspect (its late requests are hedged at their delay) until it
+        shows otherwise."""
         self.latency_s = None
         self.samples = 0
         self.sampled_at = None
         self.consecutive_failures = 0
+        self.first_copies = 0
+        self.first_losses = 0
 
 
 class Pool:
@@ -185,6 +197,11 @@ class Pool:
         """A request's first copy to ``backend`` ended: it answered first (``lost`` False) or a
         hedge sent elsewhere answered before it (True)."""
         backend.overtaken += OVERTAKEN_ALPHA * (float(lost) - backend.overtaken)
+        backend.first_copies += 1
+        backend.first_losses += lost
+        if backend.first_copies >= OVERTAKEN_WINDOW:
+            backend.first_copies //= 2
+            backend.first_losses //= 2
 
     def suspect(self, backend: Backend) -> bool:
         """Whether ``backend`` loses to hedges far more often than its peers: at least

@@ -52,6 +52,12 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         default=3.0,
         help="eject a worker this many times slower than the rest (3; 0: never)",
     )
+    parser.add_argument(
+        "--eject-overtaken-share",
+        type=float,
+        default=0.02,
+        help="eject a worker this share of whose requests keep losing to hedges (0.02; 0: never)",
+    )
     parser.add_argument("--stream-body-bytes", type=int, default=1024 * 1024, metavar="BYTES",
                         help="bodies over this size stream through, unhedged (1 MiB)")  # fmt: skip
     parser.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
@@ -67,6 +73,7 @@ def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
         hedge_ratio=args.hedge_ratio,
         max_in_flight=args.max_in_flight,
         eject_latency_factor=args.eject_latency_factor,
+        eject_overtaken_share=args.eject_overtaken_share,
         stream_body_bytes=args.stream_body_bytes,
         admin_token=args.admin_token,
         decision_sample=args.decision_sample,

@@ -51,6 +51,9 @@ class RouterConfig:
     # A backend whose EWMA latency is this many times the others' median (and above 50 ms)
     # is ejected too; 0 turns latency ejection off.
     eject_latency_factor: float = 3.0
+    # A backend this share of whose recent requests lost to hedges (at least five, and three
+    # times the others' median share) is ejected too: it stalls now and then. 0 turns it off.
+    eject_overtaken_share: float = 0.02
     # The bearer token of the workers' admin routes (the router reads each one's model index).
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
@@ -74,6 +77,10 @@ class RouterConfig:
             raise ConfigError(f"max_in_flight must be at least 1, not {self.max_in_flight}")
         if not 0.0 <= self.hedge_ratio <= 1.0 or not 0.0 <= self.retry_ratio <= 1.0:
             raise ConfigError("hedge_ratio and retry_ratio must be in [0, 1]")
+        if not 0.0 <= self.eject_overtaken_share <= 1.0:
+            raise ConfigError(
+                f"eject_overtaken_share must be in [0, 1], not {self.eject_overtaken_share}"
+            )
         if self.backends_dns is not None:
             parse_host_port(self.backends_dns, "--backends-dns")
 

@@ -488,6 +488,7 @@ class Dispatcher:
             consecutive_failures=config.eject_after_failures,
             # (An infinite factor: no latency is ever that far above the median.)
             latency_factor=config.eject_latency_factor or math.inf,
+            overtaken_share=config.eject_overtaken_share or math.inf,
             base_ejection_s=config.eject_base_s,
             max_ejection_s=max(120.0, config.eject_base_s),
         )

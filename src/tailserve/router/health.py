@@ -11,7 +11,15 @@ answers not ready, so this is also how a drain empties a backend without errors.
 - a latency outlier: its EWMA latency, over at least ``min_samples`` replies, above
   ``latency_factor`` times the median of the other backends' (those in service and not
   failing: a dead replica's last average is no reference) and above ``latency_floor_s``
-  (at sub-millisecond latencies three times the median is still no problem worth a replica).
+  (at sub-millisecond latencies three times the median is still no problem worth a replica);
+- a *limping* replica, one whose requests keep losing to hedges: at least
+  ``overtaken_min_losses`` of its last few hundred first copies beaten by a hedge sent
+  elsewhere, a share of them at least ``overtaken_share`` and ``overtaken_factor`` times the
+  median of the others' (those in service and not failing, with ``min_samples`` first copies
+  each). A replica that stalls now and then (5% of its replies 20 times late) keeps an
+  average latency too close to the others' for the latency test, but loses nearly all its
+  stalled requests to hedges, while a healthy replica's tail seldom loses to a copy sent at
+  the p95. It needs hedging on: without hedges nothing is overtaken.
 
 An ejected backend gets no traffic for a backoff of ``base_ejection_s · 2^k`` (capped at
 ``max_ejection_s``), k being how often it was ejected before; its failure streak and
@@ -39,7 +47,7 @@ class Ejection:
     """A backend taken out of rotation (for the log and the ``backend ejections`` metric)."""
 
     backend_id: str
-    reason: str  # "failures" or "latency"
+    reason: str  # "failures", "latency" or "overtaken"
     until: float
     backoff_s: float
 
@@ -52,6 +60,9 @@ class OutlierDetector:
         latency_factor: float = 3.0,
         latency_floor_s: float = 0.05,
         min_samples: int = 20,
+        overtaken_share: float = 0.02,
+        overtaken_factor: float = 3.0,
+        overtaken_min_losses: int = 5,
         base_ejection_s: float = 5.0,
         max_ejection_s: float = 120.0,
         reset_after_s: float = 60.0,
@@ -61,12 +72,17 @@ class OutlierDetector:
             raise ValueError(f"consecutive_failures must be at least 1, not {consecutive_failures}")
         if not 0.0 < base_ejection_s <= max_ejection_s:
             raise ValueError(f"need 0 < base_ejection_s ({base_ejection_s}) <= max_ejection_s")
+        if overtaken_min_losses < 1:
+            raise ValueError(f"overtaken_min_losses must be at least 1, not {overtaken_min_losses}")
         if not 0.0 <= max_ejected_fraction <= 1.0:
             raise ValueError(f"max_ejected_fraction must be in [0, 1], not {max_ejected_fraction}")
         self.consecutive_failures = consecutive_failures
         self.latency_factor = latency_factor
         self.latency_floor_s = latency_floor_s
         self.min_samples = min_samples
+        self.overtaken_share = overtaken_share
+        self.overtaken_factor = overtaken_factor
+        self.overtaken_min_losses = overtaken_min_losses
         self.base_ejection_s = base_ejection_s
         self.max_ejection_s = max_ejection_s
         self.reset_after_s = reset_after_s
@@ -85,6 +101,8 @@ class OutlierDetector:
             return self.eject(pool, backend, now, "failures")
         if self.is_latency_outlier(pool, backend, now):
             return self.eject(pool, backend, now, "latency")
+        if self.is_limping(pool, backend, now):
+            return self.eject(pool, backend, now, "overtaken")
         return None
 
     def is_latency_outlier(self, pool: Pool, backend: Backend, now: float) -> bool:
@@ -110,6 +128,23 @@ class OutlierDetector:
         if not others:
             return False
         return latency > self.latency_factor * statistics.median(others)
+
+    def is_limping(self, pool: Pool, backend: Backend, now: float) -> bool:
+        losses = backend.first_losses
+        if losses < self.overtaken_min_losses or not backend.first_copies:
+            return False
+        share = losses / backend.first_copies
+        if share < self.overtaken_share:
+            return False
+        others = [
+            b.first_losses / b.first_copies
+            for b in pool
+            if b is not backend
+            and b.first_copies >= self.min_samples
+            and b.in_service(now)
+            and not b.consecutive_failures
+        ]
+        return bool(others) and share >= self.overtaken_factor * statistics.median(others)
 
     def eject(self, pool: Pool, backend: Backend, now: float, reason: str) -> Ejection | None:
         """Take a backend out for its backoff, unless the pool's ejection cap is reached."""

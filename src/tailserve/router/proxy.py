@@ -669,6 +669,10 @@ class Router:
                     "ejections": u.backend.ejections,
                     # The share of its recent requests that a hedge elsewhere beat.
                     "overtaken": round(u.backend.overtaken, 4),
+                    # What outlier ejection judges it on: its recent first copies, and those
+                    # a hedge beat.
+                    "first_copies": u.backend.first_copies,
+                    "first_losses": u.backend.first_losses,
                     "models": None if u.models is None else sorted(u.models),
                 }
                 for u in d.upstreams.values()
