@@ -369,28 +369,44 @@ def test_a_pool_wide_run_of_losses_ejects_no_one() -> None:
     assert all(b.first_losses >= 5 for b in pool)
 
 
-def test_limping_is_judged_against_others_that_have_answered_enough() -> None:
-    pool = pool_of(3)
+def test_limping_is_judged_against_two_others_that_have_answered_enough() -> None:
+    pool = pool_of(4)
     detector = OutlierDetector(min_samples=20)
-    limping, other, newcomer = pool.backends
-    for _ in range(19):
+    limping, other, second, newcomer = pool.backends
+    for _ in range(20):
         first_copy(pool, detector, other, lost=False)
+    for _ in range(19):
+        first_copy(pool, detector, second, lost=False)
     for _ in range(10):
         assert first_copy(pool, detector, limping, lost=True) is None
-    # Not one reply yet from the newcomer and 19 from the other: no one to compare with.
+    # Not one reply yet from the newcomer and 19 from the second: one peer to compare with.
     assert first_copy(pool, detector, limping, lost=False) is None
-    first_copy(pool, detector, other, lost=False)
+    first_copy(pool, detector, second, lost=False)
     ejection = first_copy(pool, detector, limping, lost=False)
     assert ejection is not None and ejection.reason == "overtaken"
     assert newcomer.first_copies == 0
 
 
-def test_a_share_out_of_reach_turns_limping_ejection_off() -> None:
+def test_in_a_pool_of_two_no_one_is_ejected_for_limping() -> None:
+    # Both slow down alike and race each other's hedges: whichever loses a few more must not
+    # be taken out on the word of the other alone.
     pool = pool_of(2)
-    detector = OutlierDetector(overtaken_share=math.inf)
+    detector = OutlierDetector()
     limping, other = pool.backends
     for _ in range(50):
         first_copy(pool, detector, other, lost=False)
+    assert all(first_copy(pool, detector, limping, lost=i % 4 == 0) is None for i in range(200))
+    assert pool.ejected(0.0) == []
+    assert OutlierDetector(overtaken_min_peers=1).is_limping(pool, limping, 0.0)
+
+
+def test_a_share_out_of_reach_turns_limping_ejection_off() -> None:
+    pool = pool_of(3)
+    detector = OutlierDetector(overtaken_share=math.inf)
+    limping, *others = pool.backends
+    for _ in range(50):
+        for other in others:
+            first_copy(pool, detector, other, lost=False)
     assert all(first_copy(pool, detector, limping, lost=i % 2 == 0) is None for i in range(200))
     assert pool.ejected(0.0) == []
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import math
 import random
@@ -274,7 +275,7 @@ class Exchange:
             d.metrics.hedges.inc(self.model, "refused")
             # It waits for a token (hedging.py: rationing); tokens come with new requests,
             # and the queue is looked at again when this one turns overdue.
-            d.defer_hedge(self, self._policy.overdue_s(d.loop.time()))
+            d.defer_hedge(self, self._policy.overdue_s(d.loop.time()), suspect=suspect)
             return
         if suspect:
             d.suspect_hedges += 1
@@ -474,8 +475,10 @@ class Dispatcher:
         self._balancers: dict[str, Balancer] = {}
         self._hedges: dict[tuple[str, str], HedgePolicy] = {}
         self.hedge_budget = HedgeBudget(ratio=config.hedge_ratio)
-        # Requests whose hedge came due while the budget was short, oldest first.
+        # Requests whose hedge came due while the budget was short, oldest first; those on a
+        # suspect replica that found no token at all wait apart, and go first.
         self._hedge_queue: deque[Exchange] = deque()
+        self._suspect_queue: deque[Exchange] = deque()
         self.late_hedges = 0
         # Hedges sent at their delay while rationed, because the replica was suspect.
         self.suspect_hedges = 0
@@ -599,20 +602,29 @@ class Dispatcher:
         """Requests waiting for a hedge token now (the queue also holds ones answered since,
         dropped as the queue is next served)."""
         now = self.loop.time()
-        return sum(1 for e in self._hedge_queue if e.awaits_hedge(now))
+        waiting = itertools.chain(self._suspect_queue, self._hedge_queue)
+        return sum(1 for e in waiting if e.awaits_hedge(now))
 
-    def defer_hedge(self, exchange: Exchange, overdue_s: float | None) -> None:
+    def defer_hedge(
+        self, exchange: Exchange, overdue_s: float | None, *, suspect: bool = False
+    ) -> None:
         """``exchange``'s hedge came due with the budget short: queue it for a token, and
         serve the queue again once it has waited ``overdue_s`` (with no new requests, no
-        token would be handed out otherwise)."""
-        queue = self._hedge_queue
+        token would be handed out otherwise). A request on a ``suspect`` replica found no
+        token at all: it takes the next one, before the requests of healthy replicas, without
+        waiting to be overdue (hedging.py)."""
+        queue = self._suspect_queue if suspect else self._hedge_queue
         if len(queue) >= _HEDGE_QUEUE:
             now = self.loop.time()
-            queue = self._hedge_queue = deque(e for e in queue if e.awaits_hedge(now))
+            queue = deque(e for e in queue if e.awaits_hedge(now))
+            if suspect:
+                self._suspect_queue = queue
+            else:
+                self._hedge_queue = queue
             if len(queue) >= _HEDGE_QUEUE:
                 return  # (counted as refused already)
         queue.append(exchange)
-        if overdue_s is not None:
+        if overdue_s is not None and not suspect:
             self.loop.call_at(exchange.started + overdue_s, self._release_hedges_now)
 
     def _release_hedges_now(self) -> None:
@@ -622,7 +634,18 @@ class Dispatcher:
     def release_hedges(self, now: float) -> None:
         """Hand the tokens there are to the requests that have waited longest for one (as
         far as the rationing lets them: hedging.py). Called as tokens are earned."""
-        queue, budget = self._hedge_queue, self.hedge_budget
+        budget = self.hedge_budget
+        suspects = self._suspect_queue
+        while suspects:
+            head = suspects[0]
+            if not head.awaits_hedge(now):
+                suspects.popleft()
+            elif budget.ready and budget.try_spend():
+                suspects.popleft()
+                head.send_hedge(late=True)
+            else:
+                return  # no token: none for the queue below either
+        queue = self._hedge_queue
         while queue:
             head = queue[0]
             if not head.awaits_hedge(now):

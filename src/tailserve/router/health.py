@@ -16,10 +16,12 @@ answers not ready, so this is also how a drain empties a backend without errors.
   ``overtaken_min_losses`` of its last few hundred first copies beaten by a hedge sent
   elsewhere, a share of them at least ``overtaken_share`` and ``overtaken_factor`` times the
   median of the others' (those in service and not failing, with ``min_samples`` first copies
-  each). A replica that stalls now and then (5% of its replies 20 times late) keeps an
-  average latency too close to the others' for the latency test, but loses nearly all its
-  stalled requests to hedges, while a healthy replica's tail seldom loses to a copy sent at
-  the p95. It needs hedging on: without hedges nothing is overtaken.
+  each; at least ``overtaken_min_peers`` of them: in a pool of two the reference is one
+  replica, and when both slow down alike whichever loses a few more races would be taken
+  out, halving the pool). A replica that stalls now and then (5% of its replies 20 times
+  late) keeps an average latency too close to the others' for the latency test, but loses
+  nearly all its stalled requests to hedges, while a healthy replica's tail seldom loses to a
+  copy sent at the p95. It needs hedging on: without hedges nothing is overtaken.
 
 An ejected backend gets no traffic for a backoff of ``base_ejection_s · 2^k`` (capped at
 ``max_ejection_s``), k being how often it was ejected before; its failure streak and
@@ -63,6 +65,7 @@ class OutlierDetector:
         overtaken_share: float = 0.02,
         overtaken_factor: float = 3.0,
         overtaken_min_losses: int = 5,
+        overtaken_min_peers: int = 2,
         base_ejection_s: float = 5.0,
         max_ejection_s: float = 120.0,
         reset_after_s: float = 60.0,
@@ -83,6 +86,7 @@ class OutlierDetector:
         self.overtaken_share = overtaken_share
         self.overtaken_factor = overtaken_factor
         self.overtaken_min_losses = overtaken_min_losses
+        self.overtaken_min_peers = overtaken_min_peers
         self.base_ejection_s = base_ejection_s
         self.max_ejection_s = max_ejection_s
         self.reset_after_s = reset_after_s
@@ -144,7 +148,9 @@ class OutlierDetector:
             and b.in_service(now)
             and not b.consecutive_failures
         ]
-        return bool(others) and share >= self.overtaken_factor * statistics.median(others)
+        if len(others) < max(1, self.overtaken_min_peers):
+            return False
+        return share >= self.overtaken_factor * statistics.median(others)
 
     def eject(self, pool: Pool, backend: Backend, now: float, reason: str) -> Ejection | None:
         """Take a backend out for its backoff, unless the pool's ejection cap is reached."""

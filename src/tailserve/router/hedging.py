@@ -35,7 +35,10 @@ One exception: a request on a *suspect* replica takes a token at its delay whene
 one. A replica is suspect when its requests lose to hedges far more often than its peers'
 (`Pool.suspect`): 5% of its replies 20 times late means about 5% of its requests overtaken,
 against well under 1% on a healthy one, whose tail mostly answers soon after the p95. Its
-late requests are likely stuck, so they need not wait for the p99 to prove it.
+late requests are likely stuck, so they need not wait for the p99 to prove it. And when
+there is no token at all, such a request waits apart and takes the next one, before the
+queued requests of healthy replicas: those wait to be overdue anyway, and most of them
+answer meanwhile.
 """
 
 from __future__ import annotations
