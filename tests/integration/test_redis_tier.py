@@ -150,6 +150,27 @@ async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(
         await tier.close()
 
 
+async def test_lookups_that_run_out_of_budget_open_the_breaker_before_any_socket_timeout(
+    own_redis: OwnRedisServer, client_kind: str
+) -> None:
+    # A paused Redis answers nothing, and the socket would wait 30 s: each lookup that runs
+    # out of its budget counts as a failure then, so three of them open the breaker.
+    breaker = Breaker(clock=time.monotonic, threshold=3, open_s=60.0)
+    tier = make_tier(own_redis.url, client_kind, 30.0, budget_s=0.05, breaker=breaker)
+    try:
+        assert await tier.connect()
+        pause_redis(own_redis)
+        try:
+            assert [await tier.get(f"k{i}") for i in range(3)] == [None] * 3
+            assert breaker.state is BreakerState.OPEN and tier.skipped == 3
+            assert await tier.get("k") is None  # skipped at once: the breaker is open
+            assert tier.skipped == 4 and breaker.failures == 3
+        finally:
+            resume_redis(own_redis)
+    finally:
+        await tier.close()
+
+
 async def test_the_breaker_opens_after_repeated_failures_and_closes_when_redis_is_back(
     own_redis: OwnRedisServer, client_kind: str
 ) -> None:

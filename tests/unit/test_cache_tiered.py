@@ -12,6 +12,7 @@ import pytest
 from tailserve.cache.keys import KeyBuilder
 from tailserve.cache.memory import MemoryCache
 from tailserve.cache.tiered import CachePolicy, ModelView, ResultCache
+from tailserve.errors import DeadlineUnmeetable
 
 
 class Clock:
@@ -76,6 +77,33 @@ async def test_followers_compute_themselves_when_the_leader_is_cancelled() -> No
     model.release.set()
     answer = await follower
     assert answer.source == "miss" and model.runs == 2
+
+
+async def test_the_leaders_own_refusal_does_not_reach_its_followers() -> None:
+    # The leading request's deadline cannot be met (its own, tight): the scheduler refuses
+    # it. Its followers have time: the first of them computes, the rest follow that one.
+    cache, model, v = ResultCache(), Model(), view(Clock())
+    model.release.clear()
+    gate = asyncio.Event()
+
+    async def refused() -> tuple[dict[str, Any], None]:
+        await gate.wait()
+        raise DeadlineUnmeetable("the deadline cannot be met")
+
+    leader = asyncio.ensure_future(cache.serve(v, "k", "use", refused))
+    await asyncio.sleep(0)
+    followers = [asyncio.ensure_future(cache.serve(v, "k", "use", model)) for _ in range(5)]
+    await asyncio.sleep(0)
+    gate.set()
+    with pytest.raises(DeadlineUnmeetable):
+        await leader
+    for _ in range(5):
+        await asyncio.sleep(0)
+    model.release.set()
+    answers = await asyncio.gather(*followers)
+    assert model.runs == 1
+    assert sorted(a.source for a in answers) == ["coalesced"] * 4 + ["miss"]
+    assert all(a.outputs["y"].tolist() == [1.0] for a in answers)
 
 
 async def test_an_error_reaches_every_follower_and_is_not_cached() -> None:

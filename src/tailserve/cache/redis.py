@@ -110,16 +110,27 @@ class RedisTier:
         if batch:
             # One timer a batch, not one a lookup: what has no answer when it fires is a miss.
             loop = asyncio.get_running_loop()
-            loop.call_later(self.budget_s + self._lag(), self._expire, batch)
-            self._own(self._mget(batch))
+            expired: list[bool] = [False]
+            loop.call_later(self.budget_s + self._lag(), self._expire, batch, expired)
+            self._own(self._mget(batch, expired))
 
-    def _expire(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
+    def _expire(
+        self, batch: list[tuple[str, asyncio.Future[bytes | None]]], expired: list[bool]
+    ) -> None:
         for _, future in batch:
             if not future.done():
                 self.skipped += 1
                 future.set_result(None)
+                expired[0] = True
+        if expired[0]:
+            # A failure now, not when the answer or the socket timeout (a second) comes: a
+            # paused or unreachable Redis opens the breaker after `failures` budgets, and the
+            # lookups after those skip it at once instead of each waiting out its budget.
+            self.breaker.failure()
 
-    async def _mget(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
+    async def _mget(
+        self, batch: list[tuple[str, asyncio.Future[bytes | None]]], expired: list[bool]
+    ) -> None:
         keys = [key for key, _ in batch]
         started = time.perf_counter()
         try:
@@ -130,15 +141,18 @@ class RedisTier:
             else:
                 values = await self.client.mget(keys)
         except Exception as exc:  # any Redis or socket fault is a miss and a failure
-            self._failed("MGET", exc)
+            if not expired[0]:  # (counted when the budget ran out)
+                self._failed("MGET", exc)
             values = [None] * len(keys)
         else:
             elapsed = time.perf_counter() - started
             if self._on_latency is not None:
                 self._on_latency(elapsed)
-            # An answer past the budget still counts against Redis: it was too slow to use.
+            # An answer past the budget still counts against Redis: it was too slow to use
+            # (once: when the budget ran out, if a lookup was still waiting for it then).
             if elapsed > self.budget_s + self._lag():
-                self.breaker.failure()
+                if not expired[0]:
+                    self.breaker.failure()
             else:
                 self.breaker.success()
         for (_, future), value in zip(batch, values, strict=True):

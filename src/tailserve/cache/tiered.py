@@ -34,6 +34,7 @@ from tailserve.cache.entry import CachedResult, Lineage, Outputs
 from tailserve.cache.keys import KeyBuilder
 from tailserve.cache.memory import Lookup, MemoryCache
 from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier
+from tailserve.errors import DeadlineExceeded, DeadlineUnmeetable, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,15 @@ class Served:
 
 
 class _LeaderGone(Exception):
-    """The request computing a shared result was cancelled; its followers compute themselves."""
+    """The request computing a shared result was cancelled, or refused for reasons of its
+    own; its followers compute themselves."""
+
+
+# Refusals that speak of the leading request, not of the input: its deadline could not be
+# met, or its priority found the queue full. A follower may have more time or a higher
+# priority, so it tries for itself (the first to wake leads the rest) rather than get the
+# leader's 429.
+_OWN_REFUSALS = (Overloaded, DeadlineUnmeetable, DeadlineExceeded)
 
 
 Compute = Callable[[], Awaitable[tuple[Outputs, Any]]]
@@ -166,7 +175,8 @@ class ResultCache:
         try:
             served = await self._lead(view, key, compute, lookup)
         except BaseException as exc:
-            future.set_exception(_LeaderGone() if isinstance(exc, asyncio.CancelledError) else exc)
+            own = isinstance(exc, (asyncio.CancelledError, *_OWN_REFUSALS))
+            future.set_exception(_LeaderGone() if own else exc)
             future.exception()  # retrieved: no "never retrieved" warning when none follow
             raise
         else:
