@@ -130,6 +130,8 @@ def test_a_deadline_that_cannot_be_met_is_refused_with_429(worker: RunningWorker
     [
         ({"headers": {"X-Deadline-Ms": "soon"}}, "X-Deadline-Ms must be a positive number"),
         ({"headers": {"X-Deadline-Ms": "-3"}}, "X-Deadline-Ms must be a positive number"),
+        ({"headers": {"X-Deadline-Ms": "inf"}}, "X-Deadline-Ms must be a positive number"),
+        ({"headers": {"X-Deadline-Ms": "NaN"}}, "X-Deadline-Ms must be a positive number"),
         ({"parameters": {"timeout": -5}}, "parameter 'timeout'"),
         ({"parameters": {"timeout": "1s"}}, "parameter 'timeout'"),
         ({"parameters": {"priority": 3}}, "parameter 'priority' must be a whole number in 1..2"),
@@ -147,6 +149,22 @@ def test_bad_deadlines_and_priorities_are_400_naming_them(
     assert message in reply.json()["error"]
     ok = httpx.post(f"{worker.url}/v2/models/slow/infer", json=body([1.0], priority=1))
     assert ok.status_code == 200
+
+
+def test_deadlines_far_beyond_any_need_are_served_and_the_model_keeps_serving(
+    worker: RunningWorker,
+) -> None:
+    # Budgets no float arithmetic should meet raw (1e308 ms; a timeout of 400 digits, which
+    # is no float at all): they count as a day, and the model's scheduler lives on.
+    url = f"{worker.url}/v2/models/slow/infer"
+    huge = httpx.post(url, json=body([1.0]), headers={"X-Deadline-Ms": "1e308"})
+    assert huge.status_code == 200, huge.text
+    endless = httpx.post(url, content=b'{"inputs": [{"name": "x", "datatype": "FP32", '
+                         b'"shape": [1, 1], "data": [2.0]}], "parameters": {"timeout": '
+                         + b"9" * 400 + b"}}")  # fmt: skip
+    assert endless.status_code == 200, endless.text
+    after = httpx.post(url, json=body([3.0]), headers={"X-Deadline-Ms": "900"}, timeout=10)
+    assert after.status_code == 200, after.text
 
 
 def test_a_client_deadline_expires_in_the_queue_and_an_slo_one_runs_late(

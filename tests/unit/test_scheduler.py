@@ -100,6 +100,38 @@ async def test_a_runtime_error_fails_every_member_of_the_batch_and_the_next_batc
     await s.close()
 
 
+class Faulty(SizeOrTimeout):
+    """A batcher whose poll raises while ``broken`` (a bug in a policy)."""
+
+    broken = True
+
+    def poll(self, now: float, free_at: Any, *, draining: bool = False) -> Any:
+        if self.broken and len(self):
+            raise OverflowError("cannot convert float infinity to integer")
+        return super().poll(now, free_at, draining=draining)
+
+
+async def test_a_failing_batcher_fails_what_is_queued_and_the_scheduler_lives_on() -> None:
+    batcher = Faulty(max_rows=8, max_delay_s=0.001, max_queue=100)
+    s = scheduler(Recorder(), batcher=batcher)
+    results = await asyncio.gather(*(s.infer(x(i), 1, ALL) for i in range(3)),
+                                   return_exceptions=True)  # fmt: skip
+    assert all(isinstance(r, ModelExecutionError) for r in results), results
+    assert "batching failed" in str(results[0]) and len(batcher) == 0
+    batcher.broken = False
+    outputs, _ = await asyncio.wait_for(s.infer(x(5.0), 1, ALL), 10)
+    assert outputs["y"][0, 0] == 105.0
+    await s.close()
+
+
+def test_an_endless_deadline_fills_a_batch_to_its_maximum() -> None:
+    # A budget of 1e308 s would overflow int(): the batch may simply hold all it can.
+    batcher = DeadlineBatcher(max_rows=8, max_queue=10, instances=1)
+    queue = batcher._class(ALL)  # the class the request goes to
+    assert batcher._rows_in_time(queue, 1e308) == 8
+    assert batcher._rows_in_time(queue, float("inf")) == 8
+
+
 async def test_full_queue_refuses_at_once() -> None:
     runtime = Recorder()
     runtime.release.clear()

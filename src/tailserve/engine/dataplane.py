@@ -6,6 +6,7 @@ knows a status code or a header.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from tailserve.repository.manager import ModelManager, ModelStatus
 from tailserve.tensors import Tensor, numpy_dtype
 
 _CACHED = BatchStats(0.0, 0.0, 0, "")
+# The longest deadline a request may have (see _deadline_and_priority).
+_MAX_BUDGET_S = 86_400.0
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
@@ -262,14 +265,21 @@ def _deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[
     budgets = []
     timeout = request.parameters.get("timeout")
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf
+        ):
             raise InvalidInput(
                 f"parameter 'timeout' must be a positive number of µs, got {timeout!r}"
             )
-        budgets.append(timeout / 1e6)
+        # (min first: an integer of hundreds of digits is no float.)
+        budgets.append(min(timeout, _MAX_BUDGET_S * 1e6) / 1e6)
     if request.deadline_ms is not None:
         budgets.append(request.deadline_ms / 1e3)
-    budget = min(budgets) if budgets else config.slo.p99_ms / 1e3
+    # A budget longer than a day is no deadline to speak of; capped, the policy's arithmetic
+    # stays in range whatever a client sends.
+    budget = min(min(budgets) if budgets else config.slo.p99_ms / 1e3, _MAX_BUDGET_S)
     received = request.received_at if request.received_at is not None else time.monotonic()
     levels = config.batching.priority_levels
     priority = request.parameters.get("priority", request.priority)

@@ -350,8 +350,11 @@ class DeadlineBatcher:
         spare = remaining - self.overhead_s - cost.bound(0)
         if cost.per_row_s <= 0:
             return self.max_rows
-        fit = int(spare / cost.per_row_s)
-        return self.max_rows if fit < 1 else min(self.max_rows, fit)
+        rows = spare / cost.per_row_s
+        if not rows < self.max_rows:  # (inf and nan included: no int() of those)
+            return self.max_rows
+        fit = int(rows)
+        return self.max_rows if fit < 1 else fit
 
     def _target_rows(self, queue: _Class, now: float) -> int:
         rate = queue.rate.value(now)

@@ -265,7 +265,18 @@ class Scheduler:
                 if ahead > window:
                     await self._sleep(instance.free_at - window)
                     continue
-            poll = self._batcher.poll(now, self._free_times(now, instance), draining=self._closing)
+            try:
+                poll = self._batcher.poll(
+                    now, self._free_times(now, instance), draining=self._closing
+                )
+            except Exception as exc:
+                # A policy bug must not strand the queue (nothing else would poll it): what
+                # is queued fails with a 500 that says so, and the worker carries on.
+                log.exception("the batcher of model %r failed", self._model)
+                failure = ModelExecutionError(f"model {self._model!r}: batching failed: {exc}")
+                _fail(self._batcher.drain(), failure)
+                await asyncio.sleep(0)
+                continue
             if poll.expired:
                 self._expire(poll.expired, now)
             batch = [item for item in poll.batch if not item.payload.future.done()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import random
 import time
 import zlib
@@ -365,7 +366,7 @@ def _request_options(request: HttpRequest, infer: InferRequest) -> None:
             infer.deadline_ms = float(deadline)
         except ValueError:
             infer.deadline_ms = -1.0
-        if not infer.deadline_ms > 0:
+        if not 0 < infer.deadline_ms < math.inf:  # (nan fails both)
             raise InvalidInput(f"X-Deadline-Ms must be a positive number of ms, got {deadline!r}")
     mode = request.header(b"x-cache-mode")
     if mode is not None:
