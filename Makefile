@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[lightgbm,examples]'
+	$(BIN)/python -m pip install -q -e '.[lightgbm,examples,grpc]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python

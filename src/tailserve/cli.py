@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--repository", help="model repository folder")
     serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
-    serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: no gRPC)")
     serve.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
     serve.add_argument(
         "--redis-cluster",

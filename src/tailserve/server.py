@@ -102,6 +102,7 @@ class Worker:
         )
         self._loading: asyncio.Task[None] | None = None
         self._uvicorn: _Uvicorn | None = None
+        self._grpc: Any = None  # grpc.aio.Server, while it serves
         self.loaded = asyncio.Event()
 
     def _redis_client(self, **options: Any) -> Any:
@@ -190,6 +191,7 @@ class Worker:
     ) -> None:
         await receive()  # lifespan.startup
         self.loop_lag.start()
+        await self._start_grpc()
         if self.cache.redis is not None:
             await self.cache.redis.connect()
             self.cache.start_listening(self._pubsub_client)
@@ -197,6 +199,9 @@ class Worker:
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown: uvicorn has already waited for connections
         self.dataplane.draining = True
+        if self._grpc is not None:  # calls in flight finish (up to the drain timeout)
+            await self._grpc.stop(self.settings.drain_timeout_s)
+            self._grpc = None
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self._loading is not None:
@@ -209,6 +214,27 @@ class Worker:
         if self.recorder is not None:
             self.recorder.close()
         await send({"type": "lifespan.shutdown.complete"})
+
+    async def _start_grpc(self) -> None:
+        """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none). A worker that
+        cannot serve it (grpcio not installed, the port taken) says so and serves HTTP: the
+        requests that can be served still are."""
+        port = self.settings.grpc_port
+        if not port:
+            return
+        try:
+            from tailserve.protocols.grpc.service import InferenceService, start
+        except ImportError as exc:
+            log.error("no gRPC on port %d: %s (pip install 'tailserve[grpc]')", port, exc)
+            return
+        service = InferenceService(self.dataplane, self.metrics)
+        try:
+            self._grpc = await start(service, self.settings.host, port,
+                                     max_message_bytes=self.settings.max_body_bytes)  # fmt: skip
+        except (OSError, RuntimeError) as exc:
+            log.error("no gRPC on %s:%d: %s; serving HTTP only", self.settings.host, port, exc)
+            return
+        log.info("gRPC (OIP v2) on %s:%d", self.settings.host, port)
 
     async def _load_models(self) -> None:
         try:

@@ -13,40 +13,16 @@ import pytest
 import tritonclient.http as triton
 import yaml
 
+from support.churn import FIELDS, columns
 from support.servers import RunningWorker, run_worker
 from tailserve.examples.churn import sample_rows
 from tailserve.settings import Settings
-
-FIELDS = {
-    "tenure_months": "INT64",
-    "monthly_spend": "FP32",
-    "support_tickets": "INT64",
-    "feature_usage_pct": "FP32",
-    "last_login_days_ago": "INT64",
-    "num_integrations": "INT64",
-    "contract_type": "BYTES",
-    "plan_tier": "BYTES",
-    "is_enterprise": "INT64",
-}
 
 
 @pytest.fixture(scope="module")
 def worker(example_repository: Path) -> Iterator[RunningWorker]:
     with run_worker(Settings(repository=str(example_repository))) as running:
         yield running
-
-
-def columns(rows: int, seed: int = 3) -> dict[str, np.ndarray[Any, Any]]:
-    sample = sample_rows(rows, seed)
-    out = {}
-    for name, datatype in FIELDS.items():
-        values = sample[name]
-        if datatype == "BYTES":
-            out[name] = np.array([str(v).encode() for v in values], dtype=object).reshape(-1, 1)
-        else:
-            dtype = np.float32 if datatype == "FP32" else np.int64
-            out[name] = np.asarray(values, dtype=dtype).reshape(-1, 1)
-    return out
 
 
 def triton_infer(

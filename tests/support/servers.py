@@ -55,7 +55,9 @@ def run_worker(settings: Settings, *, wait_ready: bool = True) -> Iterator[Runni
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    worker = Worker(settings.replace(host="127.0.0.1", http_port=port))
+    # gRPC only where a test asks for it on a port of its own (the default 8001 is shared).
+    grpc_port = 0 if settings.grpc_port == Settings().grpc_port else settings.grpc_port
+    worker = Worker(settings.replace(host="127.0.0.1", http_port=port, grpc_port=grpc_port))
     failure: list[BaseException] = []
 
     def target() -> None:
@@ -109,8 +111,9 @@ def worker_process(
     """``tailserve serve`` as a real child process, for signals and exit codes."""
     port = free_port()
     log_path = log_dir / f"worker-{port}.log"
+    grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
     command = [sys.executable, "-m", "tailserve.cli", "serve", "--repository", str(repository),
-               "--host", "127.0.0.1", "--http-port", str(port), *extra]  # fmt: skip
+               "--host", "127.0.0.1", "--http-port", str(port), *grpc, *extra]  # fmt: skip
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     running = WorkerProcess(process, f"http://127.0.0.1:{port}", log_path)
