@@ -65,6 +65,24 @@ def test_a_success_ends_the_failure_streak_and_a_failed_connect_extends_it() -> 
     assert backend.consecutive_failures == 0
 
 
+def test_a_fast_refusal_never_makes_a_backend_look_faster_nor_ends_its_streak() -> None:
+    pool = Pool("m", [Backend("w0")])
+    backend = pool.backends[0]
+    pool.start(backend)
+    pool.finish(backend, 0.010, ok=True)
+    pool.start(backend)
+    pool.finish(backend, 0.5, ok=False)  # a timeout: one failure, and slower
+    average = backend.latency_s
+    assert average is not None and backend.consecutive_failures == 1
+    pool.start(backend)
+    pool.refused(backend, 0.0005, now=1.0)  # a 429 in half a millisecond
+    assert backend.latency_s == average and backend.consecutive_failures == 1
+    assert backend.in_flight == 0 and backend.samples == 2 and backend.sampled_at == 1.0
+    pool.start(backend)
+    pool.refused(backend, 1.0)  # refused after a long wait: that slowness counts
+    assert backend.latency_s > average and backend.samples == 3
+
+
 def test_a_cancelled_hedge_adds_no_sample_and_no_failure() -> None:
     backend = Backend("a")
     pool = Pool("churn", [backend])

@@ -37,7 +37,7 @@ def add_parser(commands: Any) -> None:
     up.add_argument("--repository", help=f"model repository (default: the examples, {EXAMPLES})")
     up.add_argument("--host", default="0.0.0.0", help="the router's address (0.0.0.0)")
     up.add_argument("--port", type=int, default=8080, help="the router's port (8080)")
-    up.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    up.add_argument("--workers", type=int, default=usable_cores(),
                     help="worker processes (default: one per core)")  # fmt: skip
     up.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
     up.add_argument(
@@ -53,6 +53,13 @@ def add_parser(commands: Any) -> None:
                     help="seconds SIGTERM waits for requests in flight (30)")  # fmt: skip
     up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     up.set_defaults(handler=handle)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def handle(args: argparse.Namespace) -> int:

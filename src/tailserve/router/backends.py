@@ -100,8 +100,8 @@ class Pool:
     """The replicas that serve one model, in a stable order (round-robin cycles through it).
 
     The proxy marks each attempt: `start` when it sends, then exactly one of `finish` (a reply,
-    or a timeout or server error with ``ok=False``), `connect_failed` or `cancelled` (the
-    losing copy of a hedged request).
+    or a timeout or server error with ``ok=False``), `refused` (a 429), `connect_failed` or
+    `cancelled` (the losing copy of a hedged request).
     """
 
     def __init__(
@@ -188,6 +188,17 @@ class Pool:
             # look like the fastest one and draw more traffic (the "black hole").
             if backend.latency_s is not None and latency_s > backend.latency_s:
                 self._sample(backend, latency_s)
+
+    def refused(self, backend: Backend, latency_s: float, *, now: float | None = None) -> None:
+        """The backend answered 429: too busy for the request. No failure (it sheds as it
+        should) and no sign of speed either: like a failure's, its latency may only raise the
+        average, or a replica refusing in a millisecond would look the fastest and draw still
+        more of the traffic it is refusing."""
+        self._done(backend)
+        if now is not None:
+            backend.sampled_at = now
+        if backend.latency_s is not None and latency_s > backend.latency_s:
+            self._sample(backend, latency_s)
 
     def connect_failed(self, backend: Backend) -> None:
         self._done(backend)

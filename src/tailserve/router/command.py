@@ -36,7 +36,7 @@ def add_parser(commands: Any) -> None:
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    """The routing options `route` and `up` share."""
+    """The routing policy's options (`up` takes --balance and --no-hedge of these)."""
     parser.add_argument("--balance", choices=BALANCERS, default="p2c",
                         help="how a replica is chosen (p2c)")  # fmt: skip
     parser.add_argument("--model-balance", action="append", default=[], metavar="MODEL=POLICY",

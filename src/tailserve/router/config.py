@@ -94,12 +94,16 @@ class RouterConfig:
 def parse_backend(url: str) -> tuple[str, int]:
     """``http://host:port`` (or ``host:port``) → (host, port)."""
     text = url if "://" in url else f"http://{url}"
-    parts = urlsplit(text)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # (a port that is no number, or past 65535, raises here)
+    except ValueError as exc:
+        raise ConfigError(f"backend {url!r} is not http://HOST:PORT ({exc})") from None
+    if parts.scheme != "http" or not parts.hostname or port is None:
         raise ConfigError(f"backend {url!r} is not http://HOST:PORT")
     if parts.path not in ("", "/"):
         raise ConfigError(f"backend {url!r} has a path; give http://HOST:PORT only")
-    return parts.hostname, parts.port
+    return parts.hostname, port
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:

@@ -314,7 +314,10 @@ class Exchange:
         latency = now - attempt.sent_at
         if isinstance(result, Response):
             ok = result.status < 500
-            self.pool.finish(backend, latency, ok=ok, now=now)
+            if result.status == 429:
+                self.pool.refused(backend, latency, now=now)
+            else:
+                self.pool.finish(backend, latency, ok=ok, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, str(result.status))
             if ok and self._policy is not None and result.status < 400 and not attempt.streamed:
                 self._policy.observe(latency, now)
@@ -486,7 +489,10 @@ class Dispatcher:
         # room for those (and the connects that fail before it is ejected) to be retried.
         # It starts full: a router that has just started (or restarted) has earned nothing yet,
         # and its first minutes are when workers are most likely to be restarting too.
-        self.retry_budget = RetryBudget(ratio=config.retry_ratio, cap=20.0, initial=20.0)
+        # As large as one backend's in-flight limit: a worker killed while full fails that
+        # many requests at once, each of which a retry could save.
+        burst = max(20.0, float(config.max_in_flight))
+        self.retry_budget = RetryBudget(ratio=config.retry_ratio, cap=burst, initial=burst)
         self.detector = OutlierDetector(
             consecutive_failures=config.eject_after_failures,
             # (An infinite factor: no latency is ever that far above the median.)

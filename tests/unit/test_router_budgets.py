@@ -1,4 +1,5 @@
-"""The dispatcher's queue of hedges waiting for a token: who gets the next one."""
+"""The dispatcher's budgets: the queue of hedges waiting for a token (who gets the next one),
+and the retry burst."""
 
 from __future__ import annotations
 
@@ -86,3 +87,14 @@ def test_the_others_still_wait_to_be_overdue_and_answered_ones_leave(
     early.overdue = True
     dispatcher.release_hedges(0.0)
     assert sent == ["not overdue"] and dispatcher.hedge_budget.spent == 1
+
+
+def test_the_retry_burst_covers_a_full_backends_requests_in_flight() -> None:
+    # A worker killed with its in-flight limit reached fails that many requests at once.
+    loop = asyncio.new_event_loop()
+    try:
+        for limit, burst in ((64, 64.0), (8, 20.0)):
+            d = Dispatcher(RouterConfig(max_in_flight=limit), loop=loop)
+            assert d.retry_budget.cap == burst and d.retry_budget.tokens == burst
+    finally:
+        loop.close()
