@@ -115,6 +115,21 @@ async def test_writes_are_stored_in_the_background_with_their_ttl(
     assert await command_calls(admin, "set") == before + len(items) + 2
 
 
+async def test_writes_not_yet_sent_under_an_invalidated_prefix_never_reach_redis(
+    tier: RedisTier, admin: Redis
+) -> None:
+    dropped, kept = fresh_prefix(), fresh_prefix()
+    tier.put(dropped + "a", b"old", ttl_s=30)
+    tier.put(kept + "b", b"v", ttl_s=30)
+    assert tier.forget_writes(dropped) == 1
+
+    async def stored() -> bool:
+        return bool(await admin.exists(kept + "b"))
+
+    await async_wait_for(stored, what="the write that was kept")
+    assert not await admin.exists(dropped + "a")  # it would have gone in the same pipeline
+
+
 async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(
     own_redis: OwnRedisServer, client_kind: str
 ) -> None:

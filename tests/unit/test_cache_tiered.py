@@ -197,3 +197,31 @@ async def test_recomputations_are_told_apart_from_first_computations(evict: bool
         clock.now = 100.0
     await cache.serve(v, "k", "use", model)
     assert seen[0] is False and seen[-1] is True
+
+
+class FailingRedis:
+    """Redis whose key scan fails but whose pub/sub works, with writes still queued."""
+
+    def __init__(self) -> None:
+        self.published: list[bytes] = []
+        self.forgotten: list[str] = []
+
+    async def drop_prefix(self, prefix: str) -> int:
+        raise ConnectionError("SCAN failed")
+
+    async def publish(self, channel: str, message: bytes) -> None:
+        self.published.append(message)
+
+    def forget_writes(self, prefix: str) -> int:
+        self.forgotten.append(prefix)
+        return 0
+
+
+async def test_an_invalidation_is_published_even_when_redis_could_not_be_cleared() -> None:
+    redis = FailingRedis()
+    cache = ResultCache(redis=redis, worker_id="w1")  # type: ignore[arg-type]
+    report = await cache.invalidate("ts:{m}:")
+    assert report == {"l1": 0, "l2": 0, "published": True}
+    assert len(redis.published) == 1 and b"ts:{m}:" in redis.published[0]
+    # And this worker's writes not yet sent under the prefix are dropped.
+    assert redis.forgotten == ["ts:{m}:"]

@@ -176,6 +176,14 @@ class RedisTier:
         """Store and wait (precompute jobs); raises on failure."""
         await self._set_many([(k, v, max(1, int(t * 1000))) for k, v, t in items])
 
+    def forget_writes(self, prefix: str) -> int:
+        """Drop the writes still waiting to go out under ``prefix`` (an invalidation: they
+        would put back what it has just removed). Answers how many."""
+        kept = [write for write in self._writes if not write[0].startswith(prefix)]
+        dropped = len(self._writes) - len(kept)
+        self._writes[:] = kept  # (the flush timer takes whatever the list holds then)
+        return dropped
+
     def _flush_writes(self) -> None:
         batch, self._writes = self._writes, []
         if batch:

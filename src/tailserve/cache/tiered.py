@@ -300,8 +300,13 @@ class ResultCache:
         dropped_l1 = self.drop_local(prefix)
         report: dict[str, int | bool] = {"l1": dropped_l1, "l2": 0, "published": False}
         if self.redis is not None:
+            # Redis first, then the others' L1s: told first, they would miss and refill from
+            # the old values still in Redis. Each step is tried whatever became of the other.
             try:
                 report["l2"] = await self.redis.drop_prefix(prefix)
+            except Exception as exc:
+                log.warning("invalidation of %r could not clear Redis: %s", prefix, exc)
+            try:
                 message = orjson.dumps({"prefix": prefix, "origin": self.worker_id})
                 await self.redis.publish(INVALIDATION_CHANNEL, message)
                 report["published"] = True
@@ -310,7 +315,11 @@ class ResultCache:
         return report
 
     def drop_local(self, prefix: str) -> int:
+        """Drop this worker's results under ``prefix``: its L1 entries, its writes to Redis
+        not yet sent, and (by the generation) whatever it is computing now."""
         self._generation += 1
+        if self.redis is not None:
+            self.redis.forget_writes(prefix)
         return sum(l1.drop_prefix(prefix) for l1 in self._l1s.values())
 
     def start_listening(self, client_factory: Callable[[], Any]) -> None:
