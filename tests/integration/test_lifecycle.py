@@ -34,7 +34,7 @@ class Model:
         while not self.gate.exists():
             time.sleep(0.01)
         with self.marks.open("a") as marks:
-            marks.write("predict\\n")
+            marks.write(f"predict {len(inputs['x'])}\\n")
         time.sleep(self.delay)
         return {"y": (inputs["x"] * 2).astype(np.float32)}
 """
@@ -60,8 +60,14 @@ def test_not_ready_until_warm_up_has_run(tmp_path: Path) -> None:
             lambda: httpx.get(f"{running.url}/v2/health/ready").status_code == 200,
             what="readiness after warm-up",
         )
-        # Warm-up ran every configured batch size before readiness was reported.
-        assert marks.read_text().count("predict") == 2
+        # Warm-up ran every configured batch size before readiness was reported (each until
+        # its time settled, to seed its cost class: more than once).
+        sizes = [int(line.split()[1]) for line in marks.read_text().splitlines()]
+        assert set(sizes) == set(doubler_config()["warmup"]["batch_sizes"])
+        assert all(sizes.count(size) >= 2 for size in set(sizes))
+        stats = httpx.get(f"{running.url}/v2/models/gated/stats").json()["model_stats"][0]
+        classes = stats["batching"]["cost_model"]
+        assert classes and all(m["observations"] > 0 for m in classes.values()), classes
         assert httpx.post(f"{running.url}/v2/models/gated/infer", json=body(1.0)).status_code == 200
 
 

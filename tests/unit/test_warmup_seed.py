@@ -49,3 +49,12 @@ def test_a_shape_that_never_settles_stops_after_a_few_runs() -> None:
     runtime = Scripted([0.1, 0.3, 0.1, 0.3, 0.1])
     _settled(runtime, BATCH, [1.0, 0.3], runtime.clock)  # type: ignore[arg-type]
     assert runtime.runs == 3
+
+
+def test_a_shape_warmed_up_once_runs_until_warm_and_seeds_its_class() -> None:
+    # repeat: 1 (the default) leaves one cold run: it is dropped, and the batch runs again
+    # until two runs agree.
+    runtime = Scripted([0.020, 0.0101, 0.0100])
+    seconds = _settled(runtime, BATCH, [0.9], runtime.clock)  # type: ignore[arg-type]
+    assert seconds == pytest.approx(0.0100)
+    assert runtime.runs == 3

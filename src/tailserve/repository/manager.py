@@ -348,8 +348,9 @@ def _load_and_warm(
         raise ModelLoadError(f"{where}: warm-up failed: {exc}") from exc
     timings = [
         _timing(config, plan, buckets, batch, _settled(runtime, batch, times))
+        # (A shape run once, repeat: 1 being the default, had only a cold run: _settled runs
+        # it until warm, so every class starts from a measured time, not the flat guess.)
         for batch, times in runs.values()
-        if len(times) > 1  # a shape run once (repeat: 1) seeds nothing: its one run was cold
     ]
     return runtime, timings
 
