@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from support.servers import free_port
+from support.servers import async_wait_for, free_port
 from support.stub import StubApp, run_stub
 from tailserve.errors import ConnectFailed, UpstreamTimeout
 from tailserve.transport.http1 import Pool, Response, frame_request
@@ -61,3 +61,26 @@ async def test_no_server_fails_each_request_with_a_connect_error() -> None:
         await pool.close()
     assert all(isinstance(r, ConnectFailed) for r in results)
     assert "cannot connect to 127.0.0.1" in str(results[0])
+
+
+async def test_a_request_waiting_for_a_connection_times_out_on_time() -> None:
+    # The pool's one connection is held by a reply that stalls for 3 s: the next request
+    # waits for it, and its 0.2 s must hold while it waits (it used to wait the 3 s out).
+    with run_stub(StubApp(stall_after=1, stall_s=3.0)) as stub:
+        pool = Pool("127.0.0.1", stub.port, max_connections=1)
+        try:
+            held = asyncio.ensure_future(pool.request(infer(stub.port), timeout_s=10.0))
+
+            async def arrived() -> bool:
+                return len(stub.app.arrivals) == 1
+
+            await async_wait_for(arrived, what="the first request to hold the connection")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(UpstreamTimeout, match="came free in time"):
+                await pool.request(infer(stub.port), timeout_s=0.2)
+            assert loop.time() - started < 2.0  # well before the held reply (the slack: stalls)
+            assert pool.waiting == 0 and not held.done()
+            held.cancel()
+        finally:
+            await pool.close()

@@ -418,6 +418,10 @@ class Pool:
             self._idle.pop().send(ticket)
             return ticket
         self._waiting.append(ticket)
+        if deadline is not None:
+            # Its deadline holds while it waits, too: a connection may not come free (every
+            # one busy on a hung backend) nor connect (a host that does not answer) in time.
+            self.loop.call_at(deadline, self._expire_waiting, ticket)
         self._pump()
         return ticket
 
@@ -450,6 +454,14 @@ class Pool:
         self._idle.clear()
 
     # --- internals ------------------------------------------------------------------------
+
+    def _expire_waiting(self, ticket: Ticket) -> None:
+        try:
+            self._waiting.remove(ticket)  # still waiting: not sent, failed or closed since
+        except ValueError:
+            return
+        if not ticket.cancelled:
+            ticket.callback(UpstreamTimeout(f"no connection to {self.origin} came free in time"))
 
     def _pump(self) -> None:
         now = self.loop.time()
