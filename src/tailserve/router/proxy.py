@@ -627,8 +627,11 @@ class Router:
             chunked=request.chunked,
             on_stream=on_stream,
         )
-        # (A request shed at once is already answered: nothing is left to cancel.)
-        connection._exchange = None if exchange.done else exchange
+        # A request shed at once is already answered (and settled): nothing is left to
+        # cancel, and the connection may already be on its next pipelined request, whose
+        # exchange this must not overwrite.
+        if not exchange.done:
+            connection._exchange = exchange
 
     def _known(self, model: str) -> bool:
         # (Only models some backend lists become metric labels: a client cannot grow the
