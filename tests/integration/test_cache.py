@@ -88,6 +88,25 @@ def test_a_repeated_request_is_answered_from_l1_without_running_the_model(
     assert runs(worker.url) == 2
 
 
+def test_a_bad_input_the_key_leaves_out_is_refused_on_a_hit_as_on_a_miss(
+    worker: RunningWorker,
+) -> None:
+    # noise is left out of the key: a request whose noise is malformed shares the key of a
+    # good one, and must still get the 400 its miss would get, not the cached answer.
+    infer(worker.url, body(4.5))
+    bad = body(4.5)
+    bad["inputs"].append({"name": "noise", "datatype": "FP32", "shape": [1, 1],
+                          "data": ["loud"]})  # fmt: skip
+    refused = httpx.post(f"{worker.url}/v2/models/m/infer", json=bad, timeout=30)
+    assert refused.status_code == 400 and "noise" in refused.json()["error"], refused.text
+    wrong_shape = body(4.5)
+    wrong_shape["inputs"].append({"name": "noise", "datatype": "FP32", "shape": [2, 1],
+                                  "data": [1.0, 2.0]})  # fmt: skip
+    refused = httpx.post(f"{worker.url}/v2/models/m/infer", json=wrong_shape, timeout=30)
+    assert refused.status_code == 400, refused.text
+    assert source(infer(worker.url, body(4.5, noise=1.0))) == "l1"
+
+
 def test_cache_modes_by_parameter_and_header(worker: RunningWorker) -> None:
     infer(worker.url, body(3.0))
     assert source(infer(worker.url, body(3.0, cache="bypass"))) == "bypass"

@@ -78,6 +78,12 @@ class KeyBuilder:
         # Each tensor's framed name, datatype and shape, made once per kind of tensor seen.
         self._heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
 
+    @property
+    def lossy(self) -> bool:
+        """Whether requests that differ can share a key (inputs left out or rounded): then a
+        hit does not prove the request valid, as an identical, computed one would."""
+        return bool(self._rule.exclude or self._rule.round)
+
     def key(self, tensors: Sequence[Tensor], parameters: Mapping[str, Any] | None = None) -> str:
         rule = self._rule
         # One buffer, one hash update: per-field digest calls cost more than the hashing.

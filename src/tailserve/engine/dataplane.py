@@ -116,18 +116,27 @@ class DataPlane:
         wanted = _wanted_outputs(config, request)
         deadline, hard, priority = _deadline_and_priority(config, request)
 
+        checked = None
+        view = served.cache
+        if view is not None and view.keys.lossy and served.features is None:
+            # Checked before the lookup: a request differing from a computed one only in what
+            # the key leaves out or rounds (a missing or bad input among those) must get its
+            # 400 on a hit as on a miss.
+            checked = served.plan.check(request.inputs)
+
         async def compute() -> tuple[Outputs, BatchStats]:
             inputs = request.inputs
             if served.features is not None:
                 inputs = await served.features.resolve(inputs)
-            checked = served.plan.check(inputs)
+            nonlocal checked
+            if checked is None:
+                checked = served.plan.check(inputs)
             bucket = served.buckets.classify(checked)
             return await served.scheduler.infer(
                 checked.arrays, checked.rows, bucket,
                 deadline=deadline, priority=priority, hard_deadline=hard,
             )  # fmt: skip
 
-        view = served.cache
         parameters: dict[str, Any] = {"model_version": str(served.version)}
         if view is None or self.cache is None:
             outputs, stats = await compute()
