@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -36,3 +37,19 @@ def test_a_churn_score_is_small() -> None:
 def test_garbage_is_refused() -> None:
     with pytest.raises(ValueError, match="not a cached result"):
         decode(b"\x01\x02garbage")
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape", "data"),
+    [("FP128", [1], b"\x00" * 16), ("FP32", [3], b"\x00" * 4), ("FP32", [2], b"\x00" * 6)],
+)
+def test_a_well_formed_value_of_another_making_is_refused_not_raised(
+    datatype: str, shape: list[int], data: bytes
+) -> None:
+    # Another writer's value: an unknown datatype, or data that fits neither shape nor type.
+    good = encode(CachedResult({"y": np.array([1.0], dtype=np.float32)}, Lineage(1, "", 1.0, "w"),
+                               2.0))  # fmt: skip
+    wire = msgspec.msgpack.decode(good)
+    wire[-1][0][1:] = [datatype, shape, data]  # outputs[0]: name, datatype, shape, data
+    with pytest.raises(ValueError, match="not a cached result: tensor 'y'"):
+        decode(msgspec.msgpack.encode(wire))

@@ -86,12 +86,16 @@ def decode(raw: bytes) -> CachedResult:
         raise ValueError(f"not a cached result: {exc}") from None
     outputs: Outputs = {}
     for tensor in wire.outputs:
-        if isinstance(tensor.data, list):
-            array = np.empty(len(tensor.data), dtype=object)
-            array[:] = tensor.data
-        else:
-            array = np.frombuffer(tensor.data, dtype=DATATYPES[tensor.datatype])
-        outputs[tensor.name] = array.reshape(tensor.shape)
+        try:
+            if isinstance(tensor.data, list):
+                array = np.empty(len(tensor.data), dtype=object)
+                array[:] = tensor.data
+            else:
+                array = np.frombuffer(tensor.data, dtype=DATATYPES[tensor.datatype])
+            outputs[tensor.name] = array.reshape(tensor.shape)
+        except (KeyError, ValueError, TypeError) as exc:  # (a datatype, size or shape of
+            # another writer's making: a miss, never a 500)
+            raise ValueError(f"not a cached result: tensor {tensor.name!r}: {exc!r}") from None
     lineage = Lineage(
         wire.model_version, wire.feature_version, wire.computed_at, wire.computed_by,
         wire.precomputed,
