@@ -434,3 +434,24 @@ async def test_a_streamed_request_whose_connect_failed_is_retried_with_its_body(
     assert [b.id for b in exchange.tried] == [dead, stub.url]
     assert orjson.loads(outcome.body)["sha256"] == hashlib.sha256(body).hexdigest()
     await dispatcher.close()
+
+
+async def test_a_retry_skips_a_replica_that_left_since_the_request_began(
+    stub: RunningStub,
+) -> None:
+    # The request's pool holds three replicas; its first goes to a dead one, and before the
+    # retry the second leaves the membership: the retry goes to the third, not a 502.
+    dead = f"http://127.0.0.1:{free_port()}"
+    leaving = f"http://127.0.0.1:{free_port()}"
+    dispatcher = Dispatcher(RouterConfig(balance="round-robin", hedge=False))
+    dispatcher.set_members([dead, leaving, stub.url], healthy=True)
+    head = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n{}"
+    done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+    exchange = dispatcher.dispatch(model="m", frame=lambda _: head, on_done=done.set_result,
+                                   idempotent=True)  # fmt: skip
+    assert [b.id for b in exchange.tried] == [dead]
+    dispatcher.set_members([dead, stub.url], healthy=True)
+    outcome = await asyncio.wait_for(done, 10)
+    assert outcome.status == 200 and outcome.backend == stub.url
+    assert [b.id for b in exchange.tried] == [dead, stub.url]
+    await dispatcher.close()

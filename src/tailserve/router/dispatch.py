@@ -237,12 +237,18 @@ class Exchange:
 
     def _send(self, now: float, kind: str) -> bool:
         d = self._d
-        backend = self.balancer.choose(self.pool, self.key, now, self.tried, copy=kind != "first")
-        if backend is None:
-            return False
-        upstream = d.upstreams.get(backend.id)
-        if upstream is None:  # left the membership since the pool was built
-            return False
+        gone: list[Backend] = []
+        while True:
+            exclude = [*self.tried, *gone] if gone else self.tried
+            backend = self.balancer.choose(self.pool, self.key, now, exclude, copy=kind != "first")
+            if backend is None:
+                return False
+            upstream = d.upstreams.get(backend.id)
+            if upstream is not None:
+                break
+            # It left the membership since this request's pool was built (a retry or a hedge
+            # of a request that began before): choose among the others.
+            gone.append(backend)
         remaining = self.deadline - now
         self.tried.append(backend)
         attempt = _Attempt(self, upstream, kind, now)
