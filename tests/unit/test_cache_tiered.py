@@ -225,3 +225,41 @@ async def test_an_invalidation_is_published_even_when_redis_could_not_be_cleared
     assert len(redis.published) == 1 and b"ts:{m}:" in redis.published[0]
     # And this worker's writes not yet sent under the prefix are dropped.
     assert redis.forgotten == ["ts:{m}:"]
+
+
+class SharedRedis:
+    """Redis as the tiered cache uses it: values by key (whatever another worker put)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.gets = 0
+
+    async def get(self, key: str) -> bytes | None:
+        self.gets += 1
+        return self.values.get(key)
+
+    def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        self.values[key] = value
+
+
+async def test_a_stale_l1_entry_is_refreshed_from_a_fresh_redis_value_without_the_model() -> None:
+    # L1 keeps a result 5 s, Redis 60 s: once the L1 copy is stale, the background refresh
+    # finds Redis's still fresh (or refreshed by another worker) and runs no model.
+    clock, wall = Clock(), Clock()
+    redis = SharedRedis()
+    cache, model = ResultCache(redis=redis, wall_clock=wall), Model()  # type: ignore[arg-type]
+    v = view(clock, CachePolicy(l1_ttl_s=5, l2_ttl_s=60, grace_s=10))
+    assert (await cache.serve(v, "k", "use", model)).source == "miss"
+    clock.now = wall.now = 6.0
+    assert (await cache.serve(v, "k", "use", model)).source == "stale"
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert model.runs == 1 and redis.gets == 2  # the first miss asked it too
+    answer = await cache.serve(v, "k", "use", model)
+    assert answer.source == "l1" and answer.outputs["y"].tolist() == [1.0]
+    # Once Redis's copy is stale too, the refresh runs the model.
+    clock.now = wall.now = 70.0
+    assert (await cache.serve(v, "k", "use", model)).source == "stale"
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert model.runs == 2

@@ -162,7 +162,7 @@ class ResultCache:
             result = codec.decode(found[0])
             self.observer.on_lookup(model, "l1", lookup.value)
             if lookup is Lookup.STALE:
-                self._refresh_later(view, key, compute)
+                self._refresh_later(view, key, compute, from_l2=True)
                 return Served(result.outputs, "stale", result.lineage)
             source = "precomputed" if result.lineage.precomputed else "l1"
             return Served(result.outputs, source, result.lineage)
@@ -276,13 +276,22 @@ class ResultCache:
         if self.redis is not None and policy.use_l2:
             self.redis.put(key, raw, policy.l2_ttl_s + policy.grace_s)
 
-    def _refresh_later(self, view: ModelView, key: str, compute: Compute) -> None:
+    def _refresh_later(
+        self, view: ModelView, key: str, compute: Compute, *, from_l2: bool = False
+    ) -> None:
+        """Refresh a stale entry in the background, once however many requests meet it.
+        ``from_l2``: an L1 entry went stale; Redis, whose TTL may be longer, or which another
+        worker may have refreshed already, is asked first, and the model runs only if it has
+        nothing fresh."""
         if key in self._refreshing:
             return
         self._refreshing.add(key)
+        redis = self.redis if from_l2 and view.policy.use_l2 else None
 
         async def refresh() -> None:
             try:
+                if redis is not None and await self._fresh_from_l2(view, key, redis):
+                    return
                 await self._compute(view, key, compute, "refresh", recompute=True)
             except Exception as exc:  # the stale value keeps serving until its grace ends
                 log.debug("background refresh of %s failed: %s", key, exc)
@@ -290,6 +299,23 @@ class ResultCache:
                 self._refreshing.discard(key)
 
         self._own(refresh())
+
+    async def _fresh_from_l2(self, view: ModelView, key: str, redis: RedisTier) -> bool:
+        """Fill L1 from a fresh value in Redis, if there is one."""
+        raw = await redis.get(key)
+        if raw is None:
+            return False
+        try:
+            result = codec.decode(raw)
+        except ValueError:
+            return False
+        left = result.fresh_until - self._wall()
+        if left <= 0:
+            return False
+        policy = view.policy
+        view.l1.put(key, raw, len(raw), min(left, policy.l1_ttl_s), policy.grace_s)
+        self.observer.on_lookup(view.model, "l2", "hit")
+        return True
 
     # --- invalidation -----------------------------------------------------------------------
 
