@@ -14,7 +14,17 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from support.servers import RedisServer, command_calls, free_port, run_worker
+from support.servers import (
+    OwnRedisServer,
+    RedisServer,
+    async_wait_for,
+    command_calls,
+    free_port,
+    pause_redis,
+    resume_redis,
+    run_worker,
+)
+from tailserve.cache.breaker import Breaker, BreakerState
 from tailserve.cache.features import FeatureResolver, FeatureStore, entity_key
 from tailserve.cache.redis import connect
 from tailserve.errors import InvalidInput, Unavailable
@@ -105,6 +115,45 @@ async def test_a_redis_that_does_not_answer_is_unavailable() -> None:
             await FeatureStore(client).read("user", "1", [1], FIELDS)
     finally:
         await client.aclose()
+
+
+async def test_a_paused_store_opens_the_breaker_and_reads_fail_at_once_until_it_is_back(
+    own_redis: OwnRedisServer,
+) -> None:
+    # Each read waits at most 50 ms for a paused Redis (the socket would wait 30 s); after
+    # three such, the next fail at once, and a probe once Redis is back closes the breaker.
+    clock = Clock()
+    breaker = Breaker(clock=clock, threshold=3, open_s=1.0)
+    store = FeatureStore(connect(own_redis.url, timeout_s=30.0), timeout_s=0.05,
+                         breaker=breaker)  # fmt: skip
+    entity = fresh_entity()
+    try:
+        rows = {i: dict(zip(FIELDS, map(float, table(3)[i]), strict=True)) for i in (1, 2)}
+        assert await store.write(entity, "1", rows) == 2
+        assert (await store.read(entity, "1", [2], FIELDS)).tolist() == [table(3)[2].tolist()]
+        pause_redis(own_redis)
+        try:
+            for _ in range(3):
+                with pytest.raises(Unavailable, match="did not answer within 50 ms"):
+                    await store.read(entity, "1", [1], FIELDS)
+            assert breaker.state is BreakerState.OPEN
+            with pytest.raises(Unavailable, match="not asked again until a probe succeeds"):
+                await store.read(entity, "1", [1], FIELDS)
+        finally:
+            resume_redis(own_redis)
+        clock.now += 1.0  # the cool-down is over: the next read probes
+
+        async def probed() -> bool:
+            try:
+                await store.read(entity, "1", [1], FIELDS)
+            except Unavailable:
+                clock.now += 10.0  # (a probe that met the last of the pause: again)
+                return False
+            return breaker.state is BreakerState.CLOSED
+
+        await async_wait_for(probed, what="a probe to close the breaker")
+    finally:
+        await store.close()
 
 
 class Clock:

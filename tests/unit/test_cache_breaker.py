@@ -57,3 +57,13 @@ def test_a_failed_probe_doubles_the_wait_up_to_the_cap() -> None:
         waits.append(clock.now - start)
         breaker.failure()
     assert waits == [1.0, 2.0, 3.0, 3.0]
+
+
+def test_a_probe_that_ends_without_a_verdict_lets_the_next_call_probe() -> None:
+    clock = Clock()
+    breaker = Breaker(clock=clock, threshold=1, open_s=1.0)
+    breaker.failure()
+    clock.now = 1.0
+    assert breaker.allow() and not breaker.allow()
+    breaker.release()  # the probe was cancelled: neither success nor failure
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allow()

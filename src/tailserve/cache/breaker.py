@@ -59,6 +59,11 @@ class Breaker:
         if self.state is not BreakerState.CLOSED:
             self._set(BreakerState.CLOSED)
 
+    def release(self) -> None:
+        """A call that ended with no verdict (cancelled): in half-open state, the next call
+        may probe (else none ever would again)."""
+        self._probing = False
+
     def failure(self) -> None:
         self.failures += 1
         if self.state is BreakerState.HALF_OPEN:

@@ -21,7 +21,10 @@ packed bytes of the model's fields, so a request's matrix is one join.
 
 Errors are converted here: an id the store does not hold is an ``InvalidInput`` (400) naming
 the tensor, the entity and the id; Redis down, slow or holding no such version is
-``Unavailable`` (503).
+``Unavailable`` (503). A read waits at most ``timeout_s`` (250 ms); five failed or late reads
+in a row open a breaker, and until a probe read succeeds the reads fail at once rather than
+each waiting out its time for a Redis that is not answering (rows in the in-process cache are
+served all the while).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
+from tailserve.cache.breaker import Breaker
 from tailserve.cache.memory import Lookup, MemoryCache
 from tailserve.errors import ConfigError, InvalidInput, Unavailable
 from tailserve.repository.config import FeatureInput, FeaturesConfig, ModelConfig
@@ -99,10 +104,21 @@ class FeatureStore:
     that returns bytes (no ``decode_responses``), owned by the store from then on (``close``);
     reads wait at most ``timeout_s``, writes are pipelined ``chunk`` rows at a time."""
 
-    def __init__(self, client: Any, *, timeout_s: float = 0.25, chunk: int = 2000) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        timeout_s: float = 0.25,
+        chunk: int = 2000,
+        breaker: Breaker | None = None,
+    ) -> None:
         self.client = client
         self.timeout_s = timeout_s
         self.chunk = chunk
+        # Reads that Redis failed or did not answer in time, in a row, open it: the requests
+        # after fail at once (503) rather than each waiting out ``timeout_s`` for nothing,
+        # until a probe read succeeds (the L1 feature cache still answers what it holds).
+        self.breaker = breaker or Breaker(clock=time.monotonic)
         self._script = client.register_script(_READ)
         # (raw schema, wanted fields) -> (stored width, columns to take; None: all, in order)
         self._columns: dict[tuple[bytes, tuple[str, ...]], tuple[int, list[int] | None]] = {}
@@ -120,9 +136,24 @@ class FeatureStore:
             return np.empty((0, len(fields)), dtype=np.float32)
         prefix = schema_key(entity, version).encode() + b":"
         keys = [schema_key(entity, version).encode(), *(prefix + _id_bytes(i) for i in ids)]
-        reply = await self._call(
-            entity, lambda: self._script(keys=keys, args=[VALUE_FIELD]), self.timeout_s
-        )
+        breaker = self.breaker
+        if not breaker.allow():
+            raise Unavailable(
+                f"the feature store is failing ({entity} features): not asked again until a "
+                f"probe succeeds",
+                retry_after_s=1.0,
+            )
+        try:
+            reply = await self._call(
+                entity, lambda: self._script(keys=keys, args=[VALUE_FIELD]), self.timeout_s
+            )
+        except Unavailable:
+            breaker.failure()
+            raise
+        except BaseException:
+            breaker.release()  # (cancelled: a probe that says nothing either way)
+            raise
+        breaker.success()
         width, columns = self._layout(entity, version, reply[0], fields)
         values = reply[1:]
         missing = [entity_id for entity_id, value in zip(ids, values, strict=True) if not value]
