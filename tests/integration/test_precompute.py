@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import struct
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from support.models import doubler_config, write_model
 from support.servers import RedisServer, flush_redis, run_worker, wait_for
 from tailserve.cli import main
+from tailserve.examples import load_features
 from tailserve.settings import Settings
 
 # A model of three datatypes and a row of three values: score = n + len(s) + sum(v).
@@ -309,3 +311,31 @@ def test_a_model_failure_names_the_lines_of_its_batch(
     assert f"{source}: lines 3-4: the model failed:" in error
     assert "negative input" in error
     assert keys(redis, "picky") == 2  # the first batch
+
+
+def test_entity_ids_are_scored_through_the_feature_store_and_served_as_precomputed(
+    example_repository: Path, redis: RedisServer, tmp_path: Path
+) -> None:
+    # The ranker's records name a user and candidate items; precompute looks their features
+    # up as a worker does, and a worker asked the same ids answers without running the model.
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository / "ranker", repo / "ranker")
+    load_features(repo / "ranker", redis.url)
+    lines = [{"user_id": 7, "item_ids": [1, 2, 3]}, {"user_id": [8], "item_ids": 4},
+             {"user_id": 9, "item_ids": [5, 999_999]}]  # fmt: skip
+    source = write_lines(tmp_path / "ids.jsonl", lines)
+    assert precompute(repo, "ranker", source, redis, "--skip-bad") == 0
+    assert keys(redis, "ranker") == 2  # the third names an item the store does not hold
+    with run_worker(serving(repo, redis)) as worker:
+        for user, items in ((7, [1, 2, 3]), (8, [4])):
+            body = {"inputs": [
+                {"name": "user_id", "datatype": "INT64", "shape": [1, 1], "data": [user]},
+                {"name": "item_ids", "datatype": "INT64", "shape": [len(items), 1],
+                 "data": items},
+            ]}  # fmt: skip
+            hit = infer(worker.url, body, "ranker")
+            assert hit.headers["x-cache"] == "precomputed", hit.text
+            fresh = infer(worker.url, {**body, "parameters": {"cache": "bypass"}}, "ranker")
+            scores = [o["data"] for o in hit.json()["outputs"]]
+            assert scores == [o["data"] for o in fresh.json()["outputs"]]
+            assert len(scores[0]) == len(items)

@@ -1,10 +1,13 @@
 """Precompute: score known inputs in batches and store each result where a worker looks first.
 
 Each line of the input is one request's inputs as a record, ``{"field": value, ...}`` (a KServe v1
-instance). The job loads the model as a worker does, scores the lines a batch at a time through
-its runtime, and stores every result in Redis under the key a worker computes for that request
-sent as OIP v2 JSON, each input a tensor of shape ``[1, *shape]`` in the model's datatype (the
-shape KServe v1 records and `tailserve bench` send). The value is marked precomputed, so a worker
+instance); for a model that reads inputs from the feature store, the entity ids instead
+(``{"user_id": 7, "item_ids": [1, 2, 3]}``), whose features are looked up in the workers' Redis
+as a worker would. The job loads the model as a worker does, scores the lines a batch at a
+time through its runtime, and stores every result in Redis under the key a worker computes for
+that request sent as OIP v2 JSON, each input a tensor of shape ``[1, *shape]`` in the model's
+datatype (the shape KServe v1 records and `tailserve bench` send; ids as ``[1, 1]``, or
+``[N, 1]`` for one a row). The value is marked precomputed, so a worker
 answers the request with ``cache: precomputed`` and runs nothing.
 
 A checkpoint file, replaced atomically after each batch is stored, says how many lines are done;
@@ -32,6 +35,7 @@ import orjson
 
 from tailserve.cache import entry as codec
 from tailserve.cache.entry import CachedResult, Lineage, Outputs
+from tailserve.cache.features import FeatureResolver, FeatureStore
 from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.tiered import ModelView, ResultCache
 from tailserve.engine.validation import Checked
@@ -42,7 +46,7 @@ from tailserve.errors import (
     TailserveError,
     UpstreamError,
 )
-from tailserve.repository.config import ModelConfig
+from tailserve.repository.config import FeatureInput, FeaturesConfig, ModelConfig
 from tailserve.repository.manager import ModelManager, ServedVersion
 from tailserve.tensors import Tensor, from_json
 
@@ -86,16 +90,25 @@ class Report:
 def record_tensors(config: ModelConfig, record: Any) -> list[Tensor]:
     """A record's inputs as the tensors a worker decodes from the same request in OIP v2 JSON:
     shape ``[1, *shape]`` (no batch dimension for a model that does not batch), variable
-    dimensions from the value. Raises InvalidInput naming the field."""
+    dimensions from the value. For a model that reads inputs from the feature store, the
+    record holds the entity ids instead, as `tailserve bench` sends them: one id of a
+    ``shape: [1]`` entity as ``[1, 1]``, a list of one id a row as ``[N, 1]``. Raises
+    InvalidInput naming the field."""
     if not isinstance(record, dict):
         raise InvalidInput(f'must be a record object {{"field": value, ...}}, got '
                            f"{type(record).__name__}")  # fmt: skip
-    names = {spec.name for spec in config.inputs}
+    looked_up = {item.input: item for item in (config.features.inputs if config.features else [])}
+    names = {looked_up[spec.name].key if spec.name in looked_up else spec.name
+             for spec in config.inputs}  # fmt: skip
     unknown = sorted(set(record) - names)
     if unknown:
         raise InvalidInput(f"unknown field {unknown[0]!r} (inputs: {', '.join(sorted(names))})")
     tensors = []
     for spec in config.inputs:
+        entity = looked_up.get(spec.name)
+        if entity is not None:
+            tensors.append(_id_tensor(entity, record.get(entity.key)))
+            continue
         if spec.name not in record:
             if spec.optional:
                 continue
@@ -108,6 +121,31 @@ def record_tensors(config: ModelConfig, record: Any) -> list[Tensor]:
             raise InvalidInput(_as_field(spec.name, exc.message)) from None
         tensors.append(Tensor(spec.name, spec.datatype, data))
     return tensors
+
+
+def _id_tensor(entity: FeatureInput, value: Any) -> Tensor:
+    """An entity id field as the tensor a client sends: ``[1, 1]``, or ``[N, 1]`` for a list
+    of one id a row."""
+    name = entity.key
+    if value is None:
+        raise InvalidInput(f"missing field {name!r} (the {entity.entity} ids the model's "
+                           f"{entity.input!r} is looked up by)")  # fmt: skip
+    per_row = entity.shape == [-1]
+    if per_row and not isinstance(value, list):
+        value = [value]
+    if not per_row and isinstance(value, list):
+        if len(value) != 1:
+            raise InvalidInput(f"field {name!r}: one {entity.entity} id a request, got "
+                               f"{len(value)}")  # fmt: skip
+        value = value[0]
+    ids = value if per_row else [value]
+    if not ids:
+        raise InvalidInput(f"field {name!r}: holds no {entity.entity} ids")
+    try:
+        data = from_json(name, entity.datatype, [len(ids), 1], [[i] for i in ids])
+    except InvalidInput as exc:
+        raise InvalidInput(_as_field(name, exc.message)) from None
+    return Tensor(name, entity.datatype, data)
 
 
 def _shape(config: ModelConfig, name: str, declared: list[int], value: Any) -> list[int]:
@@ -140,7 +178,8 @@ def _as_field(name: str, message: str) -> str:
 
 def score(served: ServedVersion, checked: Sequence[Checked]) -> list[Outputs]:
     """Each request's outputs (the model's declared ones), as the worker's batches split them:
-    requests whose inputs have the same per-row shapes go together, up to the largest batch."""
+    requests whose inputs have the same per-row shapes go together, up to the largest batch in
+    rows (a request of many rows, a ranker's candidates, goes whole)."""
     config = served.config
     runtime = served.runtimes[0]
     results: list[Outputs] = [{} for _ in checked]
@@ -152,15 +191,33 @@ def score(served: ServedVersion, checked: Sequence[Checked]) -> list[Outputs]:
     for index, one in enumerate(checked):
         groups.setdefault(one.group, []).append(index)
     for members in groups.values():
-        for start in range(0, len(members), config.max_batch_size):
-            chunk = members[start : start + config.max_batch_size]
+        for chunk in _by_rows(members, checked, config.max_batch_size):
             names = checked[chunk[0]].arrays
             merged = {name: np.concatenate([checked[i].arrays[name] for i in chunk])
                       for name in names}  # fmt: skip
-            outputs = _declared(config, runtime.predict(merged), len(chunk))
-            for row, index in enumerate(chunk):
-                results[index] = {name: array[row : row + 1] for name, array in outputs.items()}
+            rows = sum(checked[i].rows for i in chunk)
+            outputs = _declared(config, runtime.predict(merged), rows)
+            offset = 0
+            for index in chunk:
+                end = offset + checked[index].rows
+                results[index] = {name: array[offset:end] for name, array in outputs.items()}
+                offset = end
     return results
+
+
+def _by_rows(members: list[int], checked: Sequence[Checked], max_rows: int) -> Iterator[list[int]]:
+    """Consecutive requests of up to ``max_rows`` rows together (each request whole)."""
+    chunk: list[int] = []
+    rows = 0
+    for index in members:
+        size = checked[index].rows
+        if chunk and rows + size > max_rows:
+            yield chunk
+            chunk, rows = [], 0
+        chunk.append(index)
+        rows += size
+    if chunk:
+        yield chunk
 
 
 def _declared(config: ModelConfig, outputs: Outputs, rows: int | None) -> Outputs:
@@ -271,7 +328,17 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
     if job.ttl_s is not None and not job.ttl_s > 0:
         raise ConfigError("--ttl-s must be > 0")
     total = _count_lines(job.input)
-    manager = ModelManager(job.repository, cache=ResultCache())
+    store: FeatureStore | None = None
+
+    def features(config: FeaturesConfig) -> FeatureResolver:
+        # Entity ids are looked up in the workers' feature store, as a worker does.
+        nonlocal store
+        if store is None:
+            client = connect(job.redis_url, cluster=job.cluster, timeout_s=5.0)
+            store = FeatureStore(client, timeout_s=5.0)
+        return FeatureResolver(config, store, time.monotonic)
+
+    manager = ModelManager(job.repository, cache=ResultCache(), feature_resolver=features)
     tier: RedisTier | None = None
     try:
         await manager.load(job.model)
@@ -290,6 +357,8 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
         if tier is not None:
             await tier.close()
         await manager.close()
+        if store is not None:
+            await store.close()
 
 
 @contextlib.contextmanager
@@ -319,11 +388,6 @@ def _stop_on_signals(writer: _Writer) -> Iterator[None]:
 
 def _cache_view(served: ServedVersion) -> ModelView:
     config = served.config
-    if served.features is not None or config.features is not None:
-        raise ConfigError(
-            f"model {config.name!r} reads inputs from the feature store ('features:' in its "
-            "model.yaml): precompute scores only models whose records hold every input"
-        )
     unread = "a worker would never read what precompute stores"
     if not config.cache.enabled or served.cache is None:
         raise ConfigError(
@@ -401,7 +465,7 @@ class _Writer:
         for number, raw in _lines(self.job.input, after=done):
             if raw.strip():  # a blank line holds no record
                 try:
-                    batch.append(self._parse(number, raw))
+                    batch.append(await self._parse(number, raw))
                 except InvalidInput as exc:
                     await self._bad(number, exc.message, batch)
             if number % self.job.batch_size == 0:
@@ -428,15 +492,19 @@ class _Writer:
         if len(self.report.bad_lines) < 10:
             self.report.bad_lines.append(reason)
 
-    def _parse(self, number: int, raw: bytes) -> tuple[int, Checked, str]:
+    async def _parse(self, number: int, raw: bytes) -> tuple[int, Checked, str]:
         try:
             record = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"not valid JSON: {exc}") from None
         tensors = record_tensors(self.served.config, record)
+        key = self.view.keys.key(tensors, self.job.parameters)  # (of the request as sent)
+        if self.served.features is not None:
+            # Ids to features as a worker looks them up (an unknown id: a bad line naming it).
+            tensors = await self.served.features.resolve(tensors)
         # The worker's own check, so what it would refuse is refused here, naming the input.
         checked = self.served.plan.check(tensors)
-        return number, checked, self.view.keys.key(tensors, self.job.parameters)
+        return number, checked, key
 
     async def _store(self, batch: list[tuple[int, Checked, str]], lines_done: int) -> None:
         if batch:
