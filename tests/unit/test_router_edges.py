@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 
 from tailserve.errors import ConfigError
@@ -47,6 +48,37 @@ def test_cost_classes_grow_with_the_body() -> None:
 def test_body_keys_are_equal_for_equal_bodies_only() -> None:
     assert body_key(b'{"a":1}') == body_key(b'{"a":1}')
     assert body_key(b'{"a":1}') != body_key(b'{"a":2}')
+    assert body_key(b"not json") == body_key(b"not json") != body_key(b"not json!")
+
+
+def _infer_body(x: float, **extra: object) -> bytes:
+    document = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [x]}]}
+    return orjson.dumps({**document, **extra})
+
+
+def test_a_body_key_follows_the_inputs_not_the_id_or_options() -> None:
+    plain = body_key(_infer_body(1.5))
+    assert body_key(_infer_body(1.5, id="r-7", parameters={"priority": 1})) == plain
+    assert body_key(_infer_body(2.5)) != plain
+    # Key order inside the tensor does not matter either.
+    reordered = b'{"inputs":[{"data":[1.5],"shape":[1,1],"datatype":"FP32","name":"x"}]}'
+    assert body_key(reordered) == plain
+
+
+def test_an_affinity_key_parameter_is_the_key() -> None:
+    assert body_key(_infer_body(1.5, parameters={"affinity_key": "user-42"})) == "user-42"
+    assert body_key(_infer_body(9.0, parameters={"affinity_key": 42})) == "42"
+    assert body_key(_infer_body(1.5, parameters={"affinity_key": True})) == body_key(
+        _infer_body(1.5)
+    )
+
+
+def test_binary_bodies_key_on_their_header_inputs_and_their_data() -> None:
+    header = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
+                                       "parameters": {"binary_data_size": 4}}]})  # fmt: skip
+    one, two = header + b"\x00\x00\xc0?", header + b"\x00\x00 @"
+    assert body_key(one, len(header)) == body_key(one, len(header))
+    assert body_key(one, len(header)) != body_key(two, len(header))
 
 
 def _request(headers: list[tuple[bytes, bytes]], body: bytes = b"{}") -> _Request:

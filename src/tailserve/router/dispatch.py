@@ -79,10 +79,30 @@ def cost_class(body_size: int) -> str:
     return "l"
 
 
-def body_key(body: bytes) -> str:
-    """The affinity key of a request with none given: a hash of its body, so identical
-    requests (identical cache keys, as a rule) meet the same replica's cache."""
-    return hashlib.blake2b(body, digest_size=8).hexdigest()
+def body_key(body: bytes, header_length: int | None = None) -> str:
+    """The affinity key of an inference request with no ``X-Affinity-Key``: its OIP
+    ``parameters.affinity_key`` if it has one, else a hash of its inputs (JSON header and,
+    with the binary extension, the raw data after it), so identical inputs (identical cache
+    keys, as a rule) meet the same replica's cache whatever the request's ``id`` or options.
+    A body that is not an OIP request is hashed whole."""
+    header, data = body, b""
+    if header_length is not None and 0 < header_length <= len(body):
+        header, data = body[:header_length], body[header_length:]
+    try:
+        document = orjson.loads(header)
+    except orjson.JSONDecodeError:
+        document = None
+    if not isinstance(document, dict) or "inputs" not in document:
+        return hashlib.blake2b(body, digest_size=8).hexdigest()
+    parameters = document.get("parameters")
+    if isinstance(parameters, dict):
+        given = parameters.get("affinity_key")
+        if isinstance(given, str | int) and not isinstance(given, bool):
+            return str(given)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(orjson.dumps(document["inputs"], option=orjson.OPT_SORT_KEYS))
+    digest.update(data)
+    return digest.hexdigest()
 
 
 @dataclass(slots=True)

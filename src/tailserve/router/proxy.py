@@ -607,7 +607,7 @@ class Router:
             if given:
                 key = given.decode("latin-1")
             elif not request.stream:
-                key = body_key(request.body)
+                key = body_key(request.body, _binary_header_length(request))
         on_stream = None
         if request.method != b"HEAD":
 
@@ -766,3 +766,9 @@ def _framer(request: _Request) -> Framer:
         return head + b"\r\nx-deadline-ms: %.3f\r\n\r\n" % remaining_ms + body
 
     return frame
+
+
+def _binary_header_length(request: _Request) -> int | None:
+    """The JSON header's length of a body in the binary tensor extension (None: all JSON)."""
+    value = request.header(b"inference-header-content-length")
+    return int(value) if value is not None and value.isdigit() else None
