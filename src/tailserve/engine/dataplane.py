@@ -20,7 +20,7 @@ from tailserve.cache.tiered import MODES, Mode
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.scheduler import BatchStats
-from tailserve.errors import InvalidInput, ModelNotFound
+from tailserve.errors import InvalidInput, ModelNotFound, TailserveError
 from tailserve.repository.config import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
 from tailserve.tensors import Tensor, numpy_dtype
@@ -47,6 +47,15 @@ class DataPlane:
         self.draining = False
 
     # --- health and metadata ----------------------------------------------------------------
+
+    def knows(self, model: str) -> bool:
+        """Whether ``model`` is in the repository (a metric label only for those: a client
+        cannot grow the label set by inventing names)."""
+        try:
+            self.manager.state(model)
+        except TailserveError:
+            return False
+        return True
 
     def live(self) -> bool:
         return True

@@ -202,15 +202,8 @@ class InferenceService:
         finally:
             if self.metrics is not None:
                 model = request.model_name
-                label = model if self._known(model) else "_unknown"
+                label = model if self.dataplane.knows(model) else "_unknown"
                 self.metrics.on_request(label, "grpc", status, time.perf_counter() - started)
-
-    def _known(self, model: str) -> bool:
-        try:
-            self.dataplane.manager.state(model)
-        except TailserveError:
-            return False
-        return True
 
 
 def _guarded(handler: Handler) -> Handler:

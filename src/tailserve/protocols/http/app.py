@@ -205,7 +205,7 @@ class HttpApp:
             # work is dropped and nobody is left to answer. 499 as nginx counts it.
             if route.protocol is not None:
                 model = params.get("model", "")
-                label = model if self._known(model) else "_unknown"
+                label = model if self.dataplane.knows(model) else "_unknown"
                 self.metrics.on_request(label, route.protocol, 499, time.perf_counter() - started)
             return
         except TailserveError as exc:
@@ -216,15 +216,8 @@ class HttpApp:
         await _send(send, status, headers, body)
         if route.protocol is not None:
             model = params.get("model", "")
-            label = model if self._known(model) else "_unknown"
+            label = model if self.dataplane.knows(model) else "_unknown"
             self.metrics.on_request(label, route.protocol, status, time.perf_counter() - started)
-
-    def _known(self, model: str) -> bool:
-        try:
-            self.dataplane.manager.state(model)
-        except TailserveError:
-            return False
-        return True
 
     def _authorize(self, request: HttpRequest) -> None:
         if self._admin is None:
