@@ -165,6 +165,22 @@ async def test_a_result_computed_across_an_invalidation_is_not_stored() -> None:
     assert (await cache.serve(v, "ts:{m}:v1:k", "use", model)).source == "miss"
 
 
+@pytest.mark.parametrize(("prefix", "stored"), [("ts:{other}:", True), ("ts:", False)])
+async def test_invalidating_another_model_keeps_what_this_one_computes(
+    prefix: str, stored: bool
+) -> None:
+    # Another model's invalidation says nothing of m's result; one of every model does.
+    cache, model, v = ResultCache(), Model(), view(Clock())
+    model.release.clear()
+    running = asyncio.ensure_future(cache.serve(v, "ts:{m}:v1:k", "use", model))
+    await asyncio.sleep(0)
+    await cache.invalidate(prefix)
+    model.release.set()
+    assert (await running).source == "miss"
+    again = await cache.serve(v, "ts:{m}:v1:k", "use", model)
+    assert again.source == ("l1" if stored else "miss")
+
+
 async def test_invalidation_by_prefix_drops_only_matching_entries() -> None:
     cache, model, v = ResultCache(), Model(), view(Clock())
     cache.l1_for("m", lambda: v.l1)

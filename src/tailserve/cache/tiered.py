@@ -31,7 +31,7 @@ import orjson
 
 from tailserve.cache import entry as codec
 from tailserve.cache.entry import CachedResult, Lineage, Outputs
-from tailserve.cache.keys import KeyBuilder
+from tailserve.cache.keys import PREFIX, KeyBuilder
 from tailserve.cache.memory import Lookup, MemoryCache
 from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier
 from tailserve.errors import DeadlineExceeded, DeadlineUnmeetable, Overloaded
@@ -127,7 +127,11 @@ class ResultCache:
         self._refreshing: set[str] = set()
         self._l1s: dict[str, MemoryCache] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Bumped by an invalidation: a result computed across one is not stored. Per model
+        # (a prefix names one: ``ts:{model}:``), so invalidating one model does not throw
+        # away what the others are computing; the global one for what names none.
         self._generation = 0
+        self._model_generations: dict[str, int] = {}
         self._listener: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
         self.invalidations_received = 0
@@ -260,12 +264,12 @@ class ResultCache:
     async def _compute(
         self, view: ModelView, key: str, compute: Compute, source: str, *, recompute: bool
     ) -> Served:
-        generation = self._generation
+        generation = self._stamp(view.model)
         outputs, extra = await compute()
         self.observer.on_compute(view.model, recompute)
         policy = view.policy
         lineage = Lineage(view.version, policy.feature_version, self._wall(), self.worker_id)
-        if generation == self._generation:  # no invalidation passed while it ran
+        if generation == self._stamp(view.model):  # no invalidation passed while it ran
             self.store(view, key, outputs, lineage)
         return Served(outputs, source, lineage, extra)
 
@@ -322,7 +326,6 @@ class ResultCache:
     async def invalidate(self, prefix: str) -> dict[str, int | bool]:
         """Drop every result under ``prefix`` here, in Redis, and (by pub/sub) on every other
         worker. Redis being down does not stop the local part; the answer says what happened."""
-        self._generation += 1
         dropped_l1 = self.drop_local(prefix)
         report: dict[str, int | bool] = {"l1": dropped_l1, "l2": 0, "published": False}
         if self.redis is not None:
@@ -343,10 +346,17 @@ class ResultCache:
     def drop_local(self, prefix: str) -> int:
         """Drop this worker's results under ``prefix``: its L1 entries, its writes to Redis
         not yet sent, and (by the generation) whatever it is computing now."""
-        self._generation += 1
+        model = _model_of(prefix)
+        if model is None:
+            self._generation += 1
+        else:
+            self._model_generations[model] = self._model_generations.get(model, 0) + 1
         if self.redis is not None:
             self.redis.forget_writes(prefix)
         return sum(l1.drop_prefix(prefix) for l1 in self._l1s.values())
+
+    def _stamp(self, model: str) -> tuple[int, int]:
+        return self._generation, self._model_generations.get(model, 0)
 
     def start_listening(self, client_factory: Callable[[], Any]) -> None:
         """Follow invalidations published by other workers (reconnecting on its own)."""
@@ -417,3 +427,12 @@ class ResultCache:
                 await task
         if self.redis is not None:
             await self.redis.close()
+
+
+def _model_of(prefix: str) -> str | None:
+    """The model a key prefix is within (``ts:{model}:...``), or None for a wider one."""
+    head = f"{PREFIX}:{{"
+    if not prefix.startswith(head):
+        return None
+    end = prefix.find("}", len(head))
+    return prefix[len(head) : end] if end > 0 else None
