@@ -275,6 +275,22 @@ async def test_a_lease_goes_to_the_first_caller_until_it_expires(
     assert await admin.get(key + ":lease") == b"worker-c"
 
 
+async def test_a_lease_is_released_only_by_its_holder(tier: RedisTier, admin: Redis) -> None:
+    key = fresh_prefix() + "k"
+    assert await tier.lease(key, "worker-a", ttl_s=30.0) is True
+    tier.release_lease(key, "worker-b")  # not b's to give back
+
+    async def settled() -> bool:
+        return not tier._tasks
+
+    await async_wait_for(settled, what="the release to run")
+    assert await admin.get(key + ":lease") == b"worker-a"
+    tier.release_lease(key, "worker-a")
+    await async_wait_for(settled, what="the release to run")
+    assert await admin.get(key + ":lease") is None
+    assert await tier.lease(key, "worker-b", ttl_s=30.0) is True  # at once, not in 30 s
+
+
 async def test_drop_prefix_removes_exactly_the_keys_under_a_prefix_with_glob_characters(
     tier: RedisTier, admin: Redis
 ) -> None:

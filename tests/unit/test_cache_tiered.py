@@ -279,3 +279,33 @@ async def test_a_stale_l1_entry_is_refreshed_from_a_fresh_redis_value_without_th
     for _ in range(10):
         await asyncio.sleep(0)
     assert model.runs == 2
+
+
+class LeasingRedis(SharedRedis):
+    """Redis whose lease this worker always gets; records the leases given back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[tuple[str, str]] = []
+
+    async def lease(self, key: str, owner: str, ttl_s: float) -> bool:
+        return True
+
+    def release_lease(self, key: str, owner: str) -> None:
+        self.released.append((key, owner))
+
+
+async def test_a_leader_that_fails_gives_its_lease_back() -> None:
+    redis = LeasingRedis()
+    cache = ResultCache(redis=redis, worker_id="w1")  # type: ignore[arg-type]
+    v = view(Clock(), CachePolicy(l1_ttl_s=10, l2_ttl_s=10, lease_s=5.0))
+
+    async def failing() -> tuple[dict[str, Any], None]:
+        raise ValueError("model failed")
+
+    with pytest.raises(ValueError):
+        await cache.serve(v, "k", "use", failing)
+    assert redis.released == [("k", "w1")]
+    # One that succeeds keeps it: its result is what the others wait for.
+    assert (await cache.serve(v, "k2", "use", Model())).source == "miss"
+    assert redis.released == [("k", "w1")] and "k2" in redis.values

@@ -24,6 +24,11 @@ from tailserve.cache.resp import LeanRedis
 log = logging.getLogger(__name__)
 
 INVALIDATION_CHANNEL = "tailserve:invalidate"
+# Delete a lease only if it is still the caller's (it may have run out and been taken since).
+_RELEASE = """
+if redis.call("GET", KEYS[1]) == ARGV[1] then return redis.call("DEL", KEYS[1]) end
+return 0
+"""
 
 
 def connect(url: str, *, cluster: bool = False, timeout_s: float = 0.25, **extra: Any) -> Any:
@@ -222,6 +227,19 @@ class RedisTier:
             return None
         self.breaker.success()
         return bool(taken)
+
+    def release_lease(self, key: str, owner: str) -> None:
+        """Give the lease on ``key`` back, if ``owner`` still holds it (in the background;
+        at worst it runs out on its own)."""
+
+        async def release() -> None:
+            try:
+                async with asyncio.timeout(max(self.budget_s, 0.05)):
+                    await self.client.eval(_RELEASE, 1, key + ":lease", owner)
+            except Exception as exc:
+                log.debug("releasing the lease on %s failed: %s", key, exc)
+
+        self._own(release())
 
     # --- invalidation -----------------------------------------------------------------------
 

@@ -202,6 +202,7 @@ class ResultCache:
 
     async def _lead(self, view: ModelView, key: str, compute: Compute, lookup: Lookup) -> Served:
         redis = self.redis if view.policy.use_l2 else None
+        leased = False
         if redis is not None:
             hit = await self._from_l2(view, key, compute, redis)
             if hit is not None:
@@ -212,8 +213,16 @@ class ResultCache:
                     waited = await self._await_other_worker(view, key, redis)
                     if waited is not None:
                         return waited
+                leased = taken is True
         recompute = lookup in (Lookup.EXPIRED, Lookup.EVICTED)
-        return await self._compute(view, key, compute, "miss", recompute=recompute)
+        try:
+            return await self._compute(view, key, compute, "miss", recompute=recompute)
+        except BaseException:
+            if leased and redis is not None:
+                # No result is coming from here: the workers waiting on the lease may take it
+                # now rather than wait it out.
+                redis.release_lease(key, self.worker_id)
+            raise
 
     async def _from_l2(
         self, view: ModelView, key: str, compute: Compute, redis: RedisTier
