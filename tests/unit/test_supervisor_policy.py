@@ -1,10 +1,15 @@
-"""The supervisor's restart backoff, with explicit times (no clock, no sleeps)."""
+"""The supervisor's restart backoff, with explicit times (no clock, no sleeps); what `up`'s
+flags make of its configuration."""
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 import pytest
 
 from tailserve.errors import ConfigError
+from tailserve.fleet.command import add_parser, fleet_config
 from tailserve.fleet.restarts import Backoff, RestartPolicy
 
 BACKOFF = Backoff(first_s=0.5, cap_s=10.0, stable_s=30.0)
@@ -49,3 +54,19 @@ def test_workers_back_off_independently() -> None:
 def test_a_backoff_that_cannot_work_is_refused(first_s: float, cap_s: float) -> None:
     with pytest.raises(ConfigError, match="backoff"):
         Backoff(first_s=first_s, cap_s=cap_s)
+
+
+def test_up_takes_the_routers_policy_flags(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args([
+        "up", "--repository", str(tmp_path), "--workers", "2", "--balance", "affinity",
+        "--hedge-ratio", "0.1", "--max-in-flight", "16", "--eject-overtaken-share", "0",
+        "--model-balance", "ranker=p2c", "--no-hedge",
+    ])  # fmt: skip
+    config = fleet_config(args, {"TAILSERVE_ADMIN_TOKEN": "t"})
+    router = config.router
+    assert (router.balance, router.hedge, router.hedge_ratio) == ("affinity", False, 0.1)
+    assert router.max_in_flight == 16 and router.eject_overtaken_share == 0.0
+    assert router.model_balance == {"ranker": "p2c"}
+    assert config.admin_token == "t" and config.workers == 2

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailserve.errors import ConfigError
+from tailserve.router.command import add_policy_arguments, config_from
 
 if TYPE_CHECKING:
     from tailserve.fleet.supervisor import FleetConfig
 
 EXAMPLES = Path("var/repository")
-BALANCE = ("p2c", "affinity", "round-robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -44,11 +44,7 @@ def add_parser(commands: Any) -> None:
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
     )
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
-    up.add_argument("--balance", choices=BALANCE, default="p2c",
-                    help="how the router picks a worker (p2c)")  # fmt: skip
-    up.add_argument(
-        "--no-hedge", dest="hedge", action="store_false", help="the router sends no hedges"
-    )
+    add_policy_arguments(up)  # the router's, as `tailserve route` takes them
     up.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                     help="seconds SIGTERM waits for requests in flight (30)")  # fmt: skip
     up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -85,7 +81,7 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
     admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN")
     return FleetConfig(
         repository=repository, host=args.host, port=args.port, workers=args.workers,
-        balance=args.balance, hedge=args.hedge, admin_token=admin_token,
+        router=config_from(args), admin_token=admin_token,
         drain_timeout_s=args.drain_timeout_s, worker_args=tuple(worker_args(args)),
     )  # fmt: skip
 

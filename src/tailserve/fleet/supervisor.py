@@ -50,8 +50,9 @@ class FleetConfig:
     host: str = "0.0.0.0"
     port: int = 8080
     workers: int = 1
-    balance: str = "p2c"
-    hedge: bool = True
+    # The router's policy (balancing, hedging, ejection, limits); its address, backends,
+    # admin token and drain timeout come from the fields here.
+    router: RouterConfig = field(default_factory=RouterConfig)
     # Both the workers' admin routes and the router (which reads each worker's model index).
     admin_token: str | None = None
     drain_timeout_s: float = 30.0
@@ -201,12 +202,10 @@ class Supervisor:
         await asyncio.gather(*self._keepers, return_exceptions=True)
 
     def _router_config(self) -> RouterConfig:
-        return RouterConfig(
+        return self.config.router.replace(
             host=self.config.host,
             port=self.config.port,
             backends=tuple(worker.url for worker in self.workers),
-            balance=self.config.balance,
-            hedge=self.config.hedge,
             admin_token=self.config.admin_token,
             drain_timeout_s=self.config.drain_timeout_s,
         )

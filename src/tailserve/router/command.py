@@ -31,12 +31,13 @@ def add_parser(commands: Any) -> None:
     route.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0)")
     route.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
     add_policy_arguments(route)
+    route.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
     route.add_argument("--log-level", default="info", help="debug, info, warning, error")
     route.set_defaults(handler=handle)
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    """The routing policy's options (`up` takes --balance and --no-hedge of these)."""
+    """The routing policy's options, the same for `route` and `up`."""
     parser.add_argument("--balance", choices=BALANCERS, default="p2c",
                         help="how a replica is chosen (p2c)")  # fmt: skip
     parser.add_argument("--model-balance", action="append", default=[], metavar="MODEL=POLICY",
@@ -60,7 +61,6 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stream-body-bytes", type=int, default=1024 * 1024, metavar="BYTES",
                         help="bodies over this size stream through, unhedged (1 MiB)")  # fmt: skip
-    parser.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
     parser.add_argument("--decision-sample", type=float, default=0.0,
                         help="fraction of routing decisions to log (0)")  # fmt: skip
 
@@ -75,7 +75,7 @@ def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
         eject_latency_factor=args.eject_latency_factor,
         eject_overtaken_share=args.eject_overtaken_share,
         stream_body_bytes=args.stream_body_bytes,
-        admin_token=args.admin_token,
+        admin_token=getattr(args, "admin_token", None),
         decision_sample=args.decision_sample,
         **extra,
     )
