@@ -305,6 +305,25 @@ def test_a_dead_replicas_last_latency_does_not_get_the_survivor_ejected() -> Non
     assert detector.is_latency_outlier(pool, survivor, now=0.0)
 
 
+def test_a_killed_replicas_late_replies_do_not_make_it_a_reference_again() -> None:
+    # SIGKILL: connects fail at once, but replies the dead worker sent just before are read
+    # after (successes, resetting its streak). For a few seconds it is still no reference:
+    # the survivor, slower under the load it took over, stays in.
+    pool = pool_of(2)
+    detector = OutlierDetector(min_samples=5, latency_floor_s=0.0)
+    warm(pool, detector, {"w0": 0.050, "w1": 0.050}, count=5)
+    dead, survivor = pool.backends
+    pool.start(dead)
+    pool.connect_failed(dead, now=10.0)
+    assert reply(pool, detector, dead, 0.050, now=10.1) is None  # from its socket buffer
+    assert dead.consecutive_failures == 0
+    ejections = [reply(pool, detector, survivor, 0.200, now=10.2) for _ in range(20)]
+    assert ejections == [None] * 20 and pool.ejected(10.2) == []
+    # Quiet for long enough, it is a reference again.
+    reply(pool, detector, dead, 0.050, now=15.1)
+    assert detector.is_latency_outlier(pool, survivor, now=15.1)
+
+
 # --- limping: requests that keep losing to hedges ------------------------------------------------
 
 

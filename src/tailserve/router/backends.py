@@ -47,6 +47,8 @@ class Backend:
     # When the last latency sample came (None: never, or the caller passes no times).
     sampled_at: float | None = None
     consecutive_failures: int = 0
+    # When it last failed (an error, a timeout, a failed connect; None: not since it came).
+    failed_at: float | None = None
     # Set by the active health checks (the proxy may start a backend unhealthy until its
     # first check passes; the policies default to trusting it).
     healthy: bool = True
@@ -184,6 +186,8 @@ class Pool:
             self._sample(backend, latency_s)
         else:
             backend.consecutive_failures += 1
+            if now is not None:
+                backend.failed_at = now
             # A failure may only make a backend look slower: a replica that fails fast must not
             # look like the fastest one and draw more traffic (the "black hole").
             if backend.latency_s is not None and latency_s > backend.latency_s:
@@ -200,9 +204,11 @@ class Pool:
         if backend.latency_s is not None and latency_s > backend.latency_s:
             self._sample(backend, latency_s)
 
-    def connect_failed(self, backend: Backend) -> None:
+    def connect_failed(self, backend: Backend, *, now: float | None = None) -> None:
         self._done(backend)
         backend.consecutive_failures += 1
+        if now is not None:
+            backend.failed_at = now
 
     def overtaken(self, backend: Backend, lost: bool) -> None:
         """A request's first copy to ``backend`` ended: it answered first (``lost`` False) or a

@@ -348,10 +348,10 @@ class Exchange:
             if ok and self._policy is not None and result.status < 400 and not attempt.streamed:
                 self._policy.observe(latency, now)
         elif isinstance(result, ConnectFailed | ConnectionLost):
-            self.pool.connect_failed(backend)
+            self.pool.connect_failed(backend, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, "connect_failed")
         else:  # a timeout
-            self.pool.finish(backend, latency, ok=False)
+            self.pool.finish(backend, latency, ok=False, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, "timeout")
         d.observe_outcome(self.pool, attempt.upstream, now)
         if self.done:

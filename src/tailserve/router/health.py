@@ -9,8 +9,9 @@ answers not ready, so this is also how a drain empties a backend without errors.
 
 - ``consecutive_failures`` errors or timeouts in a row (a failed connect counts), or
 - a latency outlier: its EWMA latency, over at least ``min_samples`` replies, above
-  ``latency_factor`` times the median of the other backends' (those in service and not
-  failing: a dead replica's last average is no reference) and above ``latency_floor_s``
+  ``latency_factor`` times the median of the other backends' (those in service and with no
+  failure in the last ``reference_quiet_s``: a dead replica's last average is no reference,
+  even when replies it sent before dying are read after) and above ``latency_floor_s``
   (at sub-millisecond latencies three times the median is still no problem worth a replica);
 - a *limping* replica, one whose requests keep losing to hedges: at least
   ``overtaken_min_losses`` of its last few hundred first copies beaten by a hedge sent
@@ -83,6 +84,8 @@ class OutlierDetector:
         self.latency_factor = latency_factor
         self.latency_floor_s = latency_floor_s
         self.min_samples = min_samples
+        # A backend that failed within this long is no reference for another's latency.
+        self.reference_quiet_s = 5.0
         self.overtaken_share = overtaken_share
         self.overtaken_factor = overtaken_factor
         self.overtaken_min_losses = overtaken_min_losses
@@ -119,7 +122,8 @@ class OutlierDetector:
         # median up with it and could never be three times it. Only others that answer: a
         # replica that has just died keeps the average of its last replies, and the survivor,
         # slower under the load it took over, must not be judged (and ejected, leaving none)
-        # against that.
+        # against that; nor against one that failed in the last few seconds (a killed
+        # worker's replies still in its socket read as successes after its first failures).
         others = [
             b.latency_s
             for b in pool
@@ -128,6 +132,7 @@ class OutlierDetector:
             and b.samples >= self.min_samples
             and b.in_service(now)
             and not b.consecutive_failures
+            and (b.failed_at is None or now - b.failed_at >= self.reference_quiet_s)
         ]
         if not others:
             return False
