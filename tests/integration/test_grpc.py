@@ -158,6 +158,13 @@ def test_errors_are_grpc_statuses_naming_the_problem(worker: tuple[RunningWorker
     with pytest.raises(grpc.RpcError) as failed:
         model_infer(address, short)
     assert "2 buffers for 1 inputs" in failed.value.details()
+    # Bytes that are no ModelInferRequest at all.
+    with grpc.insecure_channel(address) as channel:
+        raw = channel.unary_unary(f"/{schema.SERVICE}/ModelInfer")
+        with pytest.raises(grpc.RpcError) as garbage:
+            raw(b"\xff\xff\xff\xff", timeout=30)
+    assert garbage.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid ModelInferRequest" in garbage.value.details()
     # Still serving, over both protocols; the refusals were counted under grpc.
     assert client.infer("churn", grpc_inputs(columns(1))).as_numpy(OUTPUT).shape == (1, 1)
     client.close()

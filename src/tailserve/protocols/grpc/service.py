@@ -148,7 +148,7 @@ class InferenceService:
         }
         return grpc.method_handlers_generic_handler(schema.SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(
-                _guarded(handler), request_deserializer=kind.FromString,
+                _guarded(handler), request_deserializer=_parser(kind),
                 response_serializer=lambda message: message.SerializeToString(),
             )
             for name, (handler, kind) in methods.items()
@@ -206,10 +206,34 @@ class InferenceService:
                 self.metrics.on_request(label, "grpc", status, time.perf_counter() - started)
 
 
+class _Malformed:
+    """Bytes that are no message of the method's kind (the handler answers
+    INVALID_ARGUMENT, where grpcio itself would answer INTERNAL)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(kind: Any) -> Callable[[bytes], Any]:
+    name = kind.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return kind.FromString(data)
+        except Exception as exc:  # protobuf's DecodeError, and whatever a runtime raises
+            return _Malformed(f"the request is not a valid {name}: {exc}")
+
+    return parse
+
+
 def _guarded(handler: Handler) -> Handler:
     """Errors as gRPC statuses with the message the HTTP surface would give."""
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
             return await handler(request, context)
         except TailserveError as exc:
