@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
-from support.servers import RunningRedisCluster, async_wait_for
+from support.servers import RunningRedisCluster, async_wait_for, command_calls
 from tailserve.cache.keys import model_prefix, version_prefix
 from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier, connect
 
@@ -107,7 +107,7 @@ async def test_writes_reach_every_node_with_their_ttl(tier: RedisTier, admin: Re
 
 
 async def test_drop_prefix_removes_one_models_keys_from_the_cluster_and_no_others(
-    tier: RedisTier, admin: RedisCluster
+    tier: RedisTier, admin: RedisCluster, nodes: list[Redis]
 ) -> None:
     model = fresh_model()
     doomed = [version_prefix(model, v) + f"{i}" for v in (1, 2) for i in range(20)]
@@ -116,11 +116,15 @@ async def test_drop_prefix_removes_one_models_keys_from_the_cluster_and_no_other
         *(version_prefix(fresh_model("other"), 1) + "0" for _ in range(10)),
     ]
     await tier.put_now([(key, b"x", 60) for key in [*doomed, *kept]])
+    before = [await command_calls(node, "unlink") for node in nodes]
 
     assert await tier.drop_prefix(model_prefix(model)) == len(doomed)
 
     assert await admin.exists(*doomed) == 0
     assert await admin.exists(*kept) == len(kept)
+    # The model's keys share a slot: one UNLINK for all 40, not one each.
+    after = [await command_calls(node, "unlink") for node in nodes]
+    assert sum(after) - sum(before) == 1
 
 
 async def test_drop_prefix_above_the_model_spans_slots_and_nodes(

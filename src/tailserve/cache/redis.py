@@ -258,8 +258,16 @@ class RedisTier:
 
     async def _unlink(self, keys: list[Any]) -> int:
         if self.cluster:
-            # One model's keys share a slot, but a prefix above the model may span slots.
-            return sum([int(await self.client.unlink(key)) for key in keys])
+            # A command's keys must share a slot. One model's keys do (their hash tag), so a
+            # model's invalidation is one UNLINK per batch; a prefix above the model may span
+            # slots: one UNLINK per slot it meets.
+            from redis.crc import key_slot
+
+            by_slot: dict[int, list[Any]] = {}
+            for key in keys:
+                raw = key if isinstance(key, bytes) else str(key).encode()
+                by_slot.setdefault(key_slot(raw), []).append(key)
+            return sum([int(await self.client.unlink(*group)) for group in by_slot.values()])
         return int(await self.client.unlink(*keys))
 
     async def publish(self, channel: str, message: bytes) -> None:
