@@ -84,3 +84,20 @@ async def test_a_request_waiting_for_a_connection_times_out_on_time() -> None:
             held.cancel()
         finally:
             await pool.close()
+
+
+async def test_a_connection_idle_past_the_limit_is_not_reused() -> None:
+    # The server may close it at its keep-alive timeout just as a request goes out on it: a
+    # connection idle longer than max_idle_s is closed and a fresh one opened instead.
+    with run_stub(StubApp()) as stub:
+        pool = Pool("127.0.0.1", stub.port, max_connections=2, max_idle_s=0.05)
+        try:
+            assert (await pool.request(infer(stub.port))).status == 200
+            first = set(pool._open)
+            assert (await pool.request(infer(stub.port))).status == 200
+            assert set(pool._open) == first  # reused while fresh
+            await asyncio.sleep(0.1)  # idle past the limit (the time itself is under test)
+            assert (await pool.request(infer(stub.port))).status == 200
+            assert pool.open_connections == 1 and set(pool._open).isdisjoint(first)
+        finally:
+            await pool.close()

@@ -92,6 +92,8 @@ def frame_request(
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
+        # When it last went idle (the pool's clock): past ``max_idle_s`` it is not reused.
+        self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._callback: Callback | None = None
@@ -364,6 +366,10 @@ class Pool:
 
     A request takes an idle connection, or opens one while under the limit, or waits in order
     for one to come free. Its ``timeout_s`` counts from submission, waiting included.
+
+    A connection idle longer than ``max_idle_s`` is closed rather than reused: a server closes
+    idle connections after its keep-alive timeout (uvicorn's: 5 s), and a request written as it
+    does is lost with the connection (only an idempotent one could be retried).
     """
 
     def __init__(
@@ -373,8 +379,10 @@ class Pool:
         *,
         max_connections: int = 64,
         connect_timeout_s: float = 5.0,
+        max_idle_s: float = 4.0,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        self.max_idle_s = max_idle_s
         self.host = host
         self.port = port
         self.origin = f"{host}:{port}"
@@ -415,8 +423,10 @@ class Pool:
             callback(ConnectionLost(f"the pool to {self.origin} is closed"))
             return ticket
         if self._idle and not self._waiting:
-            self._idle.pop().send(ticket)
-            return ticket
+            connection = self._take_idle()
+            if connection is not None:
+                connection.send(ticket)
+                return ticket
         self._waiting.append(ticket)
         if deadline is not None:
             # Its deadline holds while it waits, too: a connection may not come free (every
@@ -466,13 +476,19 @@ class Pool:
     def _pump(self) -> None:
         now = self.loop.time()
         while self._waiting and self._idle:
-            item = self._waiting.popleft()
+            item = self._waiting[0]
             if item.cancelled:
+                self._waiting.popleft()
                 continue
             if item.deadline is not None and now >= item.deadline:
+                self._waiting.popleft()
                 item.callback(UpstreamTimeout(f"no connection to {self.origin} came free in time"))
                 continue
-            self._idle.pop().send(item)
+            connection = self._take_idle()
+            if connection is None:
+                break
+            self._waiting.popleft()
+            connection.send(item)
         wanted = len(self._waiting) - self._connecting
         room = self.max_connections - len(self._open) - self._connecting
         for _ in range(min(wanted, room)):
@@ -508,13 +524,26 @@ class Pool:
             connection.abort()
             return
         self._open.add(connection)
+        connection.idle_since = self.loop.time()
         self._idle.append(connection)
         self._pump()
+
+    def _take_idle(self) -> _Connection | None:
+        """The most recently used idle connection that is not stale (the stale are closed)."""
+        now = self.loop.time()
+        while self._idle:
+            connection = self._idle.pop()
+            if now - connection.idle_since <= self.max_idle_s:
+                return connection
+            self._open.discard(connection)  # (closing: not counted against the limit)
+            connection.abort()
+        return None
 
     def _release(self, connection: _Connection) -> None:
         if self._closed:
             connection.abort()
             return
+        connection.idle_since = self.loop.time()
         self._idle.append(connection)
         if self._waiting:
             self._pump()
