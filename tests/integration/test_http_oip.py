@@ -326,7 +326,7 @@ def test_metrics_are_prometheus_histograms(worker: RunningWorker) -> None:
     assert 'tailserve_batch_predicted_seconds_count{bucket="all",model="doubler"}' in text
     assert 'tailserve_cost_model_fixed_seconds{bucket="all",model="doubler",version="1"}' in text
     assert 'tailserve_queue_duration_seconds_count{model="doubler"}' in text
-    assert 'tailserve_compute_duration_seconds_count{model="doubler"}' in text
+    assert 'tailserve_compute_duration_seconds_count{bucket="all",model="doubler"}' in text
     assert 'tailserve_requests_total{model="doubler",protocol="v2",status="200"}' in text
     assert 'tailserve_model_ready{model="broken"} 0.0' in text
 

@@ -187,8 +187,9 @@ class Metrics:
         )
         self.compute_time = LoopHistogram(
             "tailserve_compute_duration_seconds",
-            "Time one batch spent in the runtime (merge, predict, split).",
-            ["model"],
+            "Time one batch spent in the runtime (merge, predict, split), by cost class: what "
+            "tailserve_batch_predicted_seconds predicts.",
+            ["model", "bucket"],
             LATENCY_BUCKETS,
         )
         self.batch_size = LoopHistogram(
@@ -285,7 +286,7 @@ class Metrics:
     def on_batch(self, record: BatchRecord) -> None:
         model, bucket = record.model, record.bucket
         self.batch_size.child(model, bucket).observe(record.rows)
-        self.compute_time.child(model).observe(record.compute_s)
+        self.compute_time.child(model, bucket).observe(record.compute_s)
         self.batch_time.child(model, bucket).observe(record.wall_s)
         self.batch_predicted.child(model, bucket).observe(record.predicted_s)
         queue = self.queue_time.child(model)
