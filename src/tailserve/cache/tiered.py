@@ -227,28 +227,35 @@ class ResultCache:
     async def _from_l2(
         self, view: ModelView, key: str, compute: Compute, redis: RedisTier
     ) -> Served | None:
+        result = await self._read_l2(view, key, redis)
+        if result is None:
+            self.observer.on_lookup(view.model, "l2", "miss")
+            return None
+        fresh = result.fresh_until > self._wall()
+        self.observer.on_lookup(view.model, "l2", "hit" if fresh else "stale")
+        if fresh:
+            source = "precomputed" if result.lineage.precomputed else "l2"
+            return Served(result.outputs, source, result.lineage)
+        self._refresh_later(view, key, compute)
+        return Served(result.outputs, "stale", result.lineage)
+
+    async def _read_l2(self, view: ModelView, key: str, redis: RedisTier) -> CachedResult | None:
+        """The value under ``key`` in Redis (None: none, or undecodable), filling L1 with it
+        while it is fresh, for what is left of its life (its TTL in L1 is no longer than
+        L2's)."""
         raw = await redis.get(key)
         if raw is None:
-            self.observer.on_lookup(view.model, "l2", "miss")
             return None
         try:
             result = codec.decode(raw)
         except ValueError:
             log.warning("dropping an undecodable L2 value under %s", key)
-            self.observer.on_lookup(view.model, "l2", "miss")
             return None
-        now = self._wall()
-        stale = now >= result.fresh_until
-        self.observer.on_lookup(view.model, "l2", "stale" if stale else "hit")
-        # Fill L1 for what is left of the value's life (its TTL in L1 is no longer than L2's).
-        left = max(0.0, result.fresh_until - now)
-        policy = view.policy
-        if not stale:
+        left = result.fresh_until - self._wall()
+        if left > 0:
+            policy = view.policy
             view.l1.put(key, raw, len(raw), min(left, policy.l1_ttl_s), policy.grace_s)
-            source = "precomputed" if result.lineage.precomputed else "l2"
-            return Served(result.outputs, source, result.lineage)
-        self._refresh_later(view, key, compute)
-        return Served(result.outputs, "stale", result.lineage)
+        return result
 
     async def _await_other_worker(
         self, view: ModelView, key: str, redis: RedisTier
@@ -315,18 +322,9 @@ class ResultCache:
 
     async def _fresh_from_l2(self, view: ModelView, key: str, redis: RedisTier) -> bool:
         """Fill L1 from a fresh value in Redis, if there is one."""
-        raw = await redis.get(key)
-        if raw is None:
+        result = await self._read_l2(view, key, redis)
+        if result is None or result.fresh_until <= self._wall():
             return False
-        try:
-            result = codec.decode(raw)
-        except ValueError:
-            return False
-        left = result.fresh_until - self._wall()
-        if left <= 0:
-            return False
-        policy = view.policy
-        view.l1.put(key, raw, len(raw), min(left, policy.l1_ttl_s), policy.grace_s)
         self.observer.on_lookup(view.model, "l2", "hit")
         return True
 

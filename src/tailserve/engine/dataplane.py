@@ -137,12 +137,10 @@ class DataPlane:
             inputs = request.inputs
             if served.features is not None:
                 inputs = await served.features.resolve(inputs)
-            nonlocal checked
-            if checked is None:
-                checked = served.plan.check(inputs)
-            bucket = served.buckets.classify(checked)
+            plan = checked if checked is not None else served.plan.check(inputs)
+            bucket = served.buckets.classify(plan)
             return await served.scheduler.infer(
-                checked.arrays, checked.rows, bucket,
+                plan.arrays, plan.rows, bucket,
                 deadline=deadline, priority=priority, hard_deadline=hard,
             )  # fmt: skip
 

@@ -648,11 +648,9 @@ class Dispatcher:
         queue = self._suspect_queue if suspect else self._hedge_queue
         if len(queue) >= _HEDGE_QUEUE:
             now = self.loop.time()
-            queue = deque(e for e in queue if e.awaits_hedge(now))
-            if suspect:
-                self._suspect_queue = queue
-            else:
-                self._hedge_queue = queue
+            waiting = [e for e in queue if e.awaits_hedge(now)]
+            queue.clear()
+            queue.extend(waiting)
             if len(queue) >= _HEDGE_QUEUE:
                 return  # (counted as refused already)
         queue.append(exchange)

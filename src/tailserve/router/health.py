@@ -16,7 +16,7 @@ answers not ready, so this is also how a drain empties a backend without errors.
 - a *limping* replica, one whose requests keep losing to hedges: at least
   ``overtaken_min_losses`` of its last few hundred first copies beaten by a hedge sent
   elsewhere, a share of them at least ``overtaken_share`` and ``overtaken_factor`` times the
-  median of the others' (those in service and not failing, with ``min_samples`` first copies
+  median of the others' (the same peers as for latency, with ``min_samples`` first copies
   each; at least ``overtaken_min_peers`` of them: in a pool of two the reference is one
   replica, and when both slow down alike whichever loses a few more races would be taken
   out, halving the pool). A replica that stalls now and then (5% of its replies 20 times
@@ -126,13 +126,8 @@ class OutlierDetector:
         # worker's replies still in its socket read as successes after its first failures).
         others = [
             b.latency_s
-            for b in pool
-            if b is not backend
-            and b.latency_s is not None
-            and b.samples >= self.min_samples
-            and b.in_service(now)
-            and not b.consecutive_failures
-            and (b.failed_at is None or now - b.failed_at >= self.reference_quiet_s)
+            for b in self._peers(pool, backend, now)
+            if b.latency_s is not None and b.samples >= self.min_samples
         ]
         if not others:
             return False
@@ -147,15 +142,24 @@ class OutlierDetector:
             return False
         others = [
             b.first_losses / b.first_copies
-            for b in pool
-            if b is not backend
-            and b.first_copies >= self.min_samples
-            and b.in_service(now)
-            and not b.consecutive_failures
+            for b in self._peers(pool, backend, now)
+            if b.first_copies >= self.min_samples
         ]
         if len(others) < max(1, self.overtaken_min_peers):
             return False
         return share >= self.overtaken_factor * statistics.median(others)
+
+    def _peers(self, pool: Pool, backend: Backend, now: float) -> list[Backend]:
+        """The others ``backend`` may be judged against: in service, and with no failure
+        lately (none in a row now, none in the last ``reference_quiet_s``)."""
+        return [
+            b
+            for b in pool
+            if b is not backend
+            and b.in_service(now)
+            and not b.consecutive_failures
+            and (b.failed_at is None or now - b.failed_at >= self.reference_quiet_s)
+        ]
 
     def eject(self, pool: Pool, backend: Backend, now: float, reason: str) -> Ejection | None:
         """Take a backend out for its backoff, unless the pool's ejection cap is reached."""

@@ -471,7 +471,7 @@ class Pool:
         except ValueError:
             return
         if not ticket.cancelled:
-            ticket.callback(UpstreamTimeout(f"no connection to {self.origin} came free in time"))
+            ticket.callback(self._no_connection())
 
     def _pump(self) -> None:
         now = self.loop.time()
@@ -482,7 +482,7 @@ class Pool:
                 continue
             if item.deadline is not None and now >= item.deadline:
                 self._waiting.popleft()
-                item.callback(UpstreamTimeout(f"no connection to {self.origin} came free in time"))
+                item.callback(self._no_connection())
                 continue
             connection = self._take_idle()
             if connection is None:
@@ -527,6 +527,9 @@ class Pool:
         connection.idle_since = self.loop.time()
         self._idle.append(connection)
         self._pump()
+
+    def _no_connection(self) -> UpstreamTimeout:
+        return UpstreamTimeout(f"no connection to {self.origin} came free in time")
 
     def _take_idle(self) -> _Connection | None:
         """The most recently used idle connection that is not stale (the stale are closed)."""

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-import numpy as np
 import orjson
 
 from tailserve.engine.dataplane import DataPlane
@@ -99,7 +98,7 @@ def encode_response(response: InferResponse) -> Any:
     for tensor in response.outputs:
         output = message.outputs.add(name=tensor.name, datatype=tensor.datatype)
         output.shape.extend(tensor.shape)
-        message.raw_output_contents.append(to_binary(np.asarray(tensor.data)))
+        message.raw_output_contents.append(to_binary(tensor.data))
     for key, value in response.parameters.items():
         _set_parameter(message.parameters[key], value)
     return message
