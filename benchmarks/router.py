@@ -142,7 +142,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def router(backends: Sequence[str], *flags: str) -> Iterator[str]:
     port = h.free_port()
     command = [sys.executable, "-m", "tailserve.cli", "route", "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning",
+               "--port", str(port), "--grpc-port", "0", "--log-level", "warning",
                *(f"--backend={url}" for url in backends), *flags]  # fmt: skip
     with h.serving(command, port) as url:
         yield url

@@ -25,7 +25,14 @@ import orjson
 
 from tailserve.errors import TailserveError
 from tailserve.router.config import RouterConfig, backend_url, parse_backend
-from tailserve.router.dispatch import ANY, Dispatcher, Outcome, body_key, cost_class
+from tailserve.router.dispatch import (
+    ANY,
+    Dispatcher,
+    Outcome,
+    body_key,
+    cost_class,
+    error_message,
+)
 from tailserve.tensors import datatype_of, from_json, to_json_data
 from tailserve.transport.http1 import frame_request
 
@@ -132,7 +139,7 @@ class Client:
             cost=cost_class(len(body)), deadline_ms=deadline_ms, hedge=True,
         )  # fmt: skip
         if outcome.status != 200:
-            raise InferenceError(outcome.status, _message(outcome.body), outcome.backend)
+            raise InferenceError(outcome.status, error_message(outcome.body), outcome.backend)
         return decode_response(outcome)
 
     async def request(
@@ -192,11 +199,3 @@ def decode_response(outcome: Outcome) -> InferResult:
     return InferResult(
         arrays, outcome.backend, outcome.hedged, reply.get("parameters") or {}, headers
     )
-
-
-def _message(body: bytes) -> str:
-    try:
-        error = orjson.loads(body).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
-        error = None
-    return str(error) if error else body.decode(errors="replace")[:200]

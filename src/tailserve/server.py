@@ -223,13 +223,14 @@ class Worker:
         if not port:
             return
         try:
-            from tailserve.protocols.grpc.service import InferenceService, start
+            from tailserve.protocols.grpc.common import start
+            from tailserve.protocols.grpc.service import InferenceService
         except ImportError as exc:
             log.error("no gRPC on port %d: %s (pip install 'tailserve[grpc]')", port, exc)
             return
         service = InferenceService(self.dataplane, self.metrics)
         try:
-            self._grpc = await start(service, self.settings.host, port,
+            self._grpc = await start(service.handlers(), self.settings.host, port,
                                      max_message_bytes=self.settings.max_body_bytes)  # fmt: skip
         except (OSError, RuntimeError) as exc:
             log.error("no gRPC on %s:%d: %s; serving HTTP only", self.settings.host, port, exc)

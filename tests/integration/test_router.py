@@ -18,67 +18,13 @@ import numpy as np
 import orjson
 import pytest
 
-from support.models import doubler_config, write_model
+from support import slowable
 from support.routing import running_router
-from support.servers import WorkerProcess, async_wait_for, worker_process
+from support.servers import WorkerProcess, async_wait_for
 from support.stub import StubApp, run_stub
 from tailserve.client import Client, InferenceError
 from tailserve.router.membership import write_members
 from tailserve.router.proxy import Router
-
-# y = 2x, slowed by the number of seconds in the version folder's `delay` file (read on every
-# batch, so a test can slow one worker down mid-run); every row it runs is noted in `ran`.
-SLOWABLE = """
-from pathlib import Path
-import time
-
-import numpy as np
-
-
-class Model:
-    def __init__(self, version_dir, config):
-        self.dir = Path(version_dir)
-
-    def predict(self, inputs):
-        x = inputs["x"]
-        with (self.dir / "ran").open("a") as ran:
-            ran.write("".join(f"{v:g}\\n" for v in x.ravel()))
-        delay = self.dir / "delay"
-        if delay.exists():
-            time.sleep(float(delay.read_text() or 0))
-        return {"y": (x * 2).astype(np.float32)}
-"""
-
-
-def _repository(root: Path) -> Path:
-    config = doubler_config(max_batch_size=1, slo={"p99_ms": 10_000}, warmup={"batch_sizes": [1]})
-    config["batching"] = {"max_queue_delay_ms": 0, "max_queue_size": 256}
-    write_model(root, "m", config, code=SLOWABLE)
-    return root
-
-
-@contextlib.contextmanager
-def _workers(tmp: Path, count: int, *extra: str) -> Iterator[list[WorkerProcess]]:
-    with contextlib.ExitStack() as stack:
-        workers = []
-        for i in range(count):
-            repository = _repository(tmp / f"repo{i}")
-            workers.append(stack.enter_context(worker_process(repository, tmp, *extra)))
-        yield workers
-
-
-def _model_dir(tmp: Path, index: int) -> Path:
-    return tmp / f"repo{index}" / "m" / "1"
-
-
-def _slow(tmp: Path, index: int, seconds: float) -> None:
-    (_model_dir(tmp, index) / "delay").write_text(str(seconds))
-
-
-def _ran(tmp: Path, index: int) -> list[float]:
-    path = _model_dir(tmp, index) / "ran"
-    return [float(v) for v in path.read_text().split()] if path.exists() else []
-
 
 _router = running_router
 
@@ -106,7 +52,7 @@ def _y(response: httpx.Response) -> float:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[WorkerProcess]]]:
     tmp = tmp_path_factory.mktemp("router-pair")
-    with _workers(tmp, 2) as workers:
+    with slowable.workers(tmp, 2) as workers:
         yield tmp, workers
 
 
@@ -162,8 +108,8 @@ async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
     async with _hedging(tmp_path, "round-robin", 1.0) as (urls, router, client):
         for i in range(20):  # learn the model's p95 (milliseconds)
             assert (await _infer(client, router.url, 100.0 + i)).status_code == 200
-        before = len(_ran(tmp_path, 0))
-        _slow(tmp_path, 0, 1.5)
+        before = len(slowable.ran(tmp_path, 0))
+        slowable.slow(tmp_path, 0, 1.5)
         started = time.monotonic()
         replies = await asyncio.gather(*(_infer(client, router.url, float(x)) for x in range(1, 7)))
         took = time.monotonic() - started
@@ -175,10 +121,10 @@ async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
         # a copy still waiting for a connection is withdrawn before it is sent) and ran at
         # most the one it had already started: the rest left its queue without running.
         await _until(lambda: _cancelled(urls[0]) >= 1, what="a cancellation on the worker")
-        _slow(tmp_path, 0, 0)
+        slowable.slow(tmp_path, 0, 0)
         assert (await client.post(f"{urls[0]}/v2/models/m/infer",
                                   content=_infer_body(99.0))).status_code == 200  # fmt: skip
-        ran_after = _ran(tmp_path, 0)[before:]
+        ran_after = slowable.ran(tmp_path, 0)[before:]
         assert ran_after[-1] == 99.0
         assert len(ran_after[:-1]) <= 1, f"cancelled copies ran anyway: {ran_after}"
         state = router.state()["hedges"]
@@ -200,7 +146,7 @@ async def test_the_budget_caps_hedges(tmp_path: Path) -> None:
     async with _hedging(tmp_path, "round-robin", 0.1) as (_, router, client):
         for i in range(20):
             await _infer(client, router.url, float(i))
-        _slow(tmp_path, 0, 0.1)
+        slowable.slow(tmp_path, 0, 0.1)
         replies = await asyncio.gather(*(_infer(client, router.url, float(x)) for x in range(30)))
         assert all(r.status_code == 200 for r in replies)
         budget = router.dispatcher.hedge_budget
@@ -217,7 +163,7 @@ async def _hedging(
 ) -> AsyncIterator[tuple[list[str], Router, httpx.AsyncClient]]:
     """Two slowable workers behind a router that hedges once 5 replies are known, within
     ``ratio`` of the requests; yields the workers' URLs, the router and a client."""
-    with _workers(tmp, 2) as workers:
+    with slowable.workers(tmp, 2) as workers:
         urls = [w.url for w in workers]
         async with _router(
             urls, balance=balance, hedge_min_samples=5, hedge_ratio=ratio
@@ -245,7 +191,7 @@ async def test_a_hedge_that_finds_the_budget_empty_goes_out_with_the_next_token(
         dispatcher = router.dispatcher
         # (A learning request slower than the p99 may have had a late hedge of its own.)
         late = dispatcher.late_hedges
-        _slow(tmp_path, 0, 3.0)
+        slowable.slow(tmp_path, 0, 3.0)
         started = time.monotonic()
         stuck = asyncio.ensure_future(
             _infer(client, router.url, 1.0, headers={"x-affinity-key": slow_key})
@@ -268,7 +214,7 @@ async def test_a_hedge_that_finds_the_budget_empty_goes_out_with_the_next_token(
         # It waited for the token the requests after it earned: the budget still holds.
         budget = dispatcher.hedge_budget
         assert budget.spent <= ratio * budget.requests + 1e-9
-        _slow(tmp_path, 0, 0)
+        slowable.slow(tmp_path, 0, 0)
 
 
 async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
@@ -281,7 +227,7 @@ async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
         dispatcher = router.dispatcher
         assert 1.0 <= dispatcher.hedge_budget.tokens < 5.0
         late = dispatcher.late_hedges
-        _slow(tmp_path, 0, 3.0)
+        slowable.slow(tmp_path, 0, 3.0)
         started = time.monotonic()
         reply = await _infer(client, router.url, 1.0,
                              headers={"x-affinity-key": home[urls[0]]})  # fmt: skip
@@ -289,7 +235,7 @@ async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
         assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
         assert took < 2.0, f"the rationed hedge should have gone out when overdue: {took}"
         assert dispatcher.hedge_budget.refused >= 1 and dispatcher.late_hedges == late + 1
-        _slow(tmp_path, 0, 0)
+        slowable.slow(tmp_path, 0, 0)
 
 
 async def test_a_replica_that_keeps_losing_to_hedges_has_its_late_requests_hedged_at_once(
@@ -304,7 +250,7 @@ async def test_a_replica_that_keeps_losing_to_hedges_has_its_late_requests_hedge
         pool = dispatcher.pool_for("m")
         first = next(b for b in pool if b.url == urls[0])
         assert not pool.suspect(first)
-        _slow(tmp_path, 0, 3.0)
+        slowable.slow(tmp_path, 0, 3.0)
         stuck = {"x-affinity-key": home[urls[0]]}
         late, suspect = dispatcher.late_hedges, dispatcher.suspect_hedges
         reply = await _infer(client, router.url, 1.0, headers=stuck)
@@ -320,7 +266,7 @@ async def test_a_replica_that_keeps_losing_to_hedges_has_its_late_requests_hedge
         assert state["hedges"]["suspect"] == suspect + 1
         shares = {b["id"]: b["overtaken"] for b in state["backends"]}
         assert shares[first.id] > 0.0
-        _slow(tmp_path, 0, 0)
+        slowable.slow(tmp_path, 0, 0)
 
 
 async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
@@ -349,7 +295,7 @@ async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
 
 
 async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> None:
-    with _workers(tmp_path, 2) as workers:
+    with slowable.workers(tmp_path, 2) as workers:
         urls = [w.url for w in workers]
         # Latency ejection off: this is about retries. With both slowed alike, p2c still
         # steered most requests to one, the other's average went stale at 3x, and it was
@@ -360,8 +306,8 @@ async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> No
         ):
             for i in range(100):  # the retry budget is earned by traffic
                 await _infer(client, router.url, float(i))
-            _slow(tmp_path, 0, 0.05)
-            _slow(tmp_path, 1, 0.05)
+            slowable.slow(tmp_path, 0, 0.05)
+            slowable.slow(tmp_path, 1, 0.05)
             backend = router.dispatcher.upstreams[urls[0]].backend
             killed = asyncio.Event()
             statuses: list[int] = []
@@ -384,8 +330,8 @@ async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> No
 
 
 async def test_requests_are_shed_at_once_when_every_replica_is_saturated(tmp_path: Path) -> None:
-    with _workers(tmp_path, 1) as workers:
-        _slow(tmp_path, 0, 3.0)
+    with slowable.workers(tmp_path, 1) as workers:
+        slowable.slow(tmp_path, 0, 3.0)
         async with (
             _router([workers[0].url], max_in_flight=1, hedge=False) as router,
             httpx.AsyncClient(timeout=30) as client,
@@ -399,7 +345,7 @@ async def test_requests_are_shed_at_once_when_every_replica_is_saturated(tmp_pat
             assert "in-flight limit" in shed.json()["error"]
             assert took < 1.5  # not after the 3 s reply (the slack: a stalling machine)
             assert (await slow).status_code == 200
-        _slow(tmp_path, 0, 0)
+        slowable.slow(tmp_path, 0, 0)
 
 
 async def test_the_deadline_left_is_propagated() -> None:

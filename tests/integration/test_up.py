@@ -16,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+from tritonclient.utils import triton_to_np_dtype as tensor_dtype
 
 from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
 from tailserve.examples.churn import FIELDS, sample_rows
@@ -58,8 +62,9 @@ def tailserve_up(repository: Path, log_dir: Path, *extra: str) -> Iterator[UpPro
     """``tailserve up`` as a real process, once it says every worker is ready."""
     port = free_port()
     log_path = log_dir / f"up-{port}.log"
+    grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
     command = [sys.executable, "-m", "tailserve.cli", "up", "--repository", str(repository),
-               "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
+               "--host", "127.0.0.1", "--port", str(port), *grpc, *extra]  # fmt: skip
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
@@ -91,9 +96,12 @@ def alive(pid: int) -> bool:
 def test_up_serves_inference_through_the_router_from_every_worker(
     example_repository: Path, tmp_path: Path
 ) -> None:
-    options = ("--workers", "2", "--balance", "round-robin", "--drain-timeout", "5")
+    grpc_port = free_port()
+    options = ("--workers", "2", "--balance", "round-robin", "--drain-timeout", "5",
+               "--grpc-port", str(grpc_port))  # fmt: skip
     with tailserve_up(example_repository, tmp_path, *options) as up:
-        assert f"tailserve up: router on {up.url}, 2 workers ready" in up.log()
+        ready = f"tailserve up: router on {up.url} (gRPC on port {grpc_port}), 2 workers ready"
+        assert ready in up.log()
         assert httpx.get(f"{up.url}/v2/health/ready").status_code == 200
         replicas: set[str] = set()
         with httpx.Client(base_url=up.url) as client:
@@ -107,6 +115,21 @@ def test_up_serves_inference_through_the_router_from_every_worker(
             # The router may not have seen the second worker ready yet: it checks each second.
             wait_for(both_have_answered, timeout=10, what="both workers to answer")
         assert replicas == up.worker_urls()
+        # gRPC clients reach the same workers through the router's gRPC port.
+        sample = sample_rows(2, 5)
+        inputs = []
+        for f in FIELDS:
+            tensor = triton_grpc.InferInput(f.name, [2, 1], f.datatype)
+            tensor.set_data_from_numpy(np.asarray(sample[f.name], dtype=tensor_dtype(f.datatype))
+                                       .reshape(2, 1))  # fmt: skip
+            inputs.append(tensor)
+        with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+            assert client.is_server_ready() and client.is_model_ready("churn")
+            scores = client.infer("churn", inputs).as_numpy("churn_probability")
+        http_scores = httpx.post(f"{up.url}/v2/models/churn/infer", json=churn_request()).json()
+        assert scores.ravel().tolist() == pytest.approx(http_scores["outputs"][0]["data"])
+        # No worker listens for gRPC itself: the router's port is the one gRPC address.
+        assert "gRPC (OIP v2) on" not in up.log()
 
 
 def test_sigterm_drains_the_stack_and_exits_0(example_repository: Path, tmp_path: Path) -> None:

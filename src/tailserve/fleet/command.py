@@ -1,8 +1,9 @@
 """The ``tailserve up`` command: the whole stack on one machine.
 
-tailserve up [--repository DIR] [--port 8080] [--workers N] [--redis-url URL]
+tailserve up [--repository DIR] [--port 8080] [--grpc-port 8081] [--workers N] [--redis-url URL]
 
-Starts N workers (default: one per core) on loopback ports and the router on the public port,
+Starts N workers (default: one per core) on loopback ports and the router on the public ports
+(HTTP, and gRPC sent on to the workers over HTTP),
 restarts a worker that dies, and on SIGTERM or Ctrl-C drains the router, then the workers.
 With no --repository it serves the example repository, building it in var/repository first.
 """
@@ -37,6 +38,8 @@ def add_parser(commands: Any) -> None:
     up.add_argument("--repository", help=f"model repository (default: the examples, {EXAMPLES})")
     up.add_argument("--host", default="0.0.0.0", help="the router's address (0.0.0.0)")
     up.add_argument("--port", type=int, default=8080, help="the router's port (8080)")
+    up.add_argument("--grpc-port", type=int, default=8081,
+                    help="the router's gRPC port (8081; 0: none)")  # fmt: skip
     up.add_argument("--workers", type=int, default=usable_cores(),
                     help="worker processes (default: one per core)")  # fmt: skip
     up.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
@@ -80,7 +83,8 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
     # A token set as TAILSERVE_ADMIN_TOKEN reaches the workers; the router needs it as well.
     admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN")
     return FleetConfig(
-        repository=repository, host=args.host, port=args.port, workers=args.workers,
+        repository=repository, host=args.host, port=args.port, grpc_port=args.grpc_port,
+        workers=args.workers,
         router=config_from(args), admin_token=admin_token,
         drain_timeout_s=args.drain_timeout_s, worker_args=tuple(worker_args(args)),
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """The supervisor of `tailserve up`: worker processes on loopback ports, the router in front.
 
-Start: choose two free loopback ports per worker (HTTP, gRPC), start the router with the
-workers' URLs as its backends, then start each worker (`tailserve serve`). Nothing waits for
+Start: choose a free loopback port per worker, start the router with the workers' URLs as its
+backends, then start each worker (`tailserve serve`, HTTP only: gRPC clients call the
+router's gRPC port, which sends their calls on over HTTP). Nothing waits for
 models to load: the router checks each worker's readiness itself and sends only to ready ones.
 The supervisor watches readiness too, only to log it and to say once that the fleet is ready.
 
@@ -49,6 +50,9 @@ class FleetConfig:
     repository: str
     host: str = "0.0.0.0"
     port: int = 8080
+    # The router's gRPC port (the Open Inference Protocol's gRPC service; 0: none, as
+    # here; `tailserve up` listens on 8081).
+    grpc_port: int = 0
     workers: int = 1
     # The router's policy (balancing, hedging, ejection, limits); its address, backends,
     # admin token and drain timeout come from the fields here.
@@ -74,7 +78,6 @@ class ManagedWorker:
 
     name: str
     port: int
-    grpc_port: int
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     ready: bool = False
@@ -158,11 +161,8 @@ class Supervisor:
 
     async def start(self) -> None:
         """Start the router, then the workers; return without waiting for them to be ready."""
-        ports = free_ports(2 * self.config.workers)
-        self.workers = [
-            ManagedWorker(f"worker-{i}", ports[2 * i], ports[2 * i + 1])
-            for i in range(self.config.workers)
-        ]
+        ports = free_ports(self.config.workers)
+        self.workers = [ManagedWorker(f"worker-{i}", port) for i, port in enumerate(ports)]
         # The router first: a taken public port fails before any worker has started.
         router = Router(self._router_config())
         try:
@@ -205,6 +205,7 @@ class Supervisor:
         return self.config.router.replace(
             host=self.config.host,
             port=self.config.port,
+            grpc_port=self.config.grpc_port,
             backends=tuple(worker.url for worker in self.workers),
             admin_token=self.config.admin_token,
             drain_timeout_s=self.config.drain_timeout_s,
@@ -276,7 +277,10 @@ class Supervisor:
         await _until_ready(Pool(host, port, max_connections=1), self.config.ready_interval_s)
         count = len(self.workers)
         noun = "worker" if count == 1 else "workers"
-        print(f"tailserve up: router on {self._public_url()}, {count} {noun} ready", flush=True)
+        grpc = self._router.grpc_port if self._router is not None else None
+        also = f" (gRPC on port {grpc})" if grpc else ""
+        print(f"tailserve up: router on {self._public_url()}{also}, {count} {noun} ready",
+              flush=True)  # fmt: skip
         self.ready.set()
 
     def _worker_command(self, worker: ManagedWorker) -> list[str]:
@@ -285,7 +289,7 @@ class Supervisor:
             "--repository", self.config.repository,
             "--host", LOOPBACK,
             "--http-port", str(worker.port),
-            "--grpc-port", str(worker.grpc_port),
+            "--grpc-port", "0",
             "--worker-id", worker.name,
             "--drain-timeout", str(self.config.drain_timeout_s),
             *self.config.worker_args,

@@ -30,6 +30,9 @@ def add_parser(commands: Any) -> None:
                        help="a name whose every address is a worker (re-resolved)")  # fmt: skip
     route.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0)")
     route.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
+    route.add_argument(
+        "--grpc-port", type=int, default=8081, help="gRPC port, sent on over HTTP (8081; 0: none)"
+    )
     add_policy_arguments(route)
     route.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
     route.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -91,6 +94,7 @@ def handle(args: argparse.Namespace) -> int:
         args,
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         backends=tuple(args.backend),
         backends_file=args.backends_file,
         backends_dns=args.backends_dns,

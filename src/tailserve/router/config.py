@@ -15,6 +15,8 @@ from tailserve.router.balancing import BALANCERS
 class RouterConfig:
     host: str = "0.0.0.0"
     port: int = 8080
+    # The Open Inference Protocol over gRPC, sent on to the workers over HTTP (0: none).
+    grpc_port: int = 0
     # Membership: fixed URLs, a file of URLs (one a line, watched), and/or a DNS name
     # (host:port) whose addresses are the backends (a Kubernetes headless Service).
     backends: tuple[str, ...] = ()

@@ -484,6 +484,15 @@ def _error(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
+def error_message(body: bytes) -> str:
+    """The message of an error reply (its ``error``; else the body's start, as text)."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    return str(error) if error else body.decode(errors="replace")[:200]
+
+
 class Dispatcher:
     def __init__(
         self,

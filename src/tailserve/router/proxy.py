@@ -34,7 +34,7 @@ import http
 import logging
 import signal
 from collections import deque
-from typing import cast
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
@@ -499,6 +499,9 @@ class Router:
         self._idle.set()
         self.draining = False
         self.port = config.port
+        # The gRPC front (`grpc_gateway`), while it serves; its port once bound.
+        self._grpc: Any = None
+        self.grpc_port: int | None = None
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -544,6 +547,29 @@ class Router:
             self.url, len(dispatcher.upstreams), self.config.balance,
             "on" if self.config.hedge else "off",
         )  # fmt: skip
+        await self._start_grpc()
+
+    async def _start_grpc(self) -> None:
+        """The Open Inference Protocol's gRPC service on ``grpc_port`` (0: none), sent on to
+        the workers over HTTP. A router that cannot serve it (grpcio not installed, the port
+        taken) says so and serves HTTP."""
+        port = self.config.grpc_port
+        if not port:
+            return
+        try:
+            from tailserve.protocols.grpc.common import start
+            from tailserve.router.grpc_gateway import Gateway
+        except ImportError as exc:
+            log.error("no gRPC on port %d: %s (pip install 'tailserve[grpc]')", port, exc)
+            return
+        try:
+            self._grpc = await start(Gateway(self).handlers(), self.config.host, port,
+                                     max_message_bytes=self.config.max_body_bytes)  # fmt: skip
+        except (OSError, RuntimeError) as exc:
+            log.error("no gRPC on %s:%d: %s; serving HTTP only", self.config.host, port, exc)
+            return
+        self.grpc_port = port
+        log.info("router: gRPC on %s:%d, sent on to the workers over HTTP", self.config.host, port)
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop accepting, let the requests in flight finish (up to the timeout), close."""
@@ -553,8 +579,15 @@ class Router:
         for connection in list(self._connections):
             connection.close_if_idle()
         timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        # gRPC calls in flight finish too (up to the same timeout); new ones are refused.
+        grpc_stop = None
+        if self._grpc is not None:
+            grpc_stop = self.loop.create_task(self._grpc.stop(timeout))
+            self._grpc = None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
+        if grpc_stop is not None:
+            await grpc_stop
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -594,7 +627,7 @@ class Router:
         target = classify(request.method, path)
         dispatcher = self.dispatcher
         model = target.model
-        label = model if model != ANY and self._known(model) else "_other"
+        label = model if model != ANY and self.knows(model) else "_other"
         if target.broadcast:
             task = self.loop.create_task(self._broadcast(request, path))
             task.add_done_callback(lambda t: connection.done(request, t.result(), label))
@@ -633,7 +666,7 @@ class Router:
         if not exchange.done:
             connection._exchange = exchange
 
-    def _known(self, model: str) -> bool:
+    def knows(self, model: str) -> bool:
         # (Only models some backend lists become metric labels: a client cannot grow the
         # label set by inventing model names.)
         return model in self.dispatcher.known_models()
@@ -644,9 +677,7 @@ class Router:
         if path == "/v2/health/live":
             return Outcome(200, [], b"")
         if path == "/v2/health/ready":
-            now = self.loop.time()
-            serving = [b for b in self.dispatcher.backends if b.in_service(now)]
-            if serving and not self.draining:
+            if self.ready():
                 return Outcome(200, [], b"")
             return Outcome(503, _JSON, orjson.dumps({"error": "no backend is in service"}))
         if path == "/metrics":
@@ -654,6 +685,11 @@ class Router:
         if path == "/router/backends":
             return Outcome(200, _JSON, orjson.dumps(self.state()))
         return None
+
+    def ready(self) -> bool:
+        """Some backend is in service, and the router is not draining."""
+        now = self.loop.time()
+        return not self.draining and any(b.in_service(now) for b in self.dispatcher.backends)
 
     def state(self) -> dict[str, object]:
         """Each backend's routing state and the budgets' counters (``/router/backends``)."""

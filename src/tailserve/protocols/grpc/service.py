@@ -17,43 +17,25 @@ and the KServe clients work unchanged.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-import orjson
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
 from tailserve.errors import InvalidInput, TailserveError
 from tailserve.observability.metrics import Metrics
 from tailserve.protocols.grpc import schema
+from tailserve.protocols.grpc.common import (
+    CONTENTS,
+    Handler,
+    generic_handler,
+    parameters_of,
+    set_parameter,
+)
 from tailserve.protocols.http.errors import status_of
 from tailserve.tensors import Tensor, from_binary, from_json, to_binary
-
-log = logging.getLogger(__name__)
-
-_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-# Which typed ``contents`` field carries each datatype.
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents", "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}  # fmt: skip
 
 
 def decode_request(message: Any) -> InferRequest:
@@ -69,24 +51,24 @@ def decode_request(message: Any) -> InferRequest:
         if raw:
             data = from_binary(tensor.name, tensor.datatype, shape, raw[index])
         else:
-            field = _CONTENTS.get(tensor.datatype)
+            field = CONTENTS.get(tensor.datatype)
             if field is None:
                 raise InvalidInput(
                     f"tensor {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only"
                 )
             values = list(getattr(tensor.contents, field))
             data = from_json(tensor.name, tensor.datatype, shape, values)
-        inputs.append(Tensor(tensor.name, tensor.datatype, data, _parameters(tensor.parameters)))
+        inputs.append(Tensor(tensor.name, tensor.datatype, data, parameters_of(tensor.parameters)))
     outputs = None
     if message.outputs:
-        outputs = [RequestedOutput(o.name, _parameters(o.parameters)) for o in message.outputs]
+        outputs = [RequestedOutput(o.name, parameters_of(o.parameters)) for o in message.outputs]
     return InferRequest(
         model=message.model_name,
         inputs=inputs,
         version=message.model_version or None,
         id=message.id or None,
         outputs=outputs,
-        parameters=_parameters(message.parameters),
+        parameters=parameters_of(message.parameters),
     )
 
 
@@ -100,33 +82,8 @@ def encode_response(response: InferResponse) -> Any:
         output.shape.extend(tensor.shape)
         message.raw_output_contents.append(to_binary(tensor.data))
     for key, value in response.parameters.items():
-        _set_parameter(message.parameters[key], value)
+        set_parameter(message.parameters[key], value)
     return message
-
-
-def _parameters(entries: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, parameter in entries.items():
-        choice = parameter.WhichOneof("parameter_choice")
-        if choice is not None:
-            out[key] = getattr(parameter, choice)
-    return out
-
-
-def _set_parameter(parameter: Any, value: Any) -> None:
-    if isinstance(value, bool):
-        parameter.bool_param = value
-    elif isinstance(value, int) and -(2**63) <= value < 2**63:
-        parameter.int64_param = value
-    elif isinstance(value, float):
-        parameter.double_param = value
-    elif isinstance(value, str):
-        parameter.string_param = value
-    else:  # (lineage and other structured values: as their JSON)
-        parameter.string_param = orjson.dumps(value, default=str).decode()
-
-
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 class InferenceService:
@@ -145,13 +102,7 @@ class InferenceService:
             "ModelMetadata": (self.model_metadata, schema.ModelMetadataRequest),
             "ModelInfer": (self.model_infer, schema.ModelInferRequest),
         }
-        return grpc.method_handlers_generic_handler(schema.SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(
-                _guarded(handler), request_deserializer=_parser(kind),
-                response_serializer=lambda message: message.SerializeToString(),
-            )
-            for name, (handler, kind) in methods.items()
-        })  # fmt: skip
+        return generic_handler(methods)
 
     async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return schema.ServerLiveResponse(live=self.dataplane.live())
@@ -203,61 +154,3 @@ class InferenceService:
                 model = request.model_name
                 label = model if self.dataplane.knows(model) else "_unknown"
                 self.metrics.on_request(label, "grpc", status, time.perf_counter() - started)
-
-
-class _Malformed:
-    """Bytes that are no message of the method's kind (the handler answers
-    INVALID_ARGUMENT, where grpcio itself would answer INTERNAL)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _parser(kind: Any) -> Callable[[bytes], Any]:
-    name = kind.DESCRIPTOR.name
-
-    def parse(data: bytes) -> Any:
-        try:
-            return kind.FromString(data)
-        except Exception as exc:  # protobuf's DecodeError, and whatever a runtime raises
-            return _Malformed(f"the request is not a valid {name}: {exc}")
-
-    return parse
-
-
-def _guarded(handler: Handler) -> Handler:
-    """Errors as gRPC statuses with the message the HTTP surface would give."""
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        try:
-            return await handler(request, context)
-        except TailserveError as exc:
-            code = _CODES.get(status_of(exc), grpc.StatusCode.INTERNAL)
-            await context.abort(code, exc.message)
-        except Exception as exc:
-            log.exception("unexpected error in gRPC %s", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-
-    return call
-
-
-async def start(
-    service: InferenceService, host: str, port: int, *, max_message_bytes: int
-) -> grpc.aio.Server:
-    """A started gRPC server on ``host:port`` (raises OSError when the port is taken)."""
-    options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers((service.handlers(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"gRPC could not listen on {host}:{port}")
-    await server.start()
-    return server

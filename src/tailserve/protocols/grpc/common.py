@@ -1,0 +1,143 @@
+"""What the worker's gRPC service and the router's gRPC front share: the method table of
+``GRPCInferenceService`` with request parsing and error statuses, the server, the HTTP status
+each gRPC status stands for, and ``InferParameter`` values to and from Python."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import orjson
+
+from tailserve.errors import TailserveError
+from tailserve.protocols.grpc import schema
+from tailserve.protocols.http.errors import status_of
+
+log = logging.getLogger(__name__)
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# Which typed ``contents`` field carries each datatype.
+CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}  # fmt: skip
+
+
+def code_of(status: int) -> grpc.StatusCode:
+    """The gRPC counterpart of an HTTP status (INTERNAL for any other)."""
+    return _CODES.get(status, grpc.StatusCode.INTERNAL)
+
+
+def parameters_of(entries: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, parameter in entries.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        if choice is not None:
+            out[key] = getattr(parameter, choice)
+    return out
+
+
+def set_parameter(parameter: Any, value: Any) -> None:
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int) and -(2**63) <= value < 2**63:
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    elif isinstance(value, str):
+        parameter.string_param = value
+    else:  # (lineage and other structured values: as their JSON)
+        parameter.string_param = orjson.dumps(value, default=str).decode()
+
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+class _Malformed:
+    """Bytes that are no message of the method's kind (the handler answers
+    INVALID_ARGUMENT, where grpcio itself would answer INTERNAL)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(kind: Any) -> Callable[[bytes], Any]:
+    name = kind.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return kind.FromString(data)
+        except Exception as exc:  # protobuf's DecodeError, and whatever a runtime raises
+            return _Malformed(f"the request is not a valid {name}: {exc}")
+
+    return parse
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Errors as gRPC statuses with the message the HTTP surface would give."""
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        try:
+            return await handler(request, context)
+        except TailserveError as exc:
+            await context.abort(code_of(status_of(exc)), exc.message)
+        except grpc.aio.AbortError:  # the handler's own answer, already given
+            raise
+        except Exception as exc:
+            log.exception("unexpected error in gRPC %s", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    return call
+
+
+def generic_handler(methods: dict[str, tuple[Handler, Any]]) -> grpc.GenericRpcHandler:
+    """The service's methods (name → handler and request message class), each parsing its
+    request (bytes that are no such message: INVALID_ARGUMENT) and answering errors as
+    statuses (`_guarded`)."""
+    return grpc.method_handlers_generic_handler(schema.SERVICE, {
+        name: grpc.unary_unary_rpc_method_handler(
+            _guarded(handler), request_deserializer=_parser(kind),
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+        for name, (handler, kind) in methods.items()
+    })  # fmt: skip
+
+
+async def start(
+    handler: grpc.GenericRpcHandler, host: str, port: int, *, max_message_bytes: int
+) -> grpc.aio.Server:
+    """A started gRPC server of ``handler`` on ``host:port`` (raises OSError when the port is
+    taken)."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((handler,))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC could not listen on {host}:{port}")
+    await server.start()
+    return server

@@ -1,0 +1,264 @@
+"""The router's gRPC front: Open Inference Protocol calls, sent on to the workers over HTTP.
+
+``tritonclient.grpc`` and the KServe gRPC clients reach a fleet through the router's gRPC port
+(``--grpc-port``; `tailserve up` listens on 8081 beside HTTP on 8080). Each ``ModelInfer``
+becomes the worker's binary HTTP request (every input raw, every output asked back raw) and
+goes through the router's one `Dispatcher`, as an HTTP request does: replica choice (affinity
+on the same key an HTTP client's identical request gets, p2c, round-robin), hedging within the
+budget, one retry after a failed connection, ejection, in-flight limits and shedding, and the
+call's gRPC deadline propagated as ``X-Deadline-Ms``.
+
+Why HTTP upstream rather than gRPC: the workers' HTTP path costs about half the CPU per
+request of their gRPC one (benchmarks/grpc_vs_http.py: grpcio's poller thread wakes the
+event loop for every call), the router keeps one pool of kept-alive connections per worker,
+and no second address per worker has to be known (a backend is an HTTP URL, however it was
+found: flags, file or DNS).
+
+- Health: ServerLive is the router's own; ServerReady is its ``/v2/health/ready`` (some backend
+  in service, not draining); ModelReady asks a replica of the model.
+- Metadata: ServerMetadata and ModelMetadata ask a replica (ModelMetadata, one of the model).
+- Replies: the worker's status as its gRPC counterpart (400 INVALID_ARGUMENT, 404 NOT_FOUND,
+  413 and 429 RESOURCE_EXHAUSTED, 502 and 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED) with its
+  message, ``retry-after`` in the trailing metadata where it gave one; a success's initial
+  metadata names the replica that answered (``x-tailserve-replica``, ``x-tailserve-hedged``)
+  and carries the worker's own account (``x-cache``, ``x-queue-us``, ``x-compute-us``,
+  ``x-batch-size``).
+- Counted in ``tailserve_router_requests_total`` and the router's latency histogram like HTTP
+  requests, under the HTTP status the reply had.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import grpc
+import orjson
+
+from tailserve.errors import InvalidInput, TailserveError
+from tailserve.protocols.grpc import schema
+from tailserve.protocols.grpc.common import (
+    CONTENTS,
+    Handler,
+    code_of,
+    generic_handler,
+    parameters_of,
+    set_parameter,
+)
+from tailserve.protocols.http.errors import status_of
+from tailserve.router.dispatch import ANY, Framer, Outcome, body_key, cost_class, error_message
+from tailserve.tensors import from_json, to_binary
+from tailserve.transport.http1 import frame_request
+
+if TYPE_CHECKING:
+    from tailserve.router.proxy import Router
+
+# Worker reply headers passed on as a successful call's initial metadata.
+_PASSED = frozenset({b"x-cache", b"x-queue-us", b"x-compute-us", b"x-batch-size"})
+
+
+def http_request(message: Any) -> tuple[bytes, int]:
+    """A ``ModelInferRequest`` as the body of the worker's binary HTTP request: the JSON
+    header (inputs with their ``binary_data_size``, outputs asked back binary) and the raw
+    data after it; answers the body and the header's length. Typed ``contents`` are turned
+    into raw data here (the worker sees one form); a shape the data does not fill is the
+    worker's to name."""
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidInput(
+            f"raw_input_contents holds {len(raw)} buffers for {len(message.inputs)} inputs"
+        )
+    inputs: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for index, tensor in enumerate(message.inputs):
+        shape = list(tensor.shape)
+        if raw:
+            data = raw[index]
+        else:
+            field = CONTENTS.get(tensor.datatype)
+            if field is None:
+                raise InvalidInput(
+                    f"tensor {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only"
+                )
+            values = list(getattr(tensor.contents, field))
+            data = to_binary(from_json(tensor.name, tensor.datatype, shape, values))
+        parameters = {**parameters_of(tensor.parameters), "binary_data_size": len(data)}
+        inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": shape,
+                       "parameters": parameters})  # fmt: skip
+        chunks.append(data)
+    document: dict[str, Any] = {"inputs": inputs}
+    if message.id:
+        document["id"] = message.id
+    if message.outputs:
+        document["outputs"] = [
+            {"name": o.name, "parameters": {**parameters_of(o.parameters), "binary_data": True}}
+            for o in message.outputs
+        ]
+    document["parameters"] = {**parameters_of(message.parameters), "binary_data_output": True}
+    header = orjson.dumps(document)
+    return b"".join([header, *chunks]), len(header)
+
+
+def infer_response(outcome: Outcome) -> Any:
+    """A worker's 200 reply to `http_request` as a ``ModelInferResponse``, outputs raw."""
+    body = outcome.body
+    length = _header_length(outcome)
+    header, data = (body, b"") if length is None else (body[:length], body[length:])
+    document = orjson.loads(header)
+    message = schema.ModelInferResponse(
+        model_name=document.get("model_name", ""),
+        model_version=str(document.get("model_version") or ""),
+        id=document.get("id") or "",
+    )
+    offset = 0
+    for entry in document.get("outputs", []):
+        output = message.outputs.add(name=entry["name"], datatype=entry["datatype"])
+        output.shape.extend(entry["shape"])
+        parameters = dict(entry.get("parameters") or {})
+        size = parameters.pop("binary_data_size", None)
+        if size is None:  # (a worker that answered this output in JSON)
+            array = from_json(entry["name"], entry["datatype"], entry["shape"], entry["data"])
+            message.raw_output_contents.append(to_binary(array))
+        else:
+            message.raw_output_contents.append(data[offset : offset + size])
+            offset += size
+        for key, value in parameters.items():
+            set_parameter(output.parameters[key], value)
+    for key, value in (document.get("parameters") or {}).items():
+        set_parameter(message.parameters[key], value)
+    return message
+
+
+def _header_length(outcome: Outcome) -> int | None:
+    for name, value in outcome.headers:
+        if name.lower() == b"inference-header-content-length":
+            return int(value)
+    return None
+
+
+def _model_path(name: str, version: str) -> str:
+    path = f"/v2/models/{quote(name, safe='')}"
+    return path + (f"/versions/{quote(version, safe='')}" if version else "")
+
+
+def _framer(method: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> Framer:
+    def frame(remaining_s: float | None) -> bytes:
+        extra = list(headers)
+        if remaining_s is not None:
+            extra.append(("x-deadline-ms", f"{max(remaining_s * 1e3, 0.001):.3f}"))
+        return frame_request(method, path, "tailserve", body, extra)
+
+    return frame
+
+
+def _deadline_s(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining, 1e-6)
+
+
+def _reply_metadata(outcome: Outcome) -> list[tuple[str, str]]:
+    metadata = [(name.decode("latin-1"), value.decode("latin-1"))
+                for name, value in outcome.headers if name.lower() in _PASSED]  # fmt: skip
+    if outcome.backend is not None:
+        metadata.append(("x-tailserve-replica", outcome.backend))
+        if outcome.hedged:
+            metadata.append(("x-tailserve-hedged", "1"))
+    return metadata
+
+
+async def _refuse(context: grpc.aio.ServicerContext, outcome: Outcome) -> None:
+    """Abort the call with the reply's status and message (raises)."""
+    trailing = [("retry-after", value.decode("latin-1"))
+                for name, value in outcome.headers if name.lower() == b"retry-after"]  # fmt: skip
+    await context.abort(code_of(outcome.status), error_message(outcome.body), tuple(trailing))
+
+
+class Gateway:
+    """The service's handlers, over a running `Router`."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        methods: dict[str, tuple[Handler, Any]] = {
+            "ServerLive": (self.server_live, schema.ServerLiveRequest),
+            "ServerReady": (self.server_ready, schema.ServerReadyRequest),
+            "ModelReady": (self.model_ready, schema.ModelReadyRequest),
+            "ServerMetadata": (self.server_metadata, schema.ServerMetadataRequest),
+            "ModelMetadata": (self.model_metadata, schema.ModelMetadataRequest),
+            "ModelInfer": (self.model_infer, schema.ModelInferRequest),
+        }
+        return generic_handler(methods)
+
+    async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return schema.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return schema.ServerReadyResponse(ready=self.router.ready())
+
+    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        path = _model_path(request.name, request.version) + "/ready"
+        outcome = await self._get(request.name, path, context)
+        return schema.ModelReadyResponse(ready=outcome.status == 200)
+
+    async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        outcome = await self._get(ANY, "/v2", context)
+        if outcome.status != 200:
+            await _refuse(context, outcome)
+        document = orjson.loads(outcome.body)
+        return schema.ServerMetadataResponse(
+            name=document.get("name", ""), version=document.get("version", ""),
+            extensions=list(document.get("extensions", [])),
+        )  # fmt: skip
+
+    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        outcome = await self._get(request.name, _model_path(request.name, request.version), context)
+        if outcome.status != 200:
+            await _refuse(context, outcome)
+        document = orjson.loads(outcome.body)
+        message = schema.ModelMetadataResponse(
+            name=document.get("name", ""), versions=document.get("versions", []),
+            platform=document.get("platform", ""),
+        )  # fmt: skip
+        for side in ("inputs", "outputs"):
+            for spec in document.get(side, []):
+                getattr(message, side).add(
+                    name=spec["name"], datatype=spec["datatype"], shape=spec["shape"]
+                )
+        return message
+
+    async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        router = self.router
+        started = router.loop.time()
+        model = request.model_name
+        status = 500
+        try:
+            body, header_length = http_request(request)
+            dispatcher = router.dispatcher
+            headers = [("content-type", "application/octet-stream"),
+                       ("inference-header-content-length", str(header_length))]  # fmt: skip
+            path = _model_path(model, request.model_version) + "/infer"
+            outcome = await dispatcher.request(
+                model, _framer("POST", path, body, headers),
+                key=body_key(body, header_length) if dispatcher.wants_key(model) else None,
+                cost=cost_class(len(body)), deadline_s=_deadline_s(context), hedge=True,
+            )  # fmt: skip
+            status = outcome.status
+            if status != 200:
+                await _refuse(context, outcome)
+            reply = infer_response(outcome)
+            await context.send_initial_metadata(_reply_metadata(outcome))
+            return reply
+        except TailserveError as exc:
+            status = status_of(exc)
+            raise
+        finally:
+            label = model if model != ANY and router.knows(model) else "_other"
+            router.metrics.requests.inc(label, str(status))
+            router.metrics.latency.child(label).observe(router.loop.time() - started)
+
+    async def _get(self, model: str, path: str, context: grpc.aio.ServicerContext) -> Outcome:
+        frame = _framer("GET", path, b"", [])
+        return await self.router.dispatcher.request(
+            model or ANY, frame, deadline_s=_deadline_s(context), idempotent=True
+        )
