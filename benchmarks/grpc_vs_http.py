@@ -1,13 +1,17 @@
-"""The worker's protocols side by side in one run: OIP v2 over HTTP (JSON, binary) and gRPC.
+"""The worker's protocols side by side in one run: OIP v2 over HTTP (JSON, binary) and gRPC,
+called directly and through the router.
 
 One worker serves `churn` (ONNX, nine one-value inputs, no cache: every request computed) with
-its HTTP and gRPC ports open. A closed loop of ``--concurrency`` requests in flight calls it
-over each protocol in turn, ``--rounds`` rounds of ``--duration`` seconds each: requests a
-second, the client's p50 / p99, and the worker's CPU time per request (both threads, from
-/proc): the figure that says what a protocol costs the server, least moved by the client
-sharing these cores. The clients send prepared bytes (the same 64 distinct requests over and
-over), so that the client's cost stays out of the way: HTTP through tailserve's own kept-alive
-HTTP/1.1 pool, gRPC through grpcio's asyncio channel.
+its HTTP and gRPC ports open; a router (`tailserve route --no-hedge`) in front of it takes HTTP
+and gRPC too, and sends both on to the worker over HTTP ("router-http-binary", "router-grpc":
+what the router's gRPC front costs beside its HTTP proxying). A closed loop of
+``--concurrency`` requests in flight calls over each protocol in turn, ``--rounds`` rounds of
+``--duration`` seconds each: requests a second, the client's p50 / p99, and the worker's CPU
+time per request (both threads, from /proc): the figure that says what a protocol costs the
+server, least moved by the client sharing these cores; through the router, the router's CPU
+time per request as well. The clients send prepared bytes (the same 64 distinct requests over
+and over), so that the client's cost stays out of the way: HTTP through tailserve's own
+kept-alive HTTP/1.1 pool, gRPC through grpcio's asyncio channel.
 
     python benchmarks/grpc_vs_http.py [--concurrency 8] [--duration 5] [--rounds 3]
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +42,7 @@ FIELDS = {
     "feature_usage_pct": "FP32", "last_login_days_ago": "INT64", "num_integrations": "INT64",
     "contract_type": "BYTES", "plan_tier": "BYTES", "is_enterprise": "INT64",
 }  # fmt: skip
-PROTOCOLS = ("http-json", "http-binary", "grpc")
+PROTOCOLS = ("http-json", "http-binary", "grpc", "router-http-binary", "router-grpc")
 DISTINCT = 64
 
 
@@ -105,9 +110,12 @@ async def closed_loop(call: Any, requests: list[bytes], concurrency: int,
     return latencies
 
 
-async def round_of(protocol: str, http_port: int, grpc_port: int, pid: int,
+async def round_of(protocol: str, ports: dict[str, int], pids: dict[str, int],
                    args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
-    if protocol == "grpc":
+    routed = protocol.startswith("router-")
+    side = "router" if routed else "worker"
+    http_port, grpc_port = ports[f"{side}-http"], ports[f"{side}-grpc"]
+    if protocol.endswith("grpc"):
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
         method = channel.unary_unary(f"/{schema.SERVICE}/ModelInfer")
         requests = grpc_requests()
@@ -118,7 +126,7 @@ async def round_of(protocol: str, http_port: int, grpc_port: int, pid: int,
         close: Any = channel.close
     else:
         pool = Pool("127.0.0.1", http_port, max_connections=args.concurrency)
-        requests = http_requests(http_port, binary=protocol == "http-binary")
+        requests = http_requests(http_port, binary=protocol.endswith("http-binary"))
 
         async def call(data: bytes) -> None:
             response = await pool.request(data)
@@ -128,9 +136,9 @@ async def round_of(protocol: str, http_port: int, grpc_port: int, pid: int,
         close = pool.close
     try:
         await closed_loop(call, requests, args.concurrency, args.warmup)
-        cpu_before = h.cpu_seconds(pid)
+        before = {name: h.cpu_seconds(pid) for name, pid in pids.items()}
         latencies = await closed_loop(call, requests, args.concurrency, args.duration)
-        cpu = h.cpu_seconds(pid) - cpu_before
+        cpu = {name: h.cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     finally:
         await close()
     ms = np.array(latencies) * 1e3
@@ -138,7 +146,8 @@ async def round_of(protocol: str, http_port: int, grpc_port: int, pid: int,
         "rps": len(latencies) / args.duration,
         "p50_ms": float(np.percentile(ms, 50)),
         "p99_ms": float(np.percentile(ms, 99)),
-        "cpu_us": cpu / len(latencies) * 1e6,
+        "cpu_us": cpu["worker"] / len(latencies) * 1e6,
+        "router_cpu_us": cpu["router"] / len(latencies) * 1e6 if routed else 0.0,
     }
 
 
@@ -153,19 +162,29 @@ def main() -> None:
         work = Path(tmp)
         examples = h.examples(work / "examples")
         repo = h.one_model(examples / "churn", work / "repo", cache={})
-        http_port, grpc_port = h.free_port(), h.free_port()
-        command = h.worker(repo, http_port, "--grpc-port", str(grpc_port))
-        with h.server_process(command, http_port) as (_, process):
+        ports = {name: h.free_port() for name in
+                 ("worker-http", "worker-grpc", "router-http", "router-grpc")}  # fmt: skip
+        command = h.worker(repo, ports["worker-http"], "--grpc-port", str(ports["worker-grpc"]))
+        route = [sys.executable, "-m", "tailserve.cli", "route", "--host", "127.0.0.1",
+                 "--port", str(ports["router-http"]), "--grpc-port", str(ports["router-grpc"]),
+                 "--no-hedge", "--log-level", "warning",
+                 f"--backend=http://127.0.0.1:{ports['worker-http']}"]  # fmt: skip
+        with (
+            h.server_process(command, ports["worker-http"]) as (_, worker),
+            h.server_process(route, ports["router-http"]) as (_, router),
+        ):
+            pids = {"worker": worker.pid, "router": router.pid}
             results: dict[str, list[dict[str, float]]] = {p: [] for p in PROTOCOLS}
             for index in range(args.rounds):
                 order = PROTOCOLS if index % 2 == 0 else PROTOCOLS[::-1]
                 for protocol in order:
-                    result = asyncio.run(round_of(protocol, http_port, grpc_port,
-                                                  process.pid, args))  # fmt: skip
+                    result = asyncio.run(round_of(protocol, ports, pids, args))
                     results[protocol].append(result)
-                    print(f"round {index + 1} {protocol:12} {result['rps']:8,.0f} req/s  "
+                    print(f"round {index + 1} {protocol:18} {result['rps']:8,.0f} req/s  "
                           f"p50 {result['p50_ms']:6.2f} ms  p99 {result['p99_ms']:6.2f} ms  "
-                          f"worker CPU {result['cpu_us']:6.0f} µs/req", flush=True)  # fmt: skip
+                          f"worker CPU {result['cpu_us']:6.0f} µs/req  "
+                          f"router CPU {result['router_cpu_us']:5.0f} µs/req",
+                          flush=True)  # fmt: skip
     print(f"\nmedians of {args.rounds} rounds, {args.concurrency} in flight, churn, one worker:")
     medians = {
         p: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for p, rs in results.items()
@@ -173,10 +192,14 @@ def main() -> None:
     base = medians["http-json"]
     for protocol, m in medians.items():
         print(
-            f"{protocol:12} {m['rps']:8,.0f} req/s ({m['rps'] / base['rps']:.2f}x)  "
+            f"{protocol:18} {m['rps']:8,.0f} req/s ({m['rps'] / base['rps']:.2f}x)  "
             f"p50 {m['p50_ms']:6.2f} ms  p99 {m['p99_ms']:6.2f} ms  "
-            f"worker CPU {m['cpu_us']:6.0f} µs/req ({m['cpu_us'] / base['cpu_us']:.2f}x)"
+            f"worker CPU {m['cpu_us']:6.0f} µs/req ({m['cpu_us'] / base['cpu_us']:.2f}x)  "
+            f"router CPU {m['router_cpu_us']:5.0f} µs/req"
         )
+    routed = medians["router-grpc"]["router_cpu_us"], medians["router-http-binary"]["router_cpu_us"]
+    if routed[1]:
+        print(f"router CPU per request, gRPC front / HTTP binary: {routed[0] / routed[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def _routed(urls: list[str], **changes: Any) -> Any:
 
 
 class Caller:
-    """ModelInfer over a raw channel, to see the reply's metadata and the error's trailer."""
+    """ModelInfer over a raw channel, to see the reply's trailing metadata."""
 
     def __init__(self, router: Router) -> None:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}")
@@ -53,7 +53,7 @@ class Caller:
     ) -> tuple[Any, dict[str, str]]:
         call = self.infer(message, timeout=deadline_s)
         reply = await call
-        return reply, dict(await call.initial_metadata())
+        return reply, dict(await call.trailing_metadata())
 
     async def error(self, message: Any) -> grpc.aio.AioRpcError:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
