@@ -126,6 +126,9 @@ class Worker:
             cluster=self.settings.redis_cluster,
             fast=fast,
             on_latency=observe,
+            on_skip=lambda operation, reason, count: self.metrics.cache_l2_skipped.add(
+                count, operation, reason
+            ),
             loop_lag=lambda: self.loop_lag.lag_s,
         )
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.models import add_version, doubler_config, write_model
 from support.servers import (
@@ -353,6 +354,12 @@ def test_redis_killed_and_restarted_costs_no_request(tmp_path: Path, repository:
                 infer(running.url, body(100.0 + next(values)))
             wait_for(lambda: _breaker(running.url) == "open", what="the breaker to open")
             assert source(infer(running.url, body(10.0))) == "l1"
+            # What L2 did without, by reason: lookups that failed (refused connections) until
+            # the breaker opened, then lookups and writes not sent at all.
+            skipped = _l2_skipped(running.url)
+            assert skipped.get(("lookup", "error"), 0) >= 1
+            assert skipped.get(("lookup", "breaker"), 0) >= 1
+            assert skipped.get(("write", "breaker"), 0) >= 1
             server = _start_redis(tmp_path, port)
 
             # Probes go out with traffic; one succeeds once Redis is back and closes it.
@@ -388,6 +395,18 @@ def _redis_keys(url: str) -> int:
         return -1
     finally:
         client.close()
+
+
+def _l2_skipped(url: str) -> dict[tuple[str, str], float]:
+    """``tailserve_cache_l2_skipped_total`` by (operation, reason), from the worker's metrics."""
+    found: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if family.name == "tailserve_cache_l2_skipped":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.labels["operation"], sample.labels["reason"])
+                    found[key] = sample.value
+    return found
 
 
 def _breaker(url: str) -> str:

@@ -146,7 +146,7 @@ async def test_a_paused_redis_costs_a_lookup_its_budget_and_counts_as_a_failure(
             elapsed = time.perf_counter() - started
             # It waited its budget, not the socket's 2 s (the slack is for a stalling machine).
             assert 0.09 <= elapsed < 1.5, elapsed
-            assert tier.skipped == 1
+            assert tier.skipped == 1 and tier.skips == {("lookup", "budget"): 1}
 
             async def failed() -> bool:
                 return tier.breaker.failures == 1
@@ -180,6 +180,9 @@ async def test_lookups_that_run_out_of_budget_open_the_breaker_before_any_socket
             assert breaker.state is BreakerState.OPEN and tier.skipped == 3
             assert await tier.get("k") is None  # skipped at once: the breaker is open
             assert tier.skipped == 4 and breaker.failures == 3
+            assert tier.skips == {("lookup", "budget"): 3, ("lookup", "breaker"): 1}
+            tier.put("k", b"v", 60)  # not even queued: the breaker is open
+            assert tier.skips[("write", "breaker")] == 1
         finally:
             resume_redis(own_redis)
     finally:
@@ -246,6 +249,9 @@ async def test_lookups_miss_while_redis_is_down_and_hit_after_it_restarts_on_its
         for _ in range(10):
             assert await tier.get("k") is None  # refused: a miss, not an exception
         assert breaker.state is BreakerState.OPEN
+        # Refused until the breaker opened (three failures), then not asked.
+        assert tier.skips[("lookup", "error")] >= 3
+        assert tier.skips[("lookup", "error")] + tier.skips[("lookup", "breaker")] == 10
 
         restart_redis(own_redis)  # empty: nothing was kept on disk
         await tier.put_now([("k", b"after", 60)])

@@ -7,6 +7,11 @@ few milliseconds into one pipeline of ``SET key value PX ttl``. Each lookup wait
 slow Redis is skipped (the lookup counts as a miss and a failure), not waited on, and after
 repeated failures the breaker stops asking until a probe succeeds. Nothing here raises to
 the caller: the shared tier is an optimisation, so its faults degrade to misses.
+
+What the tier did without is counted by operation (lookup, write) and reason: ``breaker``
+(open: Redis was not asked), ``budget`` (a lookup with no answer in time) and ``error``
+(Redis or the connection failed); ``on_skip`` hears each (the worker's
+``tailserve_cache_l2_skipped_total``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +65,7 @@ class RedisTier:
         cluster: bool = False,
         on_latency: Callable[[float], None] | None = None,
         on_breaker: Callable[[BreakerState], None] | None = None,
+        on_skip: Callable[[str, str, int], None] | None = None,
         loop_lag: Callable[[], float] | None = None,
         write_window_s: float = 0.005,
         fast: LeanRedis | None = None,
@@ -78,7 +85,20 @@ class RedisTier:
         self._pending: list[tuple[str, asyncio.Future[bytes | None]]] = []
         self._writes: list[tuple[str, bytes, int]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.skipped = 0
+        self._on_skip = on_skip
+        # What was done without: (operation, reason) -> keys.
+        self.skips: Counter[tuple[str, str]] = Counter()
+
+    @property
+    def skipped(self) -> int:
+        """Lookups answered as misses without Redis's answer (whatever the reason)."""
+        return sum(n for (operation, _), n in self.skips.items() if operation == "lookup")
+
+    def _skip(self, operation: str, reason: str, count: int = 1) -> None:
+        if count:
+            self.skips[operation, reason] += count
+            if self._on_skip is not None:
+                self._on_skip(operation, reason, count)
 
     async def connect(self) -> bool:
         """Open a connection ahead of the first lookup (whose budget a connection set-up would
@@ -98,7 +118,7 @@ class RedisTier:
     async def get(self, key: str) -> bytes | None:
         """The value under ``key``, or None (absent, Redis slow or down)."""
         if not self.breaker.allow():
-            self.skipped += 1
+            self._skip("lookup", "breaker")
             return None
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes | None] = loop.create_future()
@@ -124,7 +144,7 @@ class RedisTier:
     ) -> None:
         for _, future in batch:
             if not future.done():
-                self.skipped += 1
+                self._skip("lookup", "budget")
                 future.set_result(None)
                 expired[0] = True
         if expired[0]:
@@ -148,6 +168,7 @@ class RedisTier:
         except Exception as exc:  # any Redis or socket fault is a miss and a failure
             if not expired[0]:  # (counted when the budget ran out)
                 self._failed("MGET", exc)
+            self._skip("lookup", "error", sum(not future.done() for _, future in batch))
             values = [None] * len(keys)
         else:
             elapsed = time.perf_counter() - started
@@ -171,7 +192,7 @@ class RedisTier:
         in one pipeline (each round trip costs the client ~150 µs of CPU; a write is needed
         only by the next reader, so a few ms late costs nothing)."""
         if self.breaker.state is not BreakerState.CLOSED:  # probes are for lookups
-            self.skipped += 1
+            self._skip("write", "breaker")
             return
         if not self._writes:
             asyncio.get_running_loop().call_later(self.write_window_s, self._flush_writes)
@@ -199,6 +220,7 @@ class RedisTier:
             await self._set_many(batch)
         except Exception as exc:
             self._failed("SET", exc)
+            self._skip("write", "error", len(batch))
 
     async def _set_many(self, batch: Sequence[tuple[str, bytes, int]]) -> None:
         """SET ... PX of each (key, value, milliseconds), in one pipeline."""

@@ -244,7 +244,11 @@ class DataPlane:
         redis = self.cache.redis if self.cache is not None else None
         if redis is None:
             return None
-        return {"breaker": redis.breaker.state.name.lower(), "skipped": redis.skipped}
+        return {
+            "breaker": redis.breaker.state.name.lower(),
+            "skipped": redis.skipped,
+            "skips": {f"{op}/{reason}": n for (op, reason), n in sorted(redis.skips.items())},
+        }
 
     # --- repository -------------------------------------------------------------------------
 

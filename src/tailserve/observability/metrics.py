@@ -83,6 +83,9 @@ class LoopCounter:
     def inc(self, *labels: str) -> None:
         self.values[labels] = self.values.get(labels, 0) + 1
 
+    def add(self, count: int, *labels: str) -> None:
+        self.values[labels] = self.values.get(labels, 0) + count
+
     def family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
         for labels, value in list(self.values.items()):
@@ -257,12 +260,19 @@ class Metrics:
             [],
             LATENCY_BUCKETS,
         )
+        self.cache_l2_skipped = LoopCounter(
+            "tailserve_cache_l2_skipped",
+            "Keys the L2 did without Redis for, by operation (lookup: answered as a miss; write: "
+            "not stored) and reason (breaker: open, Redis not asked; budget: no answer in time; "
+            "error: Redis or the connection failed).",
+            ["operation", "reason"],
+        )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.request_latency, self.requests, self.queue_time, self.compute_time,
             self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
             self.deadline_misses, self.loop_lag, self.cache_lookups, self.cache_computations,
             self.cache_coalesced, self.cache_evictions, self.cache_l2_latency,
-            self.feature_lookups,
+            self.cache_l2_skipped, self.feature_lookups,
         ]  # fmt: skip
         self.registry.register(_LoopCollector(loop_metrics))
         # Set by the worker: the cost model of each (model, version, cost class).
