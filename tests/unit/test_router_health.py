@@ -143,6 +143,26 @@ def test_the_backoff_doubles_on_each_ejection_up_to_the_cap() -> None:
     assert backoffs == [1.0, 2.0, 4.0, 5.0, 5.0]
 
 
+def test_a_slow_backend_is_ejected_for_longer_than_a_failing_one() -> None:
+    # Failed connects: a restarted worker is back in seconds. Slowness (latency, limping)
+    # tends to last: its backoff starts from the slow base, and doubles from there.
+    pool = pool_of(4)
+    detector = OutlierDetector(
+        consecutive_failures=2, base_ejection_s=5.0, slow_base_ejection_s=30.0, min_samples=5,
+        latency_floor_s=0.0, max_ejection_s=300.0,
+    )  # fmt: skip
+    failing, slow, *_ = pool.backends
+    warm(pool, detector, {"w0": 0.010, "w1": 0.010, "w2": 0.010, "w3": 0.010}, count=5)
+    assert fail_until_ejected(pool, detector, failing, now=0.0) == 5.0
+    replies = [reply(pool, detector, slow, 0.500, now=0.0) for _ in range(10)]
+    ejection = next(e for e in replies if e is not None)
+    assert ejection.reason == "latency" and ejection.backoff_s == 30.0
+    assert detector.eject(pool, slow, 31.0, "overtaken") is not None
+    assert slow.ejected_until == 31.0 + 60.0
+    with pytest.raises(ValueError, match="slow_base_ejection_s"):
+        OutlierDetector(slow_base_ejection_s=500.0)
+
+
 def test_the_doubling_is_forgotten_once_the_backend_stays_in_a_while() -> None:
     pool = pool_of(4)
     bad = pool.backends[0]

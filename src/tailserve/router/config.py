@@ -50,6 +50,8 @@ class RouterConfig:
     # ejection's length (doubling with each one after).
     eject_after_failures: int = 5
     eject_base_s: float = 5.0
+    # ... and of a slow one's (a latency outlier, or limping): it tends to stay slow a while.
+    eject_slow_base_s: float = 30.0
     # A backend whose EWMA latency is this many times the others' median (and above 50 ms)
     # is ejected too; 0 turns latency ejection off.
     eject_latency_factor: float = 3.0

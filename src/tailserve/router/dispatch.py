@@ -534,7 +534,8 @@ class Dispatcher:
             latency_factor=config.eject_latency_factor or math.inf,
             overtaken_share=config.eject_overtaken_share or math.inf,
             base_ejection_s=config.eject_base_s,
-            max_ejection_s=max(120.0, config.eject_base_s),
+            slow_base_ejection_s=config.eject_slow_base_s,
+            max_ejection_s=max(120.0, config.eject_base_s, config.eject_slow_base_s),
         )
         self.health = ActiveHealth()
         self.metrics = RouterMetrics(lambda: [u.backend for u in self.upstreams.values()])

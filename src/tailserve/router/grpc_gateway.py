@@ -29,6 +29,7 @@ benchmarks/grpc_vs_http.py.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -252,6 +253,9 @@ class Gateway:
             return infer_response(outcome)
         except TailserveError as exc:
             status = status_of(exc)
+            raise
+        except asyncio.CancelledError:  # the client gave up: its copies are withdrawn
+            status = 499
             raise
         finally:
             label = model if model != ANY and router.knows(model) else "_other"

@@ -25,10 +25,15 @@ answers not ready, so this is also how a drain empties a backend without errors.
   copy sent at the p95. It needs hedging on: without hedges nothing is overtaken.
 
 An ejected backend gets no traffic for a backoff of ``base_ejection_s · 2^k`` (capped at
-``max_ejection_s``), k being how often it was ejected before; its failure streak and
-latency average are reset when it is ejected (and the late replies of what it had in flight
-are ignored), so after the backoff it is re-admitted with a clean slate and only new evidence
-can eject it again. Once it has stayed in for ``reset_after_s``, k starts again from 0. At most
+``max_ejection_s``), k being how often it was ejected before; a *slow* one (latency outlier
+or limping) from ``slow_base_ejection_s`` (the router's is 30 s, Envoy's default base): a
+replica that stalls (GC storms, a noisy neighbour, a failing disk) tends to go on stalling for
+a while, and every return costs the requests that prove it again (five overtaken ones at
+least), while one whose connects failed has usually been restarted, and its readiness check
+says when it is back. Its failure streak and latency average are reset when it is ejected
+(and the late replies of what it had in flight are ignored), so after the backoff it is
+re-admitted with a clean slate and only new evidence can eject it again. Once it has stayed in
+for ``reset_after_s``, k starts again from 0. At most
 ``max_ejected_fraction`` of a pool (rounded down) is ejected at once: when the whole pool
 fails (a bad model version, Redis down) ejecting it all would only turn errors into 503s and
 concentrate the load on what is left.
@@ -68,6 +73,7 @@ class OutlierDetector:
         overtaken_min_losses: int = 5,
         overtaken_min_peers: int = 2,
         base_ejection_s: float = 5.0,
+        slow_base_ejection_s: float | None = None,
         max_ejection_s: float = 120.0,
         reset_after_s: float = 60.0,
         max_ejected_fraction: float = 0.5,
@@ -76,6 +82,9 @@ class OutlierDetector:
             raise ValueError(f"consecutive_failures must be at least 1, not {consecutive_failures}")
         if not 0.0 < base_ejection_s <= max_ejection_s:
             raise ValueError(f"need 0 < base_ejection_s ({base_ejection_s}) <= max_ejection_s")
+        slow_base = base_ejection_s if slow_base_ejection_s is None else slow_base_ejection_s
+        if not 0.0 < slow_base <= max_ejection_s:
+            raise ValueError(f"need 0 < slow_base_ejection_s ({slow_base}) <= max_ejection_s")
         if overtaken_min_losses < 1:
             raise ValueError(f"overtaken_min_losses must be at least 1, not {overtaken_min_losses}")
         if not 0.0 <= max_ejected_fraction <= 1.0:
@@ -91,6 +100,7 @@ class OutlierDetector:
         self.overtaken_min_losses = overtaken_min_losses
         self.overtaken_min_peers = overtaken_min_peers
         self.base_ejection_s = base_ejection_s
+        self.slow_base_ejection_s = slow_base
         self.max_ejection_s = max_ejection_s
         self.reset_after_s = reset_after_s
         self.max_ejected_fraction = max_ejected_fraction
@@ -169,7 +179,8 @@ class OutlierDetector:
         if len(pool.ejected(now)) + 1 > allowed:
             return None
         self._forgive(backend, now)
-        backoff = min(self.max_ejection_s, self.base_ejection_s * 2.0**backend.ejections)
+        base = self.base_ejection_s if reason == "failures" else self.slow_base_ejection_s
+        backoff = min(self.max_ejection_s, base * 2.0**backend.ejections)
         backend.ejections += 1
         backend.ejected_until = now + backoff
         backend.readmitted_at = None
