@@ -20,7 +20,7 @@ import pytest
 
 from support import slowable
 from support.routing import running_router
-from support.servers import WorkerProcess, async_wait_for
+from support.servers import WorkerProcess, async_wait_for, worker_process
 from support.stub import StubApp, run_stub
 from tailserve.client import Client, InferenceError
 from tailserve.router.membership import write_members
@@ -420,6 +420,48 @@ async def test_expect_continue_head_and_keep_alive_on_a_raw_connection(pair: Any
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200 OK") and _length(head) == 0
         writer.close()
+
+
+async def test_a_request_shed_behind_a_pipelined_one_leaves_the_next_one_cancellable(
+    tmp_path: Path,
+) -> None:
+    # Worker 0 serves model a, worker 1 model b; each takes one request at a time. With a's
+    # one slot taken, a raw connection pipelines b (2 s), a (shed at once when its turn
+    # comes) and b again, which goes out from within the shed request's handling. Closing the
+    # connection while that b runs must cancel it on its worker, not the shed one.
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i, model in enumerate("ab"):
+            root = slowable.repository(tmp_path / f"repo{i}", model)
+            urls.append(stack.enter_context(worker_process(root, tmp_path)).url)
+            slowable.slow(tmp_path, i, 2.0 if model == "b" else 8.0, model)
+        async with (
+            _router(urls, max_in_flight=1, hedge=False) as router,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+
+            def indexed() -> bool:
+                return all(u.models is not None for u in router.dispatcher.upstreams.values())
+
+            await _until(indexed, what="both model indexes")
+            holding = asyncio.ensure_future(
+                client.post(f"{router.url}/v2/models/a/infer", content=_infer_body(1.0))
+            )
+            await _until(lambda: router.dispatcher.backends[0].in_flight == 1, what="a's slot")
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            body = _infer_body(2.0)
+            head = b"HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n" % len(body)
+            pipelined = [b"POST /v2/models/%s/infer " % m + head + body for m in (b"b", b"a", b"b")]
+            writer.write(b"".join(pipelined))
+            for status in (b"200", b"503"):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 " + status), head
+                await reader.readexactly(_length(head))
+            await _until(lambda: router.dispatcher.backends[1].in_flight == 1, what="b again")
+            writer.close()
+            await _until(lambda: _cancelled(urls[1]) >= 1, what="b cancelled on its worker")
+            holding.cancel()
+        slowable.slow(tmp_path, 0, 0, "a")
 
 
 def _length(head: bytes) -> int:

@@ -33,10 +33,10 @@ class Model:
 """
 
 
-def repository(root: Path) -> Path:
+def repository(root: Path, model: str = "m") -> Path:
     config = doubler_config(max_batch_size=1, slo={"p99_ms": 10_000}, warmup={"batch_sizes": [1]})
     config["batching"] = {"max_queue_delay_ms": 0, "max_queue_size": 256}
-    write_model(root, "m", config, code=SLOWABLE)
+    write_model(root, model, config, code=SLOWABLE)
     return root
 
 
@@ -50,12 +50,12 @@ def workers(tmp: Path, count: int, *extra: str) -> Iterator[list[WorkerProcess]]
         ]
 
 
-def model_dir(tmp: Path, index: int) -> Path:
-    return tmp / f"repo{index}" / "m" / "1"
+def model_dir(tmp: Path, index: int, model: str = "m") -> Path:
+    return tmp / f"repo{index}" / model / "1"
 
 
-def slow(tmp: Path, index: int, seconds: float) -> None:
-    (model_dir(tmp, index) / "delay").write_text(str(seconds))
+def slow(tmp: Path, index: int, seconds: float, model: str = "m") -> None:
+    (model_dir(tmp, index, model) / "delay").write_text(str(seconds))
 
 
 def ran(tmp: Path, index: int) -> list[float]:
