@@ -29,6 +29,7 @@ from tailserve.errors import ConfigError
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
+from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.app import HttpApp, SlowFault
 from tailserve.protocols.http.timing import TimedHttpToolsProtocol
 from tailserve.repository.config import FeaturesConfig
@@ -222,21 +223,17 @@ class Worker:
         """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none). A worker that
         cannot serve it (grpcio not installed, the port taken) says so and serves HTTP: the
         requests that can be served still are."""
-        port = self.settings.grpc_port
-        if not port:
-            return
-        try:
-            from tailserve.protocols.grpc.common import start
+
+        def build() -> Any:
             from tailserve.protocols.grpc.service import InferenceService
-        except ImportError as exc:
-            log.error("no gRPC on port %d: %s (pip install 'tailserve[grpc]')", port, exc)
-            return
-        service = InferenceService(self.dataplane, self.metrics)
-        try:
-            self._grpc = await start(service.handlers(), self.settings.host, port,
-                                     max_message_bytes=self.settings.max_body_bytes)  # fmt: skip
-        except (OSError, RuntimeError) as exc:
-            log.error("no gRPC on %s:%d: %s; serving HTTP only", self.settings.host, port, exc)
+
+            return InferenceService(self.dataplane, self.metrics).handlers()
+
+        port = self.settings.grpc_port
+        self._grpc = await serve_or_log(build, self.settings.host, port,
+                                        max_message_bytes=self.settings.max_body_bytes,
+                                        what="worker")  # fmt: skip
+        if self._grpc is None:
             return
         log.info("gRPC (OIP v2) on %s:%d", self.settings.host, port)
 

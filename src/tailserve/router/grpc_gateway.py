@@ -36,15 +36,15 @@ from urllib.parse import quote
 import grpc
 import orjson
 
-from tailserve.errors import InvalidInput, TailserveError
+from tailserve.errors import TailserveError
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import (
-    CONTENTS,
-    Handler,
     code_of,
     generic_handler,
     parameters_of,
+    raw_contents,
     set_parameter,
+    typed_array,
 )
 from tailserve.protocols.http.errors import status_of
 from tailserve.router.dispatch import ANY, Framer, Outcome, body_key, cost_class, error_message
@@ -64,25 +64,12 @@ def http_request(message: Any) -> tuple[bytes, int]:
     data after it; answers the body and the header's length. Typed ``contents`` are turned
     into raw data here (the worker sees one form); a shape the data does not fill is the
     worker's to name."""
-    raw = message.raw_input_contents
-    if raw and len(raw) != len(message.inputs):
-        raise InvalidInput(
-            f"raw_input_contents holds {len(raw)} buffers for {len(message.inputs)} inputs"
-        )
+    raw = raw_contents(message)
     inputs: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for index, tensor in enumerate(message.inputs):
+        data = raw[index] if raw else to_binary(typed_array(tensor))
         shape = list(tensor.shape)
-        if raw:
-            data = raw[index]
-        else:
-            field = CONTENTS.get(tensor.datatype)
-            if field is None:
-                raise InvalidInput(
-                    f"tensor {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only"
-                )
-            values = list(getattr(tensor.contents, field))
-            data = to_binary(from_json(tensor.name, tensor.datatype, shape, values))
         parameters = {**parameters_of(tensor.parameters), "binary_data_size": len(data)}
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": shape,
                        "parameters": parameters})  # fmt: skip
@@ -181,15 +168,7 @@ class Gateway:
         self.router = router
 
     def handlers(self) -> grpc.GenericRpcHandler:
-        methods: dict[str, tuple[Handler, Any]] = {
-            "ServerLive": (self.server_live, schema.ServerLiveRequest),
-            "ServerReady": (self.server_ready, schema.ServerReadyRequest),
-            "ModelReady": (self.model_ready, schema.ModelReadyRequest),
-            "ServerMetadata": (self.server_metadata, schema.ServerMetadataRequest),
-            "ModelMetadata": (self.model_metadata, schema.ModelMetadataRequest),
-            "ModelInfer": (self.model_infer, schema.ModelInferRequest),
-        }
-        return generic_handler(methods)
+        return generic_handler(self)
 
     async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return schema.ServerLiveResponse(live=True)

@@ -40,6 +40,7 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
+from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.router.config import RouterConfig
 from tailserve.router.dispatch import (
     ANY,
@@ -553,20 +554,17 @@ class Router:
         """The Open Inference Protocol's gRPC service on ``grpc_port`` (0: none), sent on to
         the workers over HTTP. A router that cannot serve it (grpcio not installed, the port
         taken) says so and serves HTTP."""
-        port = self.config.grpc_port
-        if not port:
-            return
-        try:
-            from tailserve.protocols.grpc.common import start
+
+        def build() -> Any:
             from tailserve.router.grpc_gateway import Gateway
-        except ImportError as exc:
-            log.error("no gRPC on port %d: %s (pip install 'tailserve[grpc]')", port, exc)
-            return
-        try:
-            self._grpc = await start(Gateway(self).handlers(), self.config.host, port,
-                                     max_message_bytes=self.config.max_body_bytes)  # fmt: skip
-        except (OSError, RuntimeError) as exc:
-            log.error("no gRPC on %s:%d: %s; serving HTTP only", self.config.host, port, exc)
+
+            return Gateway(self).handlers()
+
+        port = self.config.grpc_port
+        self._grpc = await serve_or_log(build, self.config.host, port,
+                                        max_message_bytes=self.config.max_body_bytes,
+                                        what="router")  # fmt: skip
+        if self._grpc is None:
             return
         self.grpc_port = port
         log.info("router: gRPC on %s:%d, sent on to the workers over HTTP", self.config.host, port)

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
+import numpy as np
 import orjson
 
-from tailserve.errors import TailserveError
+from tailserve.errors import InvalidInput, TailserveError
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.http.errors import status_of
+from tailserve.tensors import from_json
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ _CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 # Which typed ``contents`` field carries each datatype.
-CONTENTS = {
+_CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
     "INT64": "int64_contents",
@@ -43,6 +45,28 @@ CONTENTS = {
 def code_of(status: int) -> grpc.StatusCode:
     """The gRPC counterpart of an HTTP status (INTERNAL for any other)."""
     return _CODES.get(status, grpc.StatusCode.INTERNAL)
+
+
+def raw_contents(message: Any) -> Any:
+    """A ``ModelInferRequest``'s raw input buffers (empty: the inputs are typed), checked
+    against its inputs."""
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidInput(
+            f"raw_input_contents holds {len(raw)} buffers for {len(message.inputs)} inputs"
+        )
+    return raw
+
+
+def typed_array(tensor: Any) -> np.ndarray[Any, Any]:
+    """An input tensor's typed ``contents`` as an array of its shape."""
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:
+        raise InvalidInput(
+            f"tensor {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only"
+        )
+    values = list(getattr(tensor.contents, field))
+    return from_json(tensor.name, tensor.datatype, list(tensor.shape), values)
 
 
 def parameters_of(entries: Any) -> dict[str, Any]:
@@ -111,10 +135,28 @@ def _guarded(handler: Handler) -> Handler:
     return call
 
 
-def generic_handler(methods: dict[str, tuple[Handler, Any]]) -> grpc.GenericRpcHandler:
-    """The service's methods (name → handler and request message class), each parsing its
-    request (bytes that are no such message: INVALID_ARGUMENT) and answering errors as
-    statuses (`_guarded`)."""
+class Servicer(Protocol):
+    """The service's methods, each taking the parsed request and the call's context."""
+
+    async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+    async def server_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+    async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+    async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+
+
+def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
+    """The service's methods, each parsing its request (bytes that are no such message:
+    INVALID_ARGUMENT) and answering errors as statuses (`_guarded`)."""
+    methods: dict[str, tuple[Handler, Any]] = {
+        "ServerLive": (servicer.server_live, schema.ServerLiveRequest),
+        "ServerReady": (servicer.server_ready, schema.ServerReadyRequest),
+        "ModelReady": (servicer.model_ready, schema.ModelReadyRequest),
+        "ServerMetadata": (servicer.server_metadata, schema.ServerMetadataRequest),
+        "ModelMetadata": (servicer.model_metadata, schema.ModelMetadataRequest),
+        "ModelInfer": (servicer.model_infer, schema.ModelInferRequest),
+    }
     return grpc.method_handlers_generic_handler(schema.SERVICE, {
         name: grpc.unary_unary_rpc_method_handler(
             _guarded(handler), request_deserializer=_parser(kind),

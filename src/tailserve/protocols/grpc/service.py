@@ -24,40 +24,30 @@ import grpc
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
-from tailserve.errors import InvalidInput, TailserveError
+from tailserve.errors import TailserveError
 from tailserve.observability.metrics import Metrics
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import (
-    CONTENTS,
-    Handler,
     generic_handler,
     parameters_of,
+    raw_contents,
     set_parameter,
+    typed_array,
 )
 from tailserve.protocols.http.errors import status_of
-from tailserve.tensors import Tensor, from_binary, from_json, to_binary
+from tailserve.tensors import Tensor, from_binary, to_binary
 
 
 def decode_request(message: Any) -> InferRequest:
     """A ``ModelInferRequest`` as the engine's request."""
-    raw = message.raw_input_contents
-    if raw and len(raw) != len(message.inputs):
-        raise InvalidInput(
-            f"raw_input_contents holds {len(raw)} buffers for {len(message.inputs)} inputs"
-        )
+    raw = raw_contents(message)
     inputs = []
     for index, tensor in enumerate(message.inputs):
         shape = list(tensor.shape)
         if raw:
             data = from_binary(tensor.name, tensor.datatype, shape, raw[index])
         else:
-            field = CONTENTS.get(tensor.datatype)
-            if field is None:
-                raise InvalidInput(
-                    f"tensor {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only"
-                )
-            values = list(getattr(tensor.contents, field))
-            data = from_json(tensor.name, tensor.datatype, shape, values)
+            data = typed_array(tensor)
         inputs.append(Tensor(tensor.name, tensor.datatype, data, parameters_of(tensor.parameters)))
     outputs = None
     if message.outputs:
@@ -94,15 +84,7 @@ class InferenceService:
         self.metrics = metrics
 
     def handlers(self) -> grpc.GenericRpcHandler:
-        methods: dict[str, tuple[Handler, Any]] = {
-            "ServerLive": (self.server_live, schema.ServerLiveRequest),
-            "ServerReady": (self.server_ready, schema.ServerReadyRequest),
-            "ModelReady": (self.model_ready, schema.ModelReadyRequest),
-            "ServerMetadata": (self.server_metadata, schema.ServerMetadataRequest),
-            "ModelMetadata": (self.model_metadata, schema.ModelMetadataRequest),
-            "ModelInfer": (self.model_infer, schema.ModelInferRequest),
-        }
-        return generic_handler(methods)
+        return generic_handler(self)
 
     async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return schema.ServerLiveResponse(live=self.dataplane.live())
