@@ -226,3 +226,36 @@ async def test_the_calls_deadline_reaches_the_worker(caller_factory: Any) -> Non
     assert 600 < left <= 800
     assert "x-deadline-ms" not in infers[1].headers
     assert infers[0].headers["inference-header-content-length"].isdigit()
+
+
+async def test_a_drain_lets_grpc_calls_in_flight_finish_and_refuses_new_ones(
+    tmp_path: Path, caller_factory: Any
+) -> None:
+    with slowable.workers(tmp_path, 1) as workers:
+        async with _routed([workers[0].url], hedge=False) as router:
+            caller = caller_factory(router)
+            await caller.call(request(1.0))
+            slowable.slow(tmp_path, 0, 1.0)
+            in_flight = asyncio.ensure_future(caller.call(request(3.0)))
+
+            async def one_in_flight() -> bool:
+                return router.dispatcher.backends[0].in_flight == 1
+
+            await async_wait_for(one_in_flight, what="the call to reach the worker")
+            drain = asyncio.ensure_future(router.drain(timeout_s=10))
+
+            async def draining() -> bool:
+                return router.draining
+
+            await async_wait_for(draining, what="the drain to begin")
+            late = Caller(router)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await late.infer(request(4.0), timeout=5.0)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            finally:
+                await late.channel.close()
+            reply, _ = await in_flight
+            assert y_of(reply) == 6.0
+            await drain
+        slowable.slow(tmp_path, 0, 0)
