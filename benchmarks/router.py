@@ -4,7 +4,8 @@
    (as a GPU model would: four workers then fit on two cores); one of them is made slow at
    random (the test-only fault: 5% of its requests take 20 times as long). Round-robin, p2c,
    and p2c with hedging, each through its own router in front of the same workers, at the same
-   offered rate: p50 / p99 / p99.9, and the extra copies hedging sent.
+   offered rate: p50 / p99 / p99.9, and the extra copies hedging sent. Then the reference:
+   the same load on four healthy workers (p2c), whose tail no policy can get below.
 2. **Affinity.** ``churn`` with the in-process result cache on (L1 only, ``--l1-entries`` per
    worker) and Zipf(1.0) keys: the L1 hit ratio across four workers under ``affinity`` and
    under ``p2c``, and of one worker whose L1 is as large as the four together (the reference:
@@ -194,6 +195,13 @@ def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "hedge_delay_ms": (hedges.get("delays_ms") or {}).get("steady/s"),
                 "ejections": ejected,
             }
+    # The reference: the same load with no replica slow (p2c, hedging off): the tail the
+    # healthy replicas have on their own, the least any policy can bring the p99.9 down to.
+    print("\n=== tail: healthy (no replica slow, p2c) ===", flush=True)
+    with workers(repository, 4) as urls, router(urls, *TAIL_CONFIGS["p2c"]) as target:
+        path = spec(out, "tail-healthy", "steady", target, args.tail_rate, args)
+        result = h.bench(path, out / "tail-healthy.json", "--name", "healthy")
+    results["healthy"] = {k: stats(result)[k] for k in ("p50_ms", "p99_ms", "p999_ms", "errors")}
     h.compare([out / f"tail-{n}.json" for n in TAIL_CONFIGS], out / "tail-compare.html")
     return results
 
@@ -219,6 +227,8 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{'no token':>10}{'late':>6}{'suspect':>9}")  # fmt: skip
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():
+        if name == "healthy":
+            continue
         hedging = name in ("p2c+hedging", "default")
         extra = f"{r['extra']:.1%}" if hedging else "-"
         refused, late, suspect = (
@@ -250,6 +260,13 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"hedge delay (the recent p95) {delay:.2f} ms + p50 {hedged['p50_ms']:.2f} ms = "
               f"{floor:.2f} ms, the least a hedged slow request can take: the most p99.9 can "
               f"drop is round-robin / that = {base['p999_ms'] / floor:.1f}x")  # fmt: skip
+    healthy = results.get("healthy")
+    if base and healthy and healthy["p999_ms"]:
+        best = base["p999_ms"] / healthy["p999_ms"]
+        print(f"healthy reference (no replica slow, p2c): p50 {healthy['p50_ms']:.2f} ms, p99 "
+              f"{healthy['p99_ms']:.2f} ms, p99.9 {healthy['p999_ms']:.2f} ms: no policy gets "
+              f"below the healthy replicas' own tail, so round-robin / that = {best:.1f}x is "
+              "the most any can achieve")  # fmt: skip
 
 
 # --- 2. affinity -----------------------------------------------------------------------------
