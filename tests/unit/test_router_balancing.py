@@ -133,8 +133,45 @@ def test_a_p2c_copy_goes_to_the_least_loaded_of_all_the_others() -> None:
     copies = Counter(balancer.choose(pool, None, NOW, (tried,), copy=True) for _ in range(200))
     assert set(copies) == {idle1, idle2}  # ties broken at random, not always the first idle
     assert min(copies.values()) > 50
-    firsts = {balancer.choose(pool, None, NOW, (tried,)) for _ in range(200)}
-    assert busy1 in firsts or busy2 in firsts  # a first choice is still two random picks
+    # A first choice is two random picks, with the idle ones weighed in when both are busy:
+    # it never queues behind a busy replica while one sits idle (at equal latency).
+    firsts = Counter(balancer.choose(pool, None, NOW, (tried,)) for _ in range(200))
+    assert set(firsts) == {idle1, idle2} and min(firsts.values()) > 50
+
+
+def test_p2c_weighs_idle_replicas_only_when_both_picks_are_busy() -> None:
+    pool = pool_of(4)
+    for backend in pool:
+        backend.latency_s, backend.samples = 0.010, 10
+    a, b, c, d = pool.backends
+    a.in_flight = b.in_flight = 1
+    balancer = PowerOfTwo(random.Random(9))
+    # Each request counts in flight at once: four in a row fill the idle ones first.
+    chosen = []
+    for _ in range(2):
+        pick = balancer.choose(pool, None, NOW)
+        assert pick in (c, d)
+        pool.start(pick)
+        chosen.append(pick)
+    assert set(chosen) == {c, d}
+    # Everyone busy: plain power of two choices again.
+    spread = Counter(balancer.choose(pool, None, NOW) for _ in range(400))
+    assert set(spread) == {a, b, c, d}
+
+
+def test_an_idle_replica_far_slower_than_a_busy_one_does_not_win() -> None:
+    pool = pool_of(3)
+    busy, other_busy, idle_slow = pool.backends
+    busy.latency_s = other_busy.latency_s = 0.010
+    idle_slow.latency_s = 0.050  # 1 x 50 ms against (1 + 1) x 10 ms
+    for backend in pool:
+        backend.samples = 10
+    busy.in_flight = other_busy.in_flight = 1
+    balancer = PowerOfTwo(random.Random(4))
+    picks = [balancer.choose(pool, None, NOW) for _ in range(100)]
+    assert idle_slow not in picks
+    idle_slow.latency_s = 0.015  # 15 ms < 20 ms: now it wins whenever both picks are busy
+    assert all(balancer.choose(pool, None, NOW) is idle_slow for _ in range(100))
 
 
 def test_p2c_spreads_load_evenly() -> None:

@@ -29,7 +29,15 @@ one with the lower score
 where latency is the backend's EWMA of reply latency (the median of the others' while it has
 no sample yet): the expected time until a new request would be answered if it queued behind
 the ones in flight. Two random choices, rather than the best of all, keep a burst of requests
-from herding onto one momentarily best replica (Mitzenmacher, 2001). A copy (a hedge or a
+from herding onto one momentarily best replica (Mitzenmacher, 2001). When the better of the
+two is busy, up to two random *idle* replicas are weighed against it too, by the same score
+(so an idle one wins unless its latency is more than the busy one's in-flight count plus one
+times the busy one's): with a handful of replicas at moderate load, both picks are busy a few
+percent of the time while another sits idle, and a request queued behind a batch there waits a
+whole service time longer, which is what a healthy pool's p99 is made of (measured: four
+replicas of a 5 ms model at a quarter of their capacity, p99 11.5 ms, twice the service time).
+Idle ones are picked at random too, so several routers, each seeing only its own requests in
+flight, do not all pile onto the same idle replica. A copy (a hedge or a
 retry) goes to the best of all the others instead: it is there to beat an attempt that is
 already late, and one that lands behind a batch on a busy replica adds that batch's time to
 the request's tail (a hedge waiting there cost up to a whole service time more than one sent
@@ -130,7 +138,16 @@ class PowerOfTwo:
             return min(candidates, key=lambda b: score(b, prior, now))
         first, second = self._rng.sample(candidates, 2)
         first_score, second_score = score(first, prior, now), score(second, prior, now)
-        return first if first_score <= second_score else second
+        best, best_score = (
+            (first, first_score) if first_score <= second_score else (second, second_score)
+        )
+        if best.in_flight:
+            idle = [b for b in candidates if not b.in_flight and b is not first and b is not second]
+            for other in self._rng.sample(idle, min(2, len(idle))):
+                other_score = score(other, prior, now)
+                if other_score < best_score:
+                    best, best_score = other, other_score
+        return best
 
 
 # A latency average with no new sample for this long is no longer believed (it falls back to
