@@ -297,6 +297,22 @@ def test_what_admission_learnt_fades_when_nothing_is_admitted_to_correct_it() ->
     assert b.offer(Item(1, SHORT, 5.0, 5.2), 5.0, [5.0]) is None
 
 
+def test_a_hand_off_stalled_by_overload_neither_teaches_more_than_its_cap_nor_lasts() -> None:
+    # Under a flood the loop picks results up late: hand-offs of 200 ms. Learnt as they were,
+    # every request with a tighter budget would be refused, no batch would run to teach
+    # otherwise, and the worker would refuse for good (seen: a ranker refusing every cache miss
+    # at a quarter of its capacity after a capacity search).
+    b = batcher()
+    seeded(b, COST)
+    for _ in range(200):
+        b.observe(SHORT, 1, COST(SHORT, 1), 0.200, now=1.0)
+    assert b.overhead_s == pytest.approx(0.020, rel=0.01)  # capped
+    refused = b.offer(Item(1, SHORT, 1.0, 1.015), 1.0, [1.0])
+    assert refused is not None and "alone takes" in refused.message
+    # Nothing ran since: seconds later the lesson has faded and the request is admitted.
+    assert b.offer(Item(1, SHORT, 4.0, 4.015), 4.0, [4.0]) is None
+
+
 def test_a_request_with_more_rows_than_fit_before_its_deadline_still_goes() -> None:
     # 1 ms a row: 40 rows take 41 ms. Admitted with room to spare, then time passes (the loop
     # was busy) until its 40 rows no longer fit before its deadline. It must still go, alone;

@@ -79,9 +79,16 @@ class Batcher(Protocol):
         deadline be refused? (Refusing then costs a fraction of refusing after decoding.)"""
         ...
 
-    def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
+    def observe(
+        self,
+        bucket: Bucket,
+        rows: int,
+        seconds: float,
+        overhead_s: float,
+        now: float | None = None,
+    ) -> None:
         """A batch of ``rows`` in ``bucket`` kept its instance busy ``seconds``; getting it
-        there and its results back to the loop took ``overhead_s`` more."""
+        there and its results back to the loop took ``overhead_s`` more (answered at ``now``)."""
         ...
 
     def predict(self, bucket: Bucket, rows: int) -> float: ...
@@ -117,7 +124,14 @@ class _Fifo:
         self.queue.append(item)
         return None
 
-    def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
+    def observe(
+        self,
+        bucket: Bucket,
+        rows: int,
+        seconds: float,
+        overhead_s: float,
+        now: float | None = None,
+    ) -> None:
         self._cost(bucket).observe(rows, seconds)
 
     def predict(self, bucket: Bucket, rows: int) -> float:

@@ -65,9 +65,13 @@ _OVERLOADED_AT = 0.05
 _LOOP_BUSY_FROM = 0.6
 _LOOP_WAIT_S = 0.002
 
-# The weight of each answered request in the admission's correction.
+# The weight of each answered request in the admission's correction; what admission learnt
+# (the correction, the hand-off overhead) fades with this time constant when nothing new comes.
 _CORRECTION_RATE = 0.01
 _CORRECTION_TAU_S = 0.5
+# The most hand-off overhead a batch teaches (a loop stalled for a moment says nothing of the
+# next batch's hand-off; the scheduler caps its own estimate alike).
+_MAX_OVERHEAD_S = 0.02
 
 
 @dataclass(slots=True)
@@ -178,8 +182,10 @@ class DeadlineBatcher:
         self._classes: dict[Hashable, _Class] = {}
         self._queued = 0
         self._seq = itertools.count()
-        # Exponentially weighted mean of a batch's hand-off overhead (seconds).
+        # Exponentially weighted mean of a batch's hand-off overhead (seconds), and when it
+        # was last learnt: admission uses it faded by the time since (`_overhead`).
         self.overhead_s = 0.0
+        self._overhead_at = 0.0
         # How late the event loop runs what is ready: an answer waits about that long before
         # it goes out. (The wait before its request was seen is inside its budget already:
         # the deadline counts from when the server began to read it.)
@@ -204,7 +210,7 @@ class DeadlineBatcher:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         queue = self._class(item.bucket)
-        alone = queue.cost.predict(item.rows) + self.overhead_s + self.loop_delay_s
+        alone = queue.cost.predict(item.rows) + self._overhead(now) + self.loop_delay_s
         budget = item.deadline - now
         if budget < alone:
             return Rejection(
@@ -299,7 +305,7 @@ class DeadlineBatcher:
         instances = max(1, len(free_at))
         ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
         queueing = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
-        delays = self.overhead_s + self.loop_delay_s + max(0.0, self._correction(now))
+        delays = self._overhead(now) + self.loop_delay_s + max(0.0, self._correction(now))
         return ahead, queueing, delays
 
     def _batches(self, cost: LinearCost, rows: int) -> tuple[float, float]:
@@ -398,10 +404,30 @@ class DeadlineBatcher:
 
     # --- cost models ----------------------------------------------------------------------
 
-    def observe(self, bucket: Bucket, rows: int, seconds: float, overhead_s: float) -> None:
+    def observe(
+        self,
+        bucket: Bucket,
+        rows: int,
+        seconds: float,
+        overhead_s: float,
+        now: float | None = None,
+    ) -> None:
+        """A batch ran: ``rows`` in ``seconds``, ``overhead_s`` of hand-off (-1: not measured),
+        answered at ``now``."""
         self._class(bucket).cost.observe(rows, seconds)
         if overhead_s >= 0:
-            self.overhead_s += 0.05 * (overhead_s - self.overhead_s)
+            learnt = self.overhead_s if now is None else self._overhead(now)
+            self.overhead_s = learnt + 0.05 * (min(overhead_s, _MAX_OVERHEAD_S) - learnt)
+            if now is not None:
+                self._overhead_at = now
+
+    def _overhead(self, now: float) -> float:
+        """The hand-off overhead admission counts on: the learnt one, faded since it was last
+        learnt. Learnt only from batches that ran, it would otherwise outlive an overload for
+        good: a loop stalled under a flood teaches tens of milliseconds, every request after is
+        refused for it, and no batch runs to teach otherwise."""
+        elapsed = max(0.0, now - self._overhead_at)
+        return self.overhead_s * math.exp(-elapsed / _CORRECTION_TAU_S)
 
     def predict(self, bucket: Bucket, rows: int) -> float:
         return self._class(bucket).cost.predict(rows)

@@ -416,7 +416,7 @@ class Scheduler:
         # What the loop added: picking the results up after the thread was done.
         handoff = max(0.0, done - ended)
         self._handoff_s += 0.05 * (min(handoff, _MAX_HANDOFF_S) - self._handoff_s)
-        self._batcher.observe(bucket, rows, compute_s, handoff)
+        self._batcher.observe(bucket, rows, compute_s, handoff, done)
         self.stats.on_batch(rows, compute_s)
         queue_times = [started - item.enqueued_at for item in batch]
         missed = 0
