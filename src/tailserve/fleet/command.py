@@ -66,6 +66,10 @@ def handle(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The supervisor serves the router's gRPC in-process and starts (and restarts) workers as
+    # child processes that exec at once: grpcio's fork handlers have nothing to do there, and
+    # with its threads running they only log that they skip themselves, at every start.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from tailserve.fleet.supervisor import Supervisor
     from tailserve.loops import run
 
