@@ -76,6 +76,10 @@ def worker(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> 
         batching={"priority_levels": 2, "max_queue_size": 64},
         warmup={"batch_sizes": [1, 4], "repeat": 3},
     ))  # fmt: skip
+    write_model(repo, "tight", doubler_config(
+        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 200},
+        batching={"max_queue_size": 64}, warmup={"batch_sizes": [1, 4], "repeat": 3},
+    ))  # fmt: skip
     write_model(repo, "held", doubler_config(
         parameters={"gate": str(files["gate"]), "marks": str(files["marks"])},
         warmup={"batch_sizes": [1], "repeat": 2}, slo={"p99_ms": 5000},
@@ -258,6 +262,30 @@ def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> No
         assert "queued ahead" in shed.json()["error"]
         assert all(f.result().status_code == 200 for f in backlog)
     assert httpx.post(url, content=b"{not json").status_code == 400
+
+
+def test_a_body_timeout_looser_than_the_slo_is_left_to_admission(worker: RunningWorker) -> None:
+    url = f"{worker.url}/v2/models/tight/infer"
+    stats_url = f"{worker.url}/v2/models/tight/stats"
+
+    def queued() -> int:
+        count: int = httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"]
+        return count
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        # ~400 ms of work queued (the SLO is 200 ms), each request with a 30 s timeout.
+        backlog = [pool.submit(httpx.post, url, json=body([1.0] * 4, timeout=30_000_000),
+                               timeout=30) for _ in range(8)]  # fmt: skip
+        wait_for(lambda: queued() >= 4, what="a backlog to build")
+        # No deadline but the SLO: refused before its body is parsed (it is no JSON at all).
+        shed = httpx.post(url, content=b"{not json")
+        assert shed.status_code == 429 and "queued ahead" in shed.json()["error"], shed.text
+        # No header either, but a 10 s timeout in the body: looser than the SLO, so not
+        # refused on the SLO's account; admission sees its real deadline and it is served.
+        loose = httpx.post(url, json=body([2.0], timeout=10_000_000), timeout=30)
+        assert loose.status_code == 200, loose.text
+        assert loose.json()["outputs"][0]["data"] == [5.0]  # 2x + 1 (version 1)
+        assert all(f.result().status_code == 200 for f in backlog)
 
 
 def _exchange(conn: socket.socket, request: bytes) -> tuple[bytes, bytes]:

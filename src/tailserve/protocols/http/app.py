@@ -42,6 +42,10 @@ Headers = list[tuple[bytes, bytes]]
 Reply = tuple[int, Headers, bytes]
 
 _JSON: Headers = [(b"content-type", b"application/json")]
+# An inference body up to this size with no X-Deadline-Ms is read before the early refusal, to
+# see whether it names a `timeout` (larger ones are refused, when they are, on the SLO).
+_PEEK_BYTES = 64 * 1024
+_TIMEOUT = b'"timeout"'
 
 
 class ClientGone(Exception):
@@ -239,6 +243,24 @@ class HttpApp:
                 return
         self.dataplane.shed(model, version, request.received_at, deadline_ms)
 
+    async def _shed_then_read(self, request: HttpRequest, model: str, version: str | None) -> bytes:
+        """An inference request's body, once its model is known not to be too busy for it.
+
+        Refused before the body is read when it is, for the header's deadline or else the
+        model's SLO. A ``timeout`` parameter in the body may be looser than the SLO (the tighter
+        of it and the header wins): a small body with no header is read first, and one that
+        names a timeout is left to admission, which sees its real deadline."""
+        length = request.header(b"content-length")
+        small = length is not None and length.isdigit() and int(length) <= _PEEK_BYTES
+        if request.header(b"x-deadline-ms") is not None or not small:
+            self._shed(request, model, version)
+            return await self._read_traced(request)
+        body = await self._read_traced(request)
+        header = _header_length(request.header(b"inference-header-content-length"))
+        if _TIMEOUT not in (body if header is None else body[:header]):
+            self._shed(request, model, version)
+        return body
+
     # --- health and metadata ----------------------------------------------------------------
 
     async def _live(self, request: HttpRequest) -> Reply:
@@ -286,8 +308,7 @@ class HttpApp:
 
     async def _infer(self, request: HttpRequest) -> Reply:
         p = request.params
-        self._shed(request, p["model"], p.get("version"))
-        body = await self._read_traced(request)
+        body = await self._shed_then_read(request, p["model"], p.get("version"))
         header_length = _header_length(request.header(b"inference-header-content-length"))
         infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
         _request_options(request, infer_request)
