@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import re
 import socket
 import time
@@ -242,41 +243,39 @@ def test_statistics_in_tritons_shape_with_the_batching_state(worker: RunningWork
     assert httpx.get(f"{worker.url}/v2/models/nope/stats").status_code == 404
 
 
-def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> None:
-    url = f"{worker.url}/v2/models/slow/infer"
-    stats_url = f"{worker.url}/v2/models/slow/stats"
+@contextlib.contextmanager
+def backlog(worker: RunningWorker, model: str, **parameters: Any) -> Iterator[str]:
+    """Eight 4-row batches of ~50 ms queued on ``model`` (~400 ms of work ahead of anything
+    new), each request with ``parameters``; yields the model's infer URL once at least four
+    wait, and checks on leaving that every one of them was served."""
+    url = f"{worker.url}/v2/models/{model}/infer"
+    stats_url = f"{worker.url}/v2/models/{model}/stats"
 
     def queued() -> int:
         count: int = httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"]
         return count
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        # Eight 4-row batches of ~50 ms each: ~400 ms of work ahead of anything new.
-        backlog = [pool.submit(httpx.post, url, json=body([1.0] * 4), timeout=30)
+        waiting = [pool.submit(httpx.post, url, json=body([1.0] * 4, **parameters), timeout=30)
                    for _ in range(8)]  # fmt: skip
         wait_for(lambda: queued() >= 4, what="a backlog to build")
+        yield url
+        assert all(f.result().status_code == 200 for f in waiting)
+
+
+def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> None:
+    with backlog(worker, "slow") as url:
         # Not even valid JSON: refused for its deadline before the body was read (a 400
         # would mean it was parsed).
         shed = httpx.post(url, content=b"{not json", headers={"X-Deadline-Ms": "100"})
         assert shed.status_code == 429, shed.text
         assert "queued ahead" in shed.json()["error"]
-        assert all(f.result().status_code == 200 for f in backlog)
     assert httpx.post(url, content=b"{not json").status_code == 400
 
 
 def test_a_body_timeout_looser_than_the_slo_is_left_to_admission(worker: RunningWorker) -> None:
-    url = f"{worker.url}/v2/models/tight/infer"
-    stats_url = f"{worker.url}/v2/models/tight/stats"
-
-    def queued() -> int:
-        count: int = httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"]
-        return count
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        # ~400 ms of work queued (the SLO is 200 ms), each request with a 30 s timeout.
-        backlog = [pool.submit(httpx.post, url, json=body([1.0] * 4, timeout=30_000_000),
-                               timeout=30) for _ in range(8)]  # fmt: skip
-        wait_for(lambda: queued() >= 4, what="a backlog to build")
+    # The SLO is 200 ms; the backlog's own requests carry a 30 s timeout.
+    with backlog(worker, "tight", timeout=30_000_000) as url:
         # No deadline but the SLO: refused before its body is parsed (it is no JSON at all).
         shed = httpx.post(url, content=b"{not json")
         assert shed.status_code == 429 and "queued ahead" in shed.json()["error"], shed.text
@@ -285,7 +284,6 @@ def test_a_body_timeout_looser_than_the_slo_is_left_to_admission(worker: Running
         loose = httpx.post(url, json=body([2.0], timeout=10_000_000), timeout=30)
         assert loose.status_code == 200, loose.text
         assert loose.json()["outputs"][0]["data"] == [5.0]  # 2x + 1 (version 1)
-        assert all(f.result().status_code == 200 for f in backlog)
 
 
 def _exchange(conn: socket.socket, request: bytes) -> tuple[bytes, bytes]:
@@ -304,8 +302,6 @@ def _exchange(conn: socket.socket, request: bytes) -> tuple[bytes, bytes]:
 
 
 def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningWorker) -> None:
-    url = f"{worker.url}/v2/models/slow/infer"
-    stats_url = f"{worker.url}/v2/models/slow/stats"
     payload = orjson.dumps(body([1.0]))
 
     def post(deadline_ms: int) -> bytes:
@@ -313,11 +309,7 @@ def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningW
                 b"content-type: application/json\r\nx-deadline-ms: %d\r\n"
                 b"content-length: %d\r\n\r\n" % (deadline_ms, len(payload)))  # fmt: skip
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        backlog = [pool.submit(httpx.post, url, json=body([1.0] * 4), timeout=30)
-                   for _ in range(8)]  # fmt: skip
-        wait_for(lambda: httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"] >= 4,
-                 what="a backlog to build")  # fmt: skip
+    with backlog(worker, "slow"):
         host, port = worker.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as conn:
             # Refused from its headers, its body sent all the same: the body is skipped and
@@ -328,4 +320,3 @@ def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningW
             head, answer = _exchange(conn, post(30_000) + payload)
             assert head.startswith(b"HTTP/1.1 200"), head
             assert orjson.loads(answer)["outputs"][0]["data"] == [3.0]  # (slow: 2x + 1)
-        assert all(f.result().status_code == 200 for f in backlog)
