@@ -91,6 +91,22 @@ def test_a_cancelled_hedge_adds_no_sample_and_no_failure() -> None:
     assert (backend.samples, backend.latency_s, backend.consecutive_failures) == (0, None, 0)
 
 
+def test_a_copy_that_lost_to_another_counts_as_at_least_that_slow() -> None:
+    backend = Backend("a")
+    pool = Pool("churn", [backend], ewma_alpha=0.5)
+    pool.start(backend)
+    pool.finish(backend, 0.006, ok=True)
+    # Overtaken after 14 ms: longer than its 6 ms average, so it is a sample (a lower bound).
+    pool.start(backend)
+    pool.cancelled(backend, lost_after_s=0.014)
+    assert backend.latency_s == pytest.approx(0.010) and backend.samples == 2
+    # Lost 2 ms after it went (a hedge copy the first reply beat): says nothing, no sample.
+    pool.start(backend)
+    pool.cancelled(backend, lost_after_s=0.002)
+    assert backend.latency_s == pytest.approx(0.010) and backend.samples == 2
+    assert backend.consecutive_failures == 0 and backend.in_flight == 0
+
+
 def test_available_means_healthy_not_ejected_and_under_the_limit() -> None:
     ok, sick, ejected, full = (Backend(name, max_in_flight=2) for name in "abcd")
     pool = Pool("churn", [ok, sick, ejected, full])

@@ -229,10 +229,17 @@ class Pool:
         shares = sorted(b.overtaken for b in self._backends.values())
         return backend.overtaken >= SUSPECT_FACTOR * shares[(len(shares) - 1) // 2]
 
-    def cancelled(self, backend: Backend) -> None:
-        # The losing copy of a hedge: its latency is unknown (only "longer than the winner's"),
-        # so it adds no sample and no failure.
+    def cancelled(self, backend: Backend, lost_after_s: float | None = None) -> None:
+        """A copy withdrawn: the client went, or (``lost_after_s`` given) another copy answered
+        first after this one had run that long. A loser's latency is only known to be longer
+        than that: it adds a sample when that bound is above the backend's average, and never
+        a failure. Without it, a replica whose stalled requests all lose to hedges keeps the
+        average of its fast replies, and p2c keeps sending it its full share."""
         self._done(backend)
+        if lost_after_s is not None and (
+            backend.latency_s is None or lost_after_s > backend.latency_s
+        ):
+            self._sample(backend, lost_after_s)
 
     def _done(self, backend: Backend) -> None:
         if backend.in_flight <= 0:

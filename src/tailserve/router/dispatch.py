@@ -445,7 +445,8 @@ class Exchange:
         if attempt.ticket is not None:
             attempt.ticket.cancel()
         backend = attempt.upstream.backend
-        self.pool.cancelled(backend)
+        lost_after = self._d.loop.time() - attempt.sent_at if why == "lost" else None
+        self.pool.cancelled(backend, lost_after)
         self._d.metrics.attempts.inc(backend.id, attempt.kind, why)
         self._d.settle(attempt.upstream)
 
