@@ -32,9 +32,9 @@ from tailserve.router.dispatch import (
     body_key,
     cost_class,
     error_message,
+    request_framer,
 )
 from tailserve.tensors import datatype_of, from_json, to_json_data
-from tailserve.transport.http1 import frame_request
 
 __all__ = ["Client", "InferResult", "InferenceError"]
 
@@ -159,12 +159,7 @@ class Client:
         deadline_ms: float | None = None,
         **options: Any,
     ) -> Outcome:
-        def frame(remaining_s: float | None) -> bytes:
-            extra = list(headers)
-            if remaining_s is not None:
-                extra.append(("x-deadline-ms", f"{max(remaining_s * 1e3, 0.001):.3f}"))
-            return frame_request(method, path, "tailserve", body, extra)
-
+        frame = request_framer(method, path, body, headers)
         deadline_s = None if deadline_ms is None else deadline_ms / 1e3
         return await self.dispatcher.request(model, frame, deadline_s=deadline_s, **options)
 

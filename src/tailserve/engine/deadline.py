@@ -74,6 +74,11 @@ _CORRECTION_TAU_S = 0.5
 _MAX_OVERHEAD_S = 0.02
 
 
+def _faded(value: float, learnt_at: float, now: float) -> float:
+    """What admission learnt at ``learnt_at``, faded by the time since."""
+    return value * math.exp(-max(0.0, now - learnt_at) / _CORRECTION_TAU_S)
+
+
 @dataclass(slots=True)
 class _Rate:
     """Rows per second: a count decayed with time constant tau, divided by the decayed length
@@ -280,7 +285,7 @@ class DeadlineBatcher:
             self._corrected_at = done
 
     def _correction(self, now: float) -> float:
-        return self.correction_s * math.exp(-max(0.0, now - self._corrected_at) / _CORRECTION_TAU_S)
+        return _faded(self.correction_s, self._corrected_at, now)
 
     def _wait_estimate(
         self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
@@ -426,8 +431,7 @@ class DeadlineBatcher:
         learnt. Learnt only from batches that ran, it would otherwise outlive an overload for
         good: a loop stalled under a flood teaches tens of milliseconds, every request after is
         refused for it, and no batch runs to teach otherwise."""
-        elapsed = max(0.0, now - self._overhead_at)
-        return self.overhead_s * math.exp(-elapsed / _CORRECTION_TAU_S)
+        return _faded(self.overhead_s, self._overhead_at, now)
 
     def predict(self, bucket: Bucket, rows: int) -> float:
         return self._class(bucket).cost.predict(rows)

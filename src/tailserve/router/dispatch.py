@@ -72,6 +72,22 @@ _HEDGE_QUEUE = 1024
 Framer = Callable[[float | None], bytes]
 
 
+def request_framer(
+    method: str, path: str, body: bytes = b"", headers: Iterable[tuple[str, str]] = ()
+) -> Framer:
+    """The `Framer` of a request made from its parts (the client library's, the gRPC
+    front's): the deadline left goes upstream as ``X-Deadline-Ms``."""
+    given = list(headers)
+
+    def frame(remaining_s: float | None) -> bytes:
+        extra = given
+        if remaining_s is not None:
+            extra = [*given, ("x-deadline-ms", f"{max(remaining_s * 1e3, 0.001):.3f}")]
+        return http1.frame_request(method, path, "tailserve", body, extra)
+
+    return frame
+
+
 def cost_class(body_size: int) -> str:
     for edge, label in _CLASS_EDGES:
         if body_size < edge:

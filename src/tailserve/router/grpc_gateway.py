@@ -44,12 +44,19 @@ from tailserve.protocols.grpc.common import (
     parameters_of,
     raw_contents,
     set_parameter,
+    time_left_s,
     typed_array,
 )
 from tailserve.protocols.http.errors import status_of
-from tailserve.router.dispatch import ANY, Framer, Outcome, body_key, cost_class, error_message
+from tailserve.router.dispatch import (
+    ANY,
+    Outcome,
+    body_key,
+    cost_class,
+    error_message,
+    request_framer,
+)
 from tailserve.tensors import from_json, to_binary
-from tailserve.transport.http1 import frame_request
 
 if TYPE_CHECKING:
     from tailserve.router.proxy import Router
@@ -129,21 +136,6 @@ def _model_path(name: str, version: str) -> str:
     return path + (f"/versions/{quote(version, safe='')}" if version else "")
 
 
-def _framer(method: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> Framer:
-    def frame(remaining_s: float | None) -> bytes:
-        extra = list(headers)
-        if remaining_s is not None:
-            extra.append(("x-deadline-ms", f"{max(remaining_s * 1e3, 0.001):.3f}"))
-        return frame_request(method, path, "tailserve", body, extra)
-
-    return frame
-
-
-def _deadline_s(context: grpc.aio.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else max(remaining, 1e-6)
-
-
 def _reply_metadata(outcome: Outcome) -> list[tuple[str, str]]:
     metadata = [(name.decode("latin-1"), value.decode("latin-1"))
                 for name, value in outcome.headers if name.lower() in _PASSED]  # fmt: skip
@@ -219,9 +211,9 @@ class Gateway:
                        ("inference-header-content-length", str(header_length))]  # fmt: skip
             path = _model_path(model, request.model_version) + "/infer"
             outcome = await dispatcher.request(
-                model, _framer("POST", path, body, headers),
+                model, request_framer("POST", path, body, headers),
                 key=body_key(body, header_length) if dispatcher.wants_key(model) else None,
-                cost=cost_class(len(body)), deadline_s=_deadline_s(context), hedge=True,
+                cost=cost_class(len(body)), deadline_s=time_left_s(context), hedge=True,
             )  # fmt: skip
             status = outcome.status
             if status != 200:
@@ -242,7 +234,7 @@ class Gateway:
             router.metrics.latency.child(label).observe(router.loop.time() - started)
 
     async def _get(self, model: str, path: str, context: grpc.aio.ServicerContext) -> Outcome:
-        frame = _framer("GET", path, b"", [])
+        frame = request_framer("GET", path)
         return await self.router.dispatcher.request(
-            model or ANY, frame, deadline_s=_deadline_s(context), idempotent=True
+            model or ANY, frame, deadline_s=time_left_s(context), idempotent=True
         )

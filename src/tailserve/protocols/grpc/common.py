@@ -47,6 +47,12 @@ def code_of(status: int) -> grpc.StatusCode:
     return _CODES.get(status, grpc.StatusCode.INTERNAL)
 
 
+def time_left_s(context: grpc.aio.ServicerContext) -> float | None:
+    """What is left of the call's gRPC deadline (seconds, above 0), or None without one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining, 1e-6)
+
+
 def raw_contents(message: Any) -> Any:
     """A ``ModelInferRequest``'s raw input buffers (empty: the inputs are typed), checked
     against its inputs."""

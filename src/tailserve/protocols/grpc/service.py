@@ -32,6 +32,7 @@ from tailserve.protocols.grpc.common import (
     parameters_of,
     raw_contents,
     set_parameter,
+    time_left_s,
     typed_array,
 )
 from tailserve.protocols.http.errors import status_of
@@ -121,9 +122,9 @@ class InferenceService:
         try:
             infer = decode_request(request)
             infer.received_at = time.monotonic()
-            remaining = context.time_remaining()
+            remaining = time_left_s(context)
             if remaining is not None:  # the client's gRPC deadline, as X-Deadline-Ms
-                infer.deadline_ms = max(remaining, 1e-6) * 1e3
+                infer.deadline_ms = remaining * 1e3
             return encode_response(await self.dataplane.infer(infer))
         except TailserveError as exc:
             status = status_of(exc)
