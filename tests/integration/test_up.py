@@ -25,6 +25,7 @@ from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.restarts import Backoff
 from tailserve.fleet.supervisor import FleetConfig, ManagedWorker, Supervisor
+from tailserve.router.config import RouterConfig
 
 STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
 
@@ -168,6 +169,11 @@ async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) 
     config = FleetConfig(
         repository=str(example_repository), host="127.0.0.1", port=0, workers=2,
         drain_timeout_s=5.0, backoff=Backoff(first_s=0.1),
+        # Round-robin and no hedging, so that the last check sees the router send to it again
+        # whatever its latency: under power of two choices, one request at a time keeps going
+        # to whichever worker answered faster lately, and a hedge sent to the other worker
+        # wins the race (and names that replica) while the restarted one is still cold.
+        router=RouterConfig(balance="round-robin", hedge=False),
     )  # fmt: skip
     supervisor = Supervisor(config)
     await supervisor.start()
@@ -216,9 +222,11 @@ async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) 
                 return reply.headers["x-tailserve-replica"] == victim.url
 
             # The router ejected it when its connections failed, and takes it back after.
-            # (Round-robin: power of two choices, under one request at a time, keeps choosing
-            # whichever worker it has seen answer faster.)
-            await async_wait_for(routed_to_it_again, timeout_s=30, what="traffic to it again")
+            try:
+                await async_wait_for(routed_to_it_again, timeout_s=30, what="traffic to it again")
+            except AssertionError as timed_out:
+                state = (await client.get("/router/backends")).text
+                raise AssertionError(f"{timed_out}; the router's view: {state}") from None
     finally:
         await supervisor.stop()
     assert not any(worker.running for worker in supervisor.workers)
