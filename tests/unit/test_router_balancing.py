@@ -202,6 +202,44 @@ def test_p2c_sends_a_slow_replica_its_fair_share_of_little() -> None:
     assert slow.in_flight < fast_mean / 3, (slow.in_flight, fast_mean)
 
 
+def test_p2c_uses_a_replica_that_keeps_losing_to_hedges_only_as_overflow() -> None:
+    # Its latency average looks like the others' (a stalled request loses to its hedge and is
+    # withdrawn, so the stall is never measured whole); its share overtaken gives it away.
+    pool = pool_of(4)
+    for backend in pool:
+        backend.latency_s, backend.sampled_at = 0.005, NOW
+    stalling = pool.backends[0]
+    for n in range(100):  # one in ten of its requests lost to a hedge; none of the others'
+        for backend in pool:
+            pool.overtaken(backend, lost=backend is stalling and n % 10 == 0)
+    assert pool.suspect(stalling)
+    balancer = PowerOfTwo(random.Random(5))
+    # The others idle, or one request ahead on each: it is not chosen.
+    for ahead in (0, 1):
+        for backend in pool.backends[1:]:
+            backend.in_flight = ahead
+        assert stalling not in {balancer.choose(pool, None, NOW) for _ in range(200)}
+        copies = {balancer.choose(pool, None, NOW, copy=True) for _ in range(50)}
+        assert stalling not in copies
+    # Three ahead on each of the others: it takes the overflow.
+    for backend in pool.backends[1:]:
+        backend.in_flight = 3
+    assert stalling in {balancer.choose(pool, None, NOW) for _ in range(200)}
+    # Once nothing has been heard from it for a while, it is tried again (it may have healed)...
+    for backend in pool:
+        backend.in_flight = 0
+    later = NOW + 5.0
+    for backend in pool.backends[1:]:
+        backend.sampled_at = later
+    assert stalling in {balancer.choose(pool, None, later) for _ in range(200)}
+    # ... and answering first lifts the suspicion.
+    while pool.suspect(stalling):
+        pool.overtaken(stalling, lost=False)
+    stalling.sampled_at = later
+    chosen = Counter(balancer.choose(pool, None, later) for _ in range(400))
+    assert chosen[stalling] > 50, chosen
+
+
 # --- affinity: bounded-load consistent hashing --------------------------------------------------
 
 

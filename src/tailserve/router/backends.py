@@ -224,10 +224,15 @@ class Pool:
         """Whether ``backend`` loses to hedges far more often than its peers: at least
         ``SUSPECT_SHARE`` of its recent requests, and ``SUSPECT_FACTOR`` times the pool's
         median. Its requests that are late are likely stuck, not a healthy tail."""
-        if backend.overtaken < SUSPECT_SHARE:
-            return False
+        return backend.overtaken >= self.suspicion_bar()
+
+    def suspicion_bar(self) -> float:
+        """The share of requests overtaken at which a replica of this pool is suspect: at
+        least ``SUSPECT_SHARE``, and ``SUSPECT_FACTOR`` times the pool's median share (one
+        sort, for callers that judge several replicas at once)."""
         shares = sorted(b.overtaken for b in self._backends.values())
-        return backend.overtaken >= SUSPECT_FACTOR * shares[(len(shares) - 1) // 2]
+        median = shares[(len(shares) - 1) // 2] if shares else 0.0
+        return max(SUSPECT_SHARE, SUSPECT_FACTOR * median)
 
     def cancelled(self, backend: Backend, lost_after_s: float | None = None) -> None:
         """A copy withdrawn: the client went, or (``lost_after_s`` given) another copy answered

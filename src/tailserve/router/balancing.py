@@ -44,6 +44,19 @@ the request's tail (a hedge waiting there cost up to a whole service time more t
 to an idle replica). Copies are a few percent of requests, and each counts in flight at once,
 so they do not herd.
 
+A *suspect* replica, one whose requests lose to hedges far more often than its peers'
+(`Pool.suspect`: it stalls now and then), has its score tripled (``SUSPECT_PENALTY``): it
+takes a request only when the others have two or more ahead of it, as overflow. Its latency
+average cannot say this on its own when hedging is on: a stalled request there loses to its
+hedge and is withdrawn, so the replica's average learns only a lower bound (the time the
+loser had run, a couple of service times; without hedging it would learn the whole stall,
+twenty), and p2c would go on sending it nearly its full share, of which every twentieth
+request is a stall answered only by its hedge, after the hedge delay and a second reply:
+about 2.5 service times, against 2 for a request with one ahead on a healthy replica, and
+with no stall odds. Like its latency average, the suspicion is not believed once the replica
+has sent no reply for ``STALE_AFTER_S``: so it still gets a request every few seconds, and its
+share lapses as it answers them first again (a replica that has healed comes back).
+
 **Round-robin** (`RoundRobin`): the baseline; cycles through the pool's order, skipping what
 is unavailable.
 """
@@ -132,23 +145,34 @@ class PowerOfTwo:
         # A backend with no (recent) sample is neither favoured nor shunned: it is taken to be
         # as fast as the pool's median (with no samples at all, the score is the load alone).
         prior = statistics.median(known) if known else 1.0
+        bar = pool.suspicion_bar()
+
+        def cost(backend: Backend) -> float:
+            # Like a latency average, the suspicion is not believed once it is stale.
+            suspect = backend.overtaken >= bar and not _stale(backend, now)
+            return score(backend, prior, now) * (SUSPECT_PENALTY if suspect else 1.0)
+
         if copy:
             # Ties are broken at random, or every copy would go to the pool's first idle one.
             self._rng.shuffle(candidates)
-            return min(candidates, key=lambda b: score(b, prior, now))
+            return min(candidates, key=cost)
         first, second = self._rng.sample(candidates, 2)
-        first_score, second_score = score(first, prior, now), score(second, prior, now)
+        first_score, second_score = cost(first), cost(second)
         best, best_score = (
             (first, first_score) if first_score <= second_score else (second, second_score)
         )
         if best.in_flight:
             idle = [b for b in candidates if not b.in_flight and b is not first and b is not second]
             for other in self._rng.sample(idle, min(2, len(idle))):
-                other_score = score(other, prior, now)
+                other_score = cost(other)
                 if other_score < best_score:
                     best, best_score = other, other_score
         return best
 
+
+# A suspect replica's score is multiplied by this (see Pool.suspect): it is chosen over another
+# only when that one has at least two requests ahead of a new one (a tie at two).
+SUSPECT_PENALTY = 3.0
 
 # A latency average with no new sample for this long is no longer believed (it falls back to
 # the pool's median): otherwise a backend that once looked slower would never be chosen again
