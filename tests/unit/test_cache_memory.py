@@ -118,3 +118,43 @@ def np_zipf(count: int, *, n: int, s: float) -> list[int]:
     weights = ranks**-s
     weights /= weights.sum()
     return list(np.random.default_rng(3).choice(n, size=count, p=weights))
+
+
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+def test_get_many_answers_what_get_would_and_leaves_the_same_cache(policy: str) -> None:
+    # Two caches fed the same stream, one read key by key and the other in batches: every
+    # answer, every miss kind and every later eviction must agree.
+    def cache(clock: Clock) -> MemoryCache:
+        return MemoryCache(max_entries=40, max_bytes=10_000, policy=policy,  # type: ignore[arg-type]
+                           clock=clock)  # fmt: skip
+
+    clock = Clock()
+    one, many = cache(clock), cache(clock)
+    rng = random.Random(4)
+    kinds: set[Lookup] = set()
+    for step in range(300):
+        clock.now = step * 0.1
+        key = f"k{rng.randrange(120)}"
+        ttl = rng.choice([0.5, 5.0, 50.0])
+        one.put(key, step, 1, ttl_s=ttl, grace_s=1.0)
+        many.put(key, step, 1, ttl_s=ttl, grace_s=1.0)
+        batch = [f"k{rng.randrange(120)}" for _ in range(rng.randrange(1, 12))]
+        singles = [one.get(k) for k in batch]
+        values, missed, why = many.get_many(batch)
+        assert values == [entry[0] if entry is not None else None for _, entry in singles]
+        assert missed == [i for i, (_, entry) in enumerate(singles) if entry is None]
+        assert why == [lookup for lookup, entry in singles if entry is None]
+        kinds.update(why)
+        assert _order(one) == _order(many)  # the same entries, each in the same recency order
+    assert kinds == {Lookup.COLD, Lookup.EXPIRED, Lookup.EVICTED}
+    assert one.evictions == many.evictions > 0
+
+
+def test_get_many_on_a_disabled_cache_misses_every_key_cold() -> None:
+    cache = MemoryCache(max_entries=10, max_bytes=100, clock=Clock(), enabled=False)
+    assert cache.get_many(["a", "b"]) == ([None, None], [0, 1], [Lookup.COLD, Lookup.COLD])
+
+
+def _order(cache: MemoryCache) -> list[list[str]]:
+    segments = (cache._window, cache._probation, cache._protected)
+    return [list(segment.items) for segment in segments]

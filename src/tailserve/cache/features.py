@@ -395,18 +395,12 @@ class _Lookup:
         """Packed rows from the cache (the cache key where missed), the misses by cache key
         (each once), and why each lookup missed."""
         keys = ids if self.spec.datatype == "BYTES" else [str(i) for i in ids]
-        get = self.cache.get
-        rows: list[Any] = []
+        rows, missed, why = self.cache.get_many(keys)
         missing: dict[str, Any] = {}
-        why: list[Lookup] = []
-        for key, entity_id in zip(keys, ids, strict=True):
-            result, entry = get(key)
-            if entry is None:
-                missing.setdefault(key, entity_id)
-                why.append(result)
-                rows.append(key)  # a str stands in for the row until it is fetched
-            else:
-                rows.append(entry[0])
+        for position in missed:
+            key = keys[position]
+            missing.setdefault(key, ids[position])
+            rows[position] = key  # a str stands in for the row until it is fetched
         return rows, missing, why
 
     def fill(self, rows: list[Any], missing: dict[str, Any], fetched: Matrix) -> list[bytes]:

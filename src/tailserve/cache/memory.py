@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -153,6 +153,53 @@ class MemoryCache:
             return Lookup.EXPIRED, None
         self._touch(key, segment)
         return (Lookup.HIT if now < entry[2] else Lookup.STALE), entry
+
+    def get_many(self, keys: Sequence[str]) -> tuple[list[Any], list[int], list[Lookup]]:
+        """`get` for many keys at one reading of the clock: the value of each key where it was
+        found (fresh or stale, as `get` finds it; None where not), the positions of the keys
+        not found, and the `Lookup` that says why for each of them. For the feature cache, a
+        request of which looks up hundreds of ids at once: one call costs about a third of as
+        many calls to `get`."""
+        if not self.enabled:
+            return [None] * len(keys), list(range(len(keys))), [Lookup.COLD] * len(keys)
+        now = self._clock()
+        where, ghosts, sketch, probation = self._where, self._ghosts, self._sketch, self._probation
+        # Under LRU every entry is in the protected segment: its lookups go the short way.
+        protected = self._protected
+        items, recent = protected.items, protected.items.move_to_end
+        values: list[Any] = []
+        value = values.append
+        missed: list[int] = []
+        why: list[Lookup] = []
+        for position, key in enumerate(keys):
+            if sketch is not None:
+                sketch.increment(key)
+            segment = where.get(key)
+            if segment is protected:
+                entry = items[key]
+                if now < entry[3]:
+                    recent(key)
+                    value(entry[0])
+                    continue
+            elif segment is None:
+                value(None)
+                missed.append(position)
+                why.append(Lookup.EVICTED if key in ghosts else Lookup.COLD)
+                continue
+            else:
+                entry = segment.items[key]
+            if now >= entry[3]:
+                self._drop(key)
+                value(None)
+                missed.append(position)
+                why.append(Lookup.EXPIRED)
+                continue
+            if segment is probation:
+                self._touch(key, segment)
+            else:
+                segment.items.move_to_end(key)
+            value(entry[0])
+        return values, missed, why
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
