@@ -17,7 +17,7 @@ class Clock:
         return self.now
 
 
-@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "tinylfu", "fifo"])
 def test_entries_and_bytes_stay_within_bounds(policy: str) -> None:
     evicted: list[int] = []
     cache = MemoryCache(max_entries=50, max_bytes=1000, policy=policy,  # type: ignore[arg-type]
@@ -30,7 +30,7 @@ def test_entries_and_bytes_stay_within_bounds(policy: str) -> None:
     assert cache.evictions == len(evicted) > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "tinylfu", "fifo"])
 def test_ttl_then_grace_then_expired(policy: str) -> None:
     clock = Clock()
     cache = MemoryCache(max_entries=10, max_bytes=10_000, policy=policy,  # type: ignore[arg-type]
@@ -120,7 +120,7 @@ def np_zipf(count: int, *, n: int, s: float) -> list[int]:
     return list(np.random.default_rng(3).choice(n, size=count, p=weights))
 
 
-@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "tinylfu", "fifo"])
 def test_get_many_answers_what_get_would_and_leaves_the_same_cache(policy: str) -> None:
     # Two caches fed the same stream, one read key by key and the other in batches: every
     # answer, every miss kind and every later eviction must agree.
@@ -148,6 +148,20 @@ def test_get_many_answers_what_get_would_and_leaves_the_same_cache(policy: str) 
         assert _order(one) == _order(many)  # the same entries, each in the same recency order
     assert kinds == {Lookup.COLD, Lookup.EXPIRED, Lookup.EVICTED}
     assert one.evictions == many.evictions > 0
+
+
+def test_fifo_evicts_the_oldest_stored_whatever_was_read_since() -> None:
+    clock = Clock()
+    fifo = MemoryCache(max_entries=3, max_bytes=100, policy="fifo", clock=clock)
+    lru = MemoryCache(max_entries=3, max_bytes=100, policy="lru", clock=clock)
+    for cache in (fifo, lru):
+        for key in "abc":
+            cache.put(key, key, 1, ttl_s=10)
+        cache.get("a")
+        cache.get_many(["a"])
+        cache.put("d", "d", 1, ttl_s=10)
+    assert "a" not in fifo and "b" in fifo  # the oldest stored went, though just read
+    assert "a" in lru and "b" not in lru  # the least recently read went
 
 
 def test_get_many_on_a_disabled_cache_misses_every_key_cold() -> None:

@@ -1,6 +1,6 @@
 """L1: the in-process result cache, bounded by entries and bytes, with TTL and a grace window.
 
-Two eviction policies, chosen per model and compared in benchmarks/cache_tiers.py:
+Two eviction policies for results, chosen per model and compared in benchmarks/cache_tiers.py:
 
 - ``lru``: least recently used goes first.
 - ``tinylfu`` (W-TinyLFU, the policy of Caffeine and theine): a small LRU window (1%) takes
@@ -8,6 +8,11 @@ Two eviction policies, chosen per model and compared in benchmarks/cache_tiers.p
   protected once hit again) only if it has been asked for more often than the entry it would
   push out, by a count-min sketch of recent popularity that halves itself periodically. One-off
   keys of a Zipf stream then pass through the window without flushing the popular ones.
+
+And, for the feature cache, ``fifo``: the oldest stored goes first, and a hit changes nothing.
+Its entries all have one TTL, so the oldest is also the one with the least life left; and a
+request there looks up hundreds of ids at random, where LRU's reordering of each (an
+OrderedDict's linked list, scattered in memory) cost as much as the lookups themselves.
 
 Written here rather than taken from theine because the bound is in bytes as well as entries
 (results differ in size by orders of magnitude: one churn score, a thousand ranker scores) and
@@ -25,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-Policy = Literal["lru", "tinylfu"]
+Policy = Literal["lru", "tinylfu", "fifo"]
 
 
 class Lookup(enum.Enum):
@@ -151,54 +156,50 @@ class MemoryCache:
         if now >= entry[3]:
             self._drop(key)
             return Lookup.EXPIRED, None
-        self._touch(key, segment)
+        if self.policy != "fifo":
+            self._touch(key, segment)
         return (Lookup.HIT if now < entry[2] else Lookup.STALE), entry
 
     def get_many(self, keys: Sequence[str]) -> tuple[list[Any], list[int], list[Lookup]]:
         """`get` for many keys at one reading of the clock: the value of each key where it was
         found (fresh or stale, as `get` finds it; None where not), the positions of the keys
         not found, and the `Lookup` that says why for each of them. For the feature cache, a
-        request of which looks up hundreds of ids at once: one call costs about a third of as
-        many calls to `get`."""
+        request of which looks up hundreds of ids at once."""
         if not self.enabled:
             return [None] * len(keys), list(range(len(keys))), [Lookup.COLD] * len(keys)
+        if self._sketch is not None:  # W-TinyLFU: key by key
+            values: list[Any] = []
+            missed: list[int] = []
+            why: list[Lookup] = []
+            for position, key in enumerate(keys):
+                lookup, entry = self.get(key)
+                values.append(None if entry is None else entry[0])
+                if entry is None:
+                    missed.append(position)
+                    why.append(lookup)
+            return values, missed, why
+        # LRU and FIFO keep every entry in the protected segment: one lookup a key.
         now = self._clock()
-        where, ghosts, sketch, probation = self._where, self._ghosts, self._sketch, self._probation
-        # Under LRU every entry is in the protected segment: its lookups go the short way.
-        protected = self._protected
-        items, recent = protected.items, protected.items.move_to_end
-        values: list[Any] = []
+        items, ghosts = self._protected.items, self._ghosts
+        recent = items.move_to_end if self.policy == "lru" else None
+        values = []
         value = values.append
-        missed: list[int] = []
-        why: list[Lookup] = []
+        missed = []
+        why = []
         for position, key in enumerate(keys):
-            if sketch is not None:
-                sketch.increment(key)
-            segment = where.get(key)
-            if segment is protected:
-                entry = items[key]
-                if now < entry[3]:
+            entry = items.get(key)
+            if entry is not None and now < entry[3]:
+                if recent is not None:
                     recent(key)
-                    value(entry[0])
-                    continue
-            elif segment is None:
-                value(None)
-                missed.append(position)
+                value(entry[0])
+                continue
+            value(None)
+            missed.append(position)
+            if entry is None:
                 why.append(Lookup.EVICTED if key in ghosts else Lookup.COLD)
-                continue
             else:
-                entry = segment.items[key]
-            if now >= entry[3]:
                 self._drop(key)
-                value(None)
-                missed.append(position)
                 why.append(Lookup.EXPIRED)
-                continue
-            if segment is probation:
-                self._touch(key, segment)
-            else:
-                segment.items.move_to_end(key)
-            value(entry[0])
         return values, missed, why
 
     def __contains__(self, key: str) -> bool:
@@ -223,7 +224,7 @@ class MemoryCache:
         if key in self._where:
             self._drop(key)
         self._ghosts.pop(key, None)
-        if self.policy == "lru":
+        if self.policy != "tinylfu":
             self._add(key, entry, self._protected)
             self._evict_lru()
             return key in self._where
