@@ -294,6 +294,33 @@ async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
             assert "tailserve_router_ejections_total" in metrics
 
 
+async def test_a_client_cannot_get_healthy_replicas_ejected() -> None:
+    # A deadline shorter than any replica answers in, and a 503 about one model (not loaded,
+    # its feature store down), say nothing of the replica's health; a replica that sits on a
+    # request for many times its usual reply time does.
+    slow, unavailable = StubApp(service_s=0.05), StubApp(status=503)
+    with run_stub(slow) as s, run_stub(unavailable) as u:
+        async with _router(
+            [s.url, u.url], balance="round-robin", hedge=False, eject_after_failures=3,
+        ) as router, httpx.AsyncClient() as client:  # fmt: skip
+            backends = {url: router.dispatcher.upstreams[url].backend for url in (s.url, u.url)}
+            unavailable.status = 200
+            for _ in range(4):  # the slow one's usual reply time: 50 ms
+                assert (await _infer(client, router.url, 1.0)).status_code == 200
+            unavailable.status = 503
+            hurried = [
+                (await _infer(client, router.url, 1.0, headers={"x-deadline-ms": "2"})).status_code
+                for _ in range(12)
+            ]
+            assert 504 in hurried and 503 in hurried, hurried
+            assert not any(b.ejections for b in backends.values())
+            slow.stall_after, slow.stall_s = len(slow.arrivals) + 1, 5.0  # it hangs now
+            for _ in range(8):
+                await _infer(client, router.url, 1.0, headers={"x-deadline-ms": "400"})
+            assert backends[s.url].ejections == 1  # 400 ms is eight times its 50 ms
+            assert backends[u.url].ejections == 0
+
+
 async def test_a_worker_killed_under_load_fails_no_request(tmp_path: Path) -> None:
     with slowable.workers(tmp_path, 2) as workers:
         urls = [w.url for w in workers]

@@ -44,6 +44,9 @@ class Backend:
     # EWMA of the reply latency in seconds; None until the first sample.
     latency_s: float | None = None
     samples: int = 0
+    # The same average over its successful replies alone: how long a request there usually
+    # takes (a failure's or a refusal's time may raise latency_s, never this).
+    usual_s: float | None = None
     # When the last latency sample came (None: never, or the caller passes no times).
     sampled_at: float | None = None
     consecutive_failures: int = 0
@@ -91,6 +94,7 @@ class Backend:
         losses is still suspect (its late requests are hedged at their delay) until it
         shows otherwise."""
         self.latency_s = None
+        self.usual_s = None
         self.samples = 0
         self.sampled_at = None
         self.consecutive_failures = 0
@@ -184,6 +188,10 @@ class Pool:
         if ok:
             backend.consecutive_failures = 0
             self._sample(backend, latency_s)
+            usual = backend.usual_s
+            backend.usual_s = (
+                latency_s if usual is None else usual + self.ewma_alpha * (latency_s - usual)
+            )
         else:
             backend.consecutive_failures += 1
             if now is not None:
@@ -198,6 +206,14 @@ class Pool:
         should) and no sign of speed either: like a failure's, its latency may only raise the
         average, or a replica refusing in a millisecond would look the fastest and draw still
         more of the traffic it is refusing."""
+        self.inconclusive(backend, latency_s, now=now)
+
+    def inconclusive(self, backend: Backend, latency_s: float, *, now: float | None = None) -> None:
+        """An attempt that says nothing of the backend's health: a 429 (`refused`), a 503
+        about one model (not loaded, its feature store down), or a timeout that came before
+        the backend could have answered (a request's own deadline shorter than its usual
+        reply time). Not a failure, or a client could get healthy replicas ejected; its
+        latency may only raise the average, as a refusal's."""
         self._done(backend)
         if now is not None:
             backend.sampled_at = now

@@ -40,6 +40,7 @@ import itertools
 import logging
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ _INDEX_EVERY = 5
 _CLASS_EDGES = ((4096, "s"), (65536, "m"))
 # The most requests waiting for a hedge token; past it, a hedge that finds no token is dropped.
 _HEDGE_QUEUE = 1024
+# A timeout on a request's own deadline counts against the backend only once it had this many
+# times its usual reply time (see Exchange._tells).
+TIMEOUT_EVIDENCE = 4.0
 
 Framer = Callable[[float | None], bytes]
 
@@ -355,19 +359,25 @@ class Exchange:
         backend = attempt.upstream.backend
         latency = now - attempt.sent_at
         if isinstance(result, Response):
-            ok = result.status < 500
-            if result.status == 429:
+            status = result.status
+            ok = status < 500
+            if status == 429:
                 self.pool.refused(backend, latency, now=now)
+            elif status == 503 or (status == 504 and not self._tells(backend, latency)):
+                self.pool.inconclusive(backend, latency, now=now)
             else:
                 self.pool.finish(backend, latency, ok=ok, now=now)
-            d.metrics.attempts.inc(backend.id, attempt.kind, str(result.status))
-            if ok and self._policy is not None and result.status < 400 and not attempt.streamed:
+            d.metrics.attempts.inc(backend.id, attempt.kind, str(status))
+            if ok and self._policy is not None and status < 400 and not attempt.streamed:
                 self._policy.observe(latency, now)
         elif isinstance(result, ConnectFailed | ConnectionLost):
             self.pool.connect_failed(backend, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, "connect_failed")
         else:  # a timeout
-            self.pool.finish(backend, latency, ok=False, now=now)
+            if self._tells(backend, latency):
+                self.pool.finish(backend, latency, ok=False, now=now)
+            else:
+                self.pool.inconclusive(backend, latency, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, "timeout")
         d.observe_outcome(self.pool, attempt.upstream, now)
         if self.done:
@@ -420,6 +430,22 @@ class Exchange:
         head = Outcome(status, headers, b"", attempt.upstream.backend.id,
                        hedged=attempt.kind == "hedge", attempts=len(self.tried))  # fmt: skip
         return self.on_stream(head, length, ticket)
+
+    def _tells(self, backend: Backend, latency_s: float) -> bool:
+        """Whether a timeout (the router's, or a worker's 504) after ``latency_s`` is evidence
+        against the backend: always on the router's own request timeout; on the request's
+        deadline, only once the backend had four times its usual reply time (the average of
+        its successful replies, or the pool's median while it has none). A deadline shorter
+        than any replica answers in says nothing of the one that had the request."""
+        if not self.has_deadline:
+            return True
+        usual = backend.usual_s
+        if usual is None:
+            known = [b.usual_s for b in self.pool if b.usual_s is not None]
+            if not known:
+                return False
+            usual = statistics.median(known)
+        return latency_s >= TIMEOUT_EVIDENCE * usual
 
     def _may_retry(self, result: Response | UpstreamError) -> bool:
         if self.retried:
