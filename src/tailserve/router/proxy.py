@@ -155,6 +155,12 @@ class _ClientConnection(asyncio.Protocol):
         self.write_paused = False
         self.closing = False  # a reply said "connection: close": nothing more is read
         self.closed = False
+        # Nothing more is read (a request that could not be read, or a protocol upgrade): the
+        # requests already read are answered in turn, then the connection closes.
+        self._ended = False
+        self._in_message = False
+        # A "100 Continue" is owed to the request being read, once those ahead are answered.
+        self._continue_owed = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -163,12 +169,19 @@ class _ClientConnection(asyncio.Protocol):
         self._router._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._ended:
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not supported")
+            # A whole request that asked for an upgrade is answered over HTTP/1.1 (the upgrade
+            # ignored), and the connection closed after it; one cut short is refused.
+            if self._in_message:
+                self._end(400, "protocol upgrades are not supported")
+            else:
+                self._end(None)
         except httptools.HttpParserError as exc:
-            self._fail(400, f"malformed HTTP request: {exc}")
+            self._end(400, f"malformed HTTP request: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -191,6 +204,8 @@ class _ClientConnection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._in_message = True
+        self._continue_owed = False
         self._url = b""
         self._headers = []
         self._body = []
@@ -215,15 +230,25 @@ class _ClientConnection(asyncio.Protocol):
                 expect = value
         if declared is not None and declared.strip().isdigit():
             self._length = int(declared)
-        fits = self._length is None or self._length <= config.max_body_bytes
-        # A client that waits for leave to send its body (curl does, past 1 KiB) gets it at
-        # once, unless the body is over the limit already by its declared length.
-        if expect is not None and expect.lower() == b"100-continue" and fits and self._transport:
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if fits and self._length is not None and self._length > config.stream_body_bytes:
+        if self._length is not None and self._length > config.max_body_bytes:
+            # Refused by its declared length, before its body (it may never end): in its turn,
+            # and nothing after it is read.
+            limit = config.max_body_bytes
+            self._end(413, f"request body of {self._length} bytes is over the {limit}-byte limit")
+            return
+        # A client that waits for leave to send its body (curl does, past 1 KiB) gets it as
+        # soon as the requests ahead of it are answered: an interim reply written while
+        # another reply is on its way would land inside that one.
+        wants = expect is not None and expect.lower() == b"100-continue"
+        if wants and self._parser.get_http_version() != "1.0":
+            self._continue_owed = True
+            self._pay_continue()
+        if self._length is not None and self._length > config.stream_body_bytes:
             self._start_stream(chunked=False)
 
     def on_body(self, body: bytes) -> None:
+        if self._ended:
+            return
         self._size += len(body)
         config = self._router.config
         if self._streaming:
@@ -246,7 +271,9 @@ class _ClientConnection(asyncio.Protocol):
                 self._start_stream(chunked=True)
 
     def on_message_complete(self) -> None:
-        if self.closing:
+        self._in_message = False
+        self._continue_owed = False
+        if self.closing or self._ended:
             return
         if self._streaming:
             self._streaming = False
@@ -316,7 +343,7 @@ class _ClientConnection(asyncio.Protocol):
         ticket: Ticket,
     ) -> _ReplyStream:  # fmt: skip
         """A large reply's head has come: send it on, and its body as it arrives."""
-        keep_alive = request.keep_alive and not self._router.draining and not self._streaming
+        keep_alive = self._keep_alive(request)
         reply = self._reply = _ReplyStream(
             self, request, label, head.status, ticket, chunked=length is None,
             keep_alive=keep_alive,
@@ -353,6 +380,7 @@ class _ClientConnection(asyncio.Protocol):
                 continue
             self._busy = True
             self._router._handle(self, request)
+        self._pay_continue()
 
     def _settle(self, request: _Request, status: int, model: str) -> None:
         self._exchange = None
@@ -366,8 +394,7 @@ class _ClientConnection(asyncio.Protocol):
         self._settle(request, outcome.status, model)
         if self.closed:
             return
-        # (Answered while its body still streams in: the rest of it is not read.)
-        keep_alive = request.keep_alive and not self._router.draining and not self._streaming
+        keep_alive = self._keep_alive(request)
         self._write(
             outcome.status, outcome.headers, outcome.body, keep_alive, outcome,
             head=request.method == b"HEAD",
@@ -375,15 +402,58 @@ class _ClientConnection(asyncio.Protocol):
         if keep_alive:
             self._next()
 
+    def _keep_alive(self, request: _Request) -> bool:
+        """Whether the connection stays open after this request's reply: not when the client
+        or a drain says so, not while its body still streams in (the rest of it is not
+        read), and not after the last request read before the connection ended."""
+        return (
+            request.keep_alive
+            and not self._router.draining
+            and not self._streaming
+            and not (self._ended and not self._queue)
+        )
+
     def _reply_error(self, request: _Request, status: int, message: str) -> None:
         body = orjson.dumps({"error": message})
-        self._write(status, _JSON, body, request.keep_alive, None)
+        self._write(status, _JSON, body, self._keep_alive(request), None)
 
-    def _fail(self, status: int, message: str) -> None:
-        if self._transport is not None and not self.closed and not self._busy:
-            self._write(status, _JSON, orjson.dumps({"error": message}), False, None)
-        elif self._transport is not None:
+    def _end(self, status: int | None, message: str = "") -> None:
+        """Read nothing more on this connection. The requests already read are answered in
+        turn; then ``status`` (when given) answers the one that could not be read, and the
+        connection closes. A request whose body was streaming upstream cannot be finished:
+        the connection is dropped."""
+        if self._ended or self.closed or self.closing or self._transport is None:
+            return
+        self._ended = True
+        self._continue_owed = False
+        self._transport.pause_reading()
+        if self._streaming:
+            self._streaming = False
+            self._transport.abort()
+            return
+        if status is not None:
+            request = _Request(b"", b"", [], b"", False, self._router.loop.time())
+            request.error = (status, message)
+            self._queue.append(request)
+        if self._busy:
+            return
+        if self._queue:
+            self._next()
+        else:
+            self.closing = True
             self._transport.close()
+
+    def _pay_continue(self) -> None:
+        if (
+            self._continue_owed
+            and not self._busy
+            and not self._queue
+            and not self.closed
+            and not self.closing
+            and self._transport is not None
+        ):
+            self._continue_owed = False
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _write(
         self,

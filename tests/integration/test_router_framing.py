@@ -1,0 +1,115 @@
+"""The router's HTTP/1.1 framing on a raw connection when a client misbehaves: every request
+read before a bad one is still answered, in order, then the connection closes; nothing is
+written after a reply that closed it; an interim "100 Continue" never lands inside another
+reply; and a body over the limit by its declared length is refused before it is sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from support.routing import running_router
+from support.stub import StubApp, run_stub
+
+BODY = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1]}]})
+INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n" % len(BODY)
+
+
+@pytest.fixture
+async def router_port() -> AsyncIterator[tuple[int, StubApp]]:
+    stub = StubApp()
+    with run_stub(stub) as backend:
+        async with running_router([backend.url], hedge=False) as router:
+            yield router.port, stub
+
+
+async def _exchange(port: int, data: bytes, *, then: bytes = b"") -> list[bytes]:
+    """Send ``data`` (and ``then`` once the first reply's head is in); every reply's head and
+    body, in order, until the router closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    replies: list[bytes] = []
+    try:
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            except asyncio.IncompleteReadError as eof:
+                assert not eof.partial, eof.partial
+                return replies
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            replies.append(head + await reader.readexactly(length))
+            if then:
+                writer.write(then)
+                then = b""
+    finally:
+        writer.close()
+
+
+def _status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+async def test_a_malformed_request_is_answered_after_those_before_it(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, _ = router_port
+    replies = await _exchange(port, INFER + b"\r\n" + BODY + b"BAD\x01 / HTTP/1.1\r\n\r\n")
+    assert [_status(r) for r in replies] == [200, 400], replies
+    assert b"malformed HTTP request" in replies[1]
+    assert b"connection: close" in replies[1]
+
+
+async def test_nothing_is_written_after_a_reply_that_closed_the_connection(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, _ = router_port
+    # Forwarded and answered by the router itself alike: one reply, then the connection ends.
+    for first in (INFER + b"connection: close\r\n\r\n" + BODY,
+                  b"GET /v2/health/live HTTP/1.1\r\nconnection: close\r\n\r\n"):  # fmt: skip
+        replies = await _exchange(port, first + b"GET /v2/health/live HTTP/1.1\r\n\r\n")
+        assert [_status(r) for r in replies] == [200], replies
+        assert b"connection: close" in replies[0]
+
+
+async def test_an_upgrade_is_ignored_and_the_connection_closed_after_its_reply(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, _ = router_port
+    upgrade = (b"GET /v2/health/live HTTP/1.1\r\nhost: r\r\nupgrade: h2c\r\n"
+               b"connection: Upgrade, HTTP2-Settings\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA"
+               b"\r\n\r\n")  # fmt: skip
+    # One reply over HTTP/1.1 and then the end of the connection (the router's own reply went
+    # before the parser met the upgrade, so it may not say "connection: close").
+    replies = await _exchange(port, upgrade)
+    assert [_status(r) for r in replies] == [200], replies
+
+
+async def test_a_body_over_the_limit_by_its_declared_length_is_refused_before_it_is_sent(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, stub = router_port
+    head = (b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: 1000000000000\r\n"
+            b"expect: 100-continue\r\n\r\n")  # fmt: skip
+    replies = await _exchange(port, head)
+    assert [_status(r) for r in replies] == [413], replies
+    assert b"1000000000000 bytes is over the" in replies[0]
+    assert not [a for a in stub.arrivals if a.path.endswith("/infer")]
+
+
+async def test_100_continue_waits_for_the_reply_ahead_of_it(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, stub = router_port
+    stub.service_s = 0.3  # the first request is still being answered when the second asks
+    waiting = INFER.replace(b"\r\ncontent-length", b"\r\nexpect: 100-continue\r\ncontent-length")
+    replies = await _exchange(
+        port, INFER + b"\r\n" + BODY + waiting + b"connection: close\r\n\r\n", then=BODY
+    )
+    # The first reply whole, then the interim one, then the second reply.
+    assert [_status(r) for r in replies] == [200, 100, 200], replies
