@@ -11,6 +11,7 @@ import pytest
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.errors import InvalidInput
 from tailserve.protocols.grpc import schema
+from tailserve.protocols.grpc.common import _guarded
 from tailserve.protocols.grpc.service import InferenceService, decode_request, encode_response
 from tailserve.tensors import Tensor
 
@@ -107,3 +108,38 @@ async def test_the_calls_deadline_is_the_requests(
     await service.model_infer(request_with_parameters(), Context(remaining))  # type: ignore[arg-type]
     (seen,) = plane.seen
     assert seen.deadline_ms == deadline_ms and seen.received_at is not None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_parameter_that_is_no_finite_number_is_refused(value: float) -> None:
+    # Sent on as JSON (the router's gateway) it would become null and vanish unseen.
+    message = request_with_parameters()
+    message.parameters["timeout"].double_param = value
+    with pytest.raises(InvalidInput, match=r"parameter 'timeout' is .*: not a finite number"):
+        decode_request(message)
+
+
+class _EndedCall:
+    """A call whose deadline passed while its handler ran: it can no longer be answered."""
+
+    def __init__(self) -> None:
+        self.aborts = 0
+
+    def done(self) -> bool:
+        return True
+
+    async def abort(self, code: Any, details: str, *metadata: Any) -> None:
+        self.aborts += 1
+        raise RuntimeError("the call is over")
+
+
+async def test_a_handler_that_fails_on_a_call_already_over_is_let_go_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def handler(request: Any, context: Any) -> Any:
+        await context.abort(None, "late")  # fails: the call is over
+
+    call = _EndedCall()
+    assert await _guarded(handler)(object(), call) is None  # type: ignore[arg-type]
+    assert call.aborts == 1  # its own, not a second one for an "internal error"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

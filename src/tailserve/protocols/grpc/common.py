@@ -5,6 +5,7 @@ each gRPC status stands for, and ``InferParameter`` values to and from Python.""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -80,7 +81,12 @@ def parameters_of(entries: Any) -> dict[str, Any]:
     for key, parameter in entries.items():
         choice = parameter.WhichOneof("parameter_choice")
         if choice is not None:
-            out[key] = getattr(parameter, choice)
+            value = getattr(parameter, choice)
+            # JSON has no NaN or infinity: sent on over HTTP, one would turn into null and be
+            # dropped unseen, so it is refused here as the HTTP surface would refuse it.
+            if choice == "double_param" and not math.isfinite(value):
+                raise InvalidInput(f"parameter {key!r} is {value}: not a finite number")
+            out[key] = value
     return out
 
 
@@ -135,6 +141,10 @@ def _guarded(handler: Handler) -> Handler:
         except grpc.aio.AbortError:  # the handler's own answer, already given
             raise
         except Exception as exc:
+            if context.done():
+                # The call ended under it (its deadline passed, the client left): an answer
+                # could no longer be given (aborting fails then), and nobody waits for one.
+                return None
             log.exception("unexpected error in gRPC %s", handler.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
