@@ -223,7 +223,9 @@ async def test_the_calls_deadline_reaches_the_worker(caller_factory: Any) -> Non
     assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [0.5]
     infers = [a for a in stub.arrivals if a.path.endswith("/infer")]
     left = float(infers[0].headers["x-deadline-ms"])
-    assert 600 < left <= 800
+    # (The deadline crosses as a grpc-timeout header, which the server's core turns back into
+    # a deadline of its own: a run came out 0.46 ms over the 800 ms sent.)
+    assert 600 < left <= 801
     assert "x-deadline-ms" not in infers[1].headers
     assert infers[0].headers["inference-header-content-length"].isdigit()
 
