@@ -90,10 +90,23 @@ def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+# The most dimensions a tensor may have (numpy 1 allows 32; no model has nearly as many), and
+# the most elements its non-zero dimensions may multiply to: numpy refuses to make an array
+# beyond that even when another dimension is 0, so that it would hold nothing.
+MAX_DIMS = 32
+_MAX_EXTENT = 2**58
+
+
 def check_shape(name: str, shape: Sequence[int]) -> None:
-    # Shapes arrive as lists of ints (the decoder checks the type); only the sign is left.
+    # Shapes arrive as lists of ints (the decoder checks the type); sign and size are left.
     if shape and min(shape) < 0:
         raise InvalidInput(f"tensor {name!r}: shape {list(shape)} must hold integers >= 0")
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(
+            f"tensor {name!r}: shape has {len(shape)} dimensions, more than {MAX_DIMS}"
+        )
+    if math.prod(d for d in shape if d) > _MAX_EXTENT:
+        raise InvalidInput(f"tensor {name!r}: shape {list(shape)} is too large")
 
 
 # --- JSON -----------------------------------------------------------------------------------
@@ -177,7 +190,8 @@ def _number_array(
     if array.size and array.dtype.kind not in accepts:
         found = "non-numeric values" if array.dtype.kind in "OUS" else f"{array.dtype} values"
         raise InvalidInput(f"tensor {name!r}: datatype {datatype} cannot hold {found}")
-    narrower = dtype.itemsize < 8 or dtype.kind == "u"
+    # (A signed 64-bit type is narrower too for values numpy read as unsigned, 2**63 and up.)
+    narrower = dtype.itemsize < 8 or dtype.kind == "u" or array.dtype.kind == "u"
     if narrower and dtype.kind in "iu" and array.size and array.dtype.kind in "iu":
         # astype wraps silently (300 -> 44 as UINT8): refuse values the type cannot hold.
         info = np.iinfo(dtype)

@@ -195,6 +195,11 @@ def test_invalidation_needs_a_target_and_reports_what_it_dropped(worker: Running
     infer(worker.url, body(6.0))
     wrong = httpx.post(f"{worker.url}/v2/cache/invalidate", json={"prefix": "nope"})
     assert wrong.status_code == 400 and "prefix" in wrong.json()["error"]
+    for version in ("abc", True, [1]):  # a bad field of the body: 400, not an unknown model
+        bad = httpx.post(
+            f"{worker.url}/v2/cache/invalidate", json={"model": "m", "version": version}
+        )
+        assert bad.status_code == 400 and "'version' must be a whole number" in bad.text, bad.text
     empty = httpx.post(f"{worker.url}/v2/cache/invalidate", json={})
     assert empty.status_code == 400
     done = httpx.post(f"{worker.url}/v2/cache/invalidate", json={"model": "m"}).json()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,6 +279,37 @@ def test_concurrent_requests_share_batches_and_get_their_own_rows(worker: Runnin
             {"content": b"{}", "headers": {"Inference-Header-Content-Length": "99"}},
             400,
             "does not fit a body",
+        ),
+        # Found by review: each of these was a 500.
+        ("/v2/models/doubler/infer", one_input("FP32", [0, 2**62], []), 400, "is too large"),
+        ("/v2/models/doubler/infer", one_input("FP32", [1] * 65, [1]), 400, "more than 32"),
+        (
+            "/v2/models/doubler/infer",
+            {"content": b'{"inputs":[],"parameters":{"a":' + b"[" * 1100 + b"]" * 1100 + b"}}"},
+            400,
+            "nested too deeply",
+        ),
+        (
+            "/v2/models/doubler/infer",
+            {"content": orjson.dumps(infer_body([1.0])).replace(b'"x"', b'"\xff"')},
+            400,
+            "not valid UTF-8",
+        ),
+        # ... and these were taken wrongly.
+        (
+            "/v2/models/doubler/infer",
+            {"json": {**infer_body([1.0]), "parameters": {"binary_data_output": "false"}}},
+            400,
+            "'binary_data_output' must be true or false, not 'false'",
+        ),
+        (
+            "/v2/models/doubler/infer",
+            {
+                "content": gzip.compress(orjson.dumps(infer_body([1.0])))[:-8],
+                "headers": {"Content-Encoding": "gzip"},
+            },
+            400,
+            "not valid gzip data: it is cut short",
         ),
     ],
 )

@@ -115,3 +115,11 @@ def test_a_short_list_decodes_as_the_general_path_decodes_it(
         assert isinstance(short, np.ndarray), short
         assert short.dtype == general.dtype
         assert short.tobytes() == general.tobytes()
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+def test_int64_values_past_its_range_are_refused_not_wrapped(value: int) -> None:
+    # numpy reads them as uint64, and the cast to int64 would wrap them to negative numbers.
+    with pytest.raises(InvalidInput, match="does not fit datatype INT64"):
+        from_json("x", "INT64", [1], [value])
+    assert from_json("x", "INT64", [1], [2**63 - 1]).tolist() == [2**63 - 1]

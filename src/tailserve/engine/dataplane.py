@@ -195,7 +195,16 @@ class DataPlane:
                 raise InvalidInput(f"'model' must be a model name, got {model!r}")
             chosen = keys.model_prefix(model)
             if version is not None:
-                chosen = keys.version_prefix(model, _as_int(str(version)))
+                # A field of the body, not a path: a bad one is a bad request, not a 404.
+                if isinstance(version, bool) or not isinstance(version, int | str):
+                    raise InvalidInput(f"'version' must be a whole number, got {version!r}")
+                try:
+                    number = int(version)
+                except ValueError:
+                    raise InvalidInput(
+                        f"'version' must be a whole number, got {version!r}"
+                    ) from None
+                chosen = keys.version_prefix(model, number)
         else:
             raise InvalidInput("say what to invalidate: 'model' (and 'version') or 'prefix'")
         report = await self.cache.invalidate(chosen)

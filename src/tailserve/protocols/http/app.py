@@ -129,13 +129,25 @@ def _decompress(encoding: bytes, body: bytes, limit: int) -> bytes:
     wbits = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}.get(encoding.lower())
     if wbits is None:
         raise InvalidInput(f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}")
+    name = encoding.decode(errors="replace")
     inflater = zlib.decompressobj(wbits)
     try:
         out = inflater.decompress(body, limit + 1)
+        # gzip may hold several members one after another (RFC 1952): each is read in turn.
+        while (
+            wbits != zlib.MAX_WBITS and inflater.eof and inflater.unused_data and len(out) <= limit
+        ):
+            rest = inflater.unused_data
+            inflater = zlib.decompressobj(wbits)
+            out += inflater.decompress(rest, limit + 1 - len(out))
     except zlib.error as exc:
-        raise InvalidInput(f"request body is not valid {encoding.decode()} data: {exc}") from None
+        raise InvalidInput(f"request body is not valid {name} data: {exc}") from None
     if len(out) > limit:
         raise PayloadTooLarge(f"decompressed request body is over the {limit}-byte limit")
+    if not inflater.eof:
+        raise InvalidInput(f"request body is not valid {name} data: it is cut short")
+    if inflater.unused_data:
+        raise InvalidInput(f"request body is not valid {name} data: bytes follow its end")
     return out
 
 

@@ -60,6 +60,10 @@ def decode_request(
         raise InvalidInput(f"invalid inference request: {field_message(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("request body is not valid JSON: nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: not valid UTF-8 ({exc})") from None
     inputs = []
     offset = 0
     for item in raw.inputs:
@@ -67,7 +71,11 @@ def decode_request(
         if size is None:
             data = from_json(item.name, item.datatype, item.shape, item.data)
         else:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise InvalidInput(
+                    f"tensor {item.name!r}: binary_data_size must be an integer, not {size!r}"
+                )
+            if size < 0 or offset + size > len(binary):
                 raise InvalidInput(
                     f"tensor {item.name!r}: binary_data_size {size!r} runs past the binary data "
                     f"({len(binary) - offset} bytes left)"
@@ -79,9 +87,13 @@ def decode_request(
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data follow the header that no input claims"
         )
+    _check_flag("parameter 'binary_data_output'", (raw.parameters or {}).get("binary_data_output"))
     outputs = None
     if raw.outputs is not None:
         outputs = [RequestedOutput(o.name, o.parameters or {}) for o in raw.outputs]
+        for output in outputs:
+            flag = output.parameters.get("binary_data")
+            _check_flag(f"output {output.name!r}: parameter 'binary_data'", flag)
     return InferRequest(
         model=model,
         inputs=inputs,
@@ -90,6 +102,12 @@ def decode_request(
         outputs=outputs,
         parameters=raw.parameters or {},
     )
+
+
+def _check_flag(what: str, value: Any) -> None:
+    # A flag is true or false: "false" (a string) would otherwise be taken as true.
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"{what} must be true or false, not {value!r}")
 
 
 def encode_response(
