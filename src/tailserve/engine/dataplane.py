@@ -196,15 +196,7 @@ class DataPlane:
             chosen = keys.model_prefix(model)
             if version is not None:
                 # A field of the body, not a path: a bad one is a bad request, not a 404.
-                if isinstance(version, bool) or not isinstance(version, int | str):
-                    raise InvalidInput(f"'version' must be a whole number, got {version!r}")
-                try:
-                    number = int(version)
-                except ValueError:
-                    raise InvalidInput(
-                        f"'version' must be a whole number, got {version!r}"
-                    ) from None
-                chosen = keys.version_prefix(model, number)
+                chosen = keys.version_prefix(model, _as_int(version, InvalidInput, "'version'"))
         else:
             raise InvalidInput("say what to invalidate: 'model' (and 'version') or 'prefix'")
         report = await self.cache.invalidate(chosen)
@@ -386,8 +378,14 @@ def _platform(config: ModelConfig) -> str:
     }[config.runtime]
 
 
-def _as_int(version: str) -> int:
+def _as_int(
+    version: Any, refuse: type[TailserveError] = ModelNotFound, what: str = "model version"
+) -> int:
+    """A version as a whole number; anything else is refused with ``refuse`` (in a path, an
+    unknown model version: 404; in a body's field, a bad request)."""
+    if isinstance(version, bool) or not isinstance(version, int | str):
+        raise refuse(f"{what} must be a whole number, got {version!r}")
     try:
         return int(version)
     except ValueError:
-        raise ModelNotFound(f"model version must be a whole number, got {version!r}") from None
+        raise refuse(f"{what} must be a whole number, got {version!r}") from None

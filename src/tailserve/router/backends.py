@@ -188,10 +188,7 @@ class Pool:
         if ok:
             backend.consecutive_failures = 0
             self._sample(backend, latency_s)
-            usual = backend.usual_s
-            backend.usual_s = (
-                latency_s if usual is None else usual + self.ewma_alpha * (latency_s - usual)
-            )
+            backend.usual_s = self._moved(backend.usual_s, latency_s)
         else:
             backend.consecutive_failures += 1
             if now is not None:
@@ -268,8 +265,9 @@ class Pool:
         backend.in_flight -= 1
 
     def _sample(self, backend: Backend, latency_s: float) -> None:
-        if backend.latency_s is None:
-            backend.latency_s = latency_s
-        else:
-            backend.latency_s += self.ewma_alpha * (latency_s - backend.latency_s)
+        backend.latency_s = self._moved(backend.latency_s, latency_s)
         backend.samples += 1
+
+    def _moved(self, average: float | None, sample: float) -> float:
+        """An EWMA after one more sample (the sample itself when there was none)."""
+        return sample if average is None else average + self.ewma_alpha * (sample - average)

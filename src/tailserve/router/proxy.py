@@ -205,7 +205,6 @@ class _ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
-        self._continue_owed = False
         self._url = b""
         self._headers = []
         self._body = []
