@@ -159,12 +159,9 @@ def floor(measured: dict[str, Any], out: Path, args: argparse.Namespace) -> dict
     spec = h.workload(Path(measured["spec"]).name, out, name="floor",
                       target=f"http://127.0.0.1:{port}", model_config=measured["model_config"],
                       where=out)  # fmt: skip
-    command = [sys.executable, "-m", "uvicorn", "fixed_reply:app", "--host", "127.0.0.1",
-               "--port", str(port), "--loop", "uvloop", "--http", "httptools",
-               "--no-access-log", "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(h.HERE / "baselines")}
+    command = [sys.executable, str(h.HERE / "baselines" / "fixed_reply.py"), "--port", str(port)]
     print(f"\n=== measuring floor: a fixed reply at {rate:,.0f} req/s ===", flush=True)
-    with h.serving(command, port, env=env):
+    with h.serving(command, port):
         result = h.bench(spec, out / "floor.json", "--rate", f"{rate:.0f}", "--name", "floor",
                          "--duration", str(args.duration), "--warmup", str(args.warmup),
                          echo=False)  # fmt: skip

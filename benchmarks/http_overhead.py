@@ -189,7 +189,9 @@ def main() -> None:
             IDENTITY_YAML.format(mbs=mbs, enabled=enabled)
         )
         (work / "repo" / name / "1" / "model.py").write_text(textwrap.dedent(IDENTITY))
-    env = {**os.environ, "PYTHONPATH": str(work)}
+    # The apps beside whatever tailserve is on the path already (a checkout's src, say).
+    path = [str(work), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     uvicorn = [
         sys.executable,
         "-m",

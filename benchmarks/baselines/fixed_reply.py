@@ -1,33 +1,52 @@
-"""The measuring floor: an ASGI app on the worker's own stack (uvicorn, httptools, uvloop) that
-reads each request's body and answers one fixed reply, no model and no cache. What the load
+"""The measuring floor: the worker's own HTTP server (tailserve.protocols.http.server, on
+uvloop) answering every request with one fixed reply, no model and no cache. What the load
 generator measures against it, at a given rate on a given machine, is the least any server on
 that stack can show there: the rest of a worker's figure is the worker's.
 
-    uvicorn fixed_reply:app --port 8200 --loop uvloop --http httptools
+    python fixed_reply.py --port 8200
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+from collections.abc import Coroutine
 from typing import Any
+
+from tailserve.loops import run
+from tailserve.protocols.http.request import HttpRequest
+from tailserve.protocols.http.server import HttpServer, Reply
 
 REPLY = (
     b'{"model_name":"fixed","model_version":"1","outputs":'
     b'[{"name":"y","datatype":"FP32","shape":[1,1],"data":[0.5]}]}'
 )
-HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(REPLY)).encode())]
+JSON = [(b"content-type", b"application/json")]
 
 
-async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    if scope["path"].endswith("/health/ready"):
-        await send({"type": "http.response.start", "status": 200, "headers": HEADERS[:1]})
-        await send({"type": "http.response.body", "body": b"{}"})
-        return
-    while (await receive()).get("more_body"):
-        pass
-    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-    await send({"type": "http.response.body", "body": REPLY})
+class FixedReply:
+    def answer_now(self, request: HttpRequest) -> Reply | None:
+        if request.path.endswith("/health/ready"):
+            return 200, JSON, b"{}"
+        return 200, JSON, REPLY
+
+    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply]:
+        raise AssertionError("every request is answered at once")
+
+
+async def serve(host: str, port: int) -> None:
+    server = HttpServer(FixedReply(), max_body_bytes=64 * 1024 * 1024)
+    await server.start(host, port)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8200)
+    args = parser.parse_args()
+    run(serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

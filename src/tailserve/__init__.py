@@ -14,7 +14,7 @@ __all__ = ["Settings", "TailserveError", "Worker", "__version__", "load_settings
 
 
 def __getattr__(name: str) -> object:
-    # The worker pulls in uvicorn and the runtimes: import it only when asked for.
+    # The worker pulls in its HTTP server and the runtimes: import it only when asked for.
     if name == "Worker":
         from tailserve.server import Worker
 

@@ -11,15 +11,13 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
-
-import uvicorn
 
 from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.resp import LeanRedis
@@ -31,7 +29,7 @@ from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.app import HttpApp, SlowFault
-from tailserve.protocols.http.timing import TimedHttpToolsProtocol
+from tailserve.protocols.http.server import HttpServer
 from tailserve.repository.config import FeaturesConfig
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
@@ -40,20 +38,6 @@ if TYPE_CHECKING:
     from tailserve.cache.features import FeatureResolver, FeatureStore
 
 log = logging.getLogger(__name__)
-
-
-class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drained
-        # worker exits 0.
-        self._on_exit()
-        if self.should_exit:
-            self.force_exit = True
-        self.should_exit = True
 
 
 class Worker:
@@ -91,9 +75,7 @@ class Worker:
         self.app = HttpApp(
             self.dataplane,
             self.metrics,
-            max_body_bytes=settings.max_body_bytes,
             admin_token=settings.admin_token,
-            lifespan=self._lifespan,
             recorder=self.recorder,
             slow_fault=(
                 SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
@@ -102,7 +84,12 @@ class Worker:
             ),
         )
         self._loading: asyncio.Task[None] | None = None
-        self._uvicorn: _Uvicorn | None = None
+        self._http: HttpServer | None = None
+        # Set by the first SIGTERM or SIGINT (or `request_exit`); the second, `_forced`,
+        # cuts the drain short.
+        self._exit = asyncio.Event()
+        self._forced = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc: Any = None  # grpc.aio.Server, while it serves
         self.loaded = asyncio.Event()
 
@@ -156,56 +143,76 @@ class Worker:
         return rows
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve until SIGTERM or SIGINT (or `request_exit`), then drain and stop."""
         if self.settings.gil_switch_interval_ms > 0:
             # Process-wide, like gc.freeze below: a worker is its own process.
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1e3)
-        config = uvicorn.Config(
-            self.app,
-            host=self.settings.host,
-            port=self.settings.http_port,
-            # httptools, noting when each request began to arrive (its deadline's start).
-            http=TimedHttpToolsProtocol,
-            loop="none",
-            lifespan="on",
-            access_log=self.settings.access_log,
-            log_config=None,
-            log_level=self.settings.log_level,
-            timeout_graceful_shutdown=int(self.settings.drain_timeout_s),
-            backlog=self.settings.backlog,
-            server_header=False,
-            # No X-Forwarded-* rewriting: it wraps every request, and a worker trusts no proxy.
-            proxy_headers=False,
-        )
-        self._uvicorn = _Uvicorn(config, on_exit=self._begin_drain)
-        await self._uvicorn.serve(sockets=sockets)
+        loop = self._loop = asyncio.get_running_loop()
+        # Signals reach the main thread's loop only (tests run workers in threads of their own).
+        signals = (signal.SIGTERM, signal.SIGINT) if _main_thread() else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, self._signalled)
+        try:
+            await self._start()
+            self._http = HttpServer(
+                self.app,
+                max_body_bytes=self.settings.max_body_bytes,
+                access_log=self.settings.access_log,
+            )
+            await self._http.start(self.settings.host, self.settings.http_port, sockets=sockets,
+                                   backlog=self.settings.backlog)  # fmt: skip
+            log.info("HTTP on %s:%d", self.settings.host, self._http.port)
+            await self._exit.wait()
+            # No new requests; those in flight finish (up to the drain timeout), then the
+            # connections close.
+            await self._http.drain(self.settings.drain_timeout_s, self._forced)
+        finally:
+            await self._stop()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
 
     def request_exit(self) -> None:
-        """Begin the same graceful shutdown SIGTERM begins (for in-process use and tests)."""
+        """Begin the graceful shutdown (SIGTERM's); a second call cuts its drain short. Safe
+        to call from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._signalled()
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self._signalled()
+        else:
+            loop.call_soon_threadsafe(self._signalled)
+
+    def _signalled(self) -> None:
         self._begin_drain()
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
+        if self._exit.is_set():
+            self._forced.set()
+        self._exit.set()
 
     def _begin_drain(self) -> None:
         if not self.dataplane.draining:
             log.info("draining: no new requests; finishing those in flight")
         self.dataplane.draining = True
 
-    async def _lifespan(
-        self, receive: Callable[[], Awaitable[dict[str, Any]]], send: Callable[..., Awaitable[None]]
-    ) -> None:
-        await receive()  # lifespan.startup
+    async def _start(self) -> None:
         self.loop_lag.start()
         await self._start_grpc()
         if self.cache.redis is not None:
             await self.cache.redis.connect()
             self.cache.start_listening(self._pubsub_client)
         self._loading = asyncio.create_task(self._load_models(), name="load-models")
-        await send({"type": "lifespan.startup.complete"})
-        await receive()  # lifespan.shutdown: uvicorn has already waited for connections
+
+    async def _stop(self) -> None:
         self.dataplane.draining = True
         if self._grpc is not None:  # calls in flight finish (up to the drain timeout)
             await self._grpc.stop(self.settings.drain_timeout_s)
             self._grpc = None
+        if self._http is not None:
+            self._http.close()
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self._loading is not None:
@@ -217,7 +224,6 @@ class Worker:
         self.loop_lag.stop()
         if self.recorder is not None:
             self.recorder.close()
-        await send({"type": "lifespan.shutdown.complete"})
 
     async def _start_grpc(self) -> None:
         """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none). A worker that
@@ -252,3 +258,7 @@ class Worker:
         self.dataplane.initial_load_done = True
         self.loaded.set()
         log.info("ready: %d model(s) serving", sum(s.ready for s in self.manager.states()))
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

@@ -152,7 +152,7 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self) -> None:
-        # A second one, as with uvicorn, cuts the drain short: requests in flight fail at once.
+        # A second one, as with a worker, cuts the drain short: requests in flight fail at once.
         if self._signalled.is_set():
             log.warning("signalled again: killing the workers")
             for worker in self.workers:

@@ -1,9 +1,11 @@
-"""The worker's HTTP surface as a bare ASGI application.
+"""The worker's HTTP surface: what `server.HttpServer` calls for each request.
 
-No web framework sits on the hot path: a route table lookup, a bounded body read, a codec and a
-call into the data plane. (benchmarks/http_overhead.py measures what this costs over a bare ASGI
-handler.) Handlers return ``(status, headers, body)``; errors from the data plane become
-``{"error": "..."}`` with the status `errors.status_of` gives.
+No web framework sits on the hot path: a route table lookup, a codec and a call into the data
+plane. (benchmarks/http_overhead.py measures what this costs over a bare handler.) Handlers
+return ``(status, headers, body)``; errors from the data plane become ``{"error": "..."}`` with
+the status `errors.status_of` gives. What needs no waiting is answered in `answer_now`, with
+no task: an unknown route, and an inference refused before it is decoded because its model is
+too busy for its deadline.
 """
 
 from __future__ import annotations
@@ -14,141 +16,35 @@ import logging
 import math
 import random
 import time
-import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.errors import InvalidInput, PayloadTooLarge, TailserveError, Unauthorized
+from tailserve.errors import InvalidInput, TailserveError, Unauthorized
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http import kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
 from tailserve.protocols.http.openapi import openapi_document
-from tailserve.protocols.http.routes import Router
-from tailserve.protocols.http.timing import DISCONNECTED, RECEIVED
+from tailserve.protocols.http.request import HttpRequest
+from tailserve.protocols.http.routes import Route, Router
 
 log = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 Reply = tuple[int, Headers, bytes]
 
 _JSON: Headers = [(b"content-type", b"application/json")]
-# An inference body up to this size with no X-Deadline-Ms is read before the early refusal, to
-# see whether it names a `timeout` (larger ones are refused, when they are, on the SLO).
+# An inference body up to this size with no X-Deadline-Ms is looked at before the early
+# refusal, to see whether it names a `timeout` (larger ones are refused, when they are, on the
+# SLO).
 _PEEK_BYTES = 64 * 1024
 _TIMEOUT = b'"timeout"'
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
-
-
-class HttpRequest:
-    __slots__ = ("_receive", "_scope", "max_body_bytes", "params", "received_at")
-
-    def __init__(
-        self, scope: Scope, receive: Receive, params: dict[str, str], max_body_bytes: int
-    ) -> None:
-        self._scope = scope
-        self._receive = receive
-        self.params = params
-        self.max_body_bytes = max_body_bytes
-        # Deadlines count from here: when the server began to read the request (or, under
-        # another server than ours, now); the clock is the scheduler's (time.monotonic).
-        self.received_at: float = scope.get(RECEIVED) or time.monotonic()
-
-    @property
-    def method(self) -> str:
-        method: str = self._scope["method"]
-        return method
-
-    @property
-    def path(self) -> str:
-        path: str = self._scope["path"]
-        return path
-
-    @property
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        headers: list[tuple[bytes, bytes]] = self._scope["headers"]
-        return headers
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self._scope["headers"]:
-            if key == name:
-                return bytes(value)
-        return None
-
-    async def body(self) -> bytes:
-        """The whole body, refused with 413 as soon as it passes the limit; decompressed."""
-        limit = self.max_body_bytes
-        declared = self.header(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(
-                f"request body of {int(declared)} bytes is over the {limit}-byte limit"
-            )
-        chunks = []
-        size = 0
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        encoding = self.header(b"content-encoding")
-        if encoding is not None and encoding not in (b"identity", b""):
-            body = _decompress(encoding, body, limit)
-        return body
-
-    async def json(self) -> Any:
-        body = await self.body()
-        if not body:
-            return {}
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-
-
-def _decompress(encoding: bytes, body: bytes, limit: int) -> bytes:
-    # "deflate" on the wire is zlib-wrapped; gzip has its own header. Both capped at the limit.
-    wbits = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}.get(encoding.lower())
-    if wbits is None:
-        raise InvalidInput(f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}")
-    name = encoding.decode(errors="replace")
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(body, limit + 1)
-        # gzip may hold several members one after another (RFC 1952): each is read in turn.
-        while (
-            wbits != zlib.MAX_WBITS and inflater.eof and inflater.unused_data and len(out) <= limit
-        ):
-            rest = inflater.unused_data
-            inflater = zlib.decompressobj(wbits)
-            out += inflater.decompress(rest, limit + 1 - len(out))
-    except zlib.error as exc:
-        raise InvalidInput(f"request body is not valid {name} data: {exc}") from None
-    if len(out) > limit:
-        raise PayloadTooLarge(f"decompressed request body is over the {limit}-byte limit")
-    if not inflater.eof:
-        raise InvalidInput(f"request body is not valid {name} data: it is cut short")
-    if inflater.unused_data:
-        raise InvalidInput(f"request body is not valid {name} data: bytes follow its end")
-    return out
+# Routes whose requests may be refused before they are decoded (`_shed`).
+_SHED = frozenset(("infer", "predict_v1"))
 
 
 class SlowFault:
@@ -174,66 +70,70 @@ class HttpApp:
         dataplane: DataPlane,
         metrics: Metrics,
         *,
-        max_body_bytes: int = 64 * 1024 * 1024,
         admin_token: str | None = None,
-        lifespan: Callable[[Receive, Send], Awaitable[None]] | None = None,
         recorder: TraceRecorder | None = None,
         slow_fault: SlowFault | None = None,
     ) -> None:
         self.dataplane = dataplane
         self._slow_fault = slow_fault
         self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
         self._admin = f"Bearer {admin_token}".encode() if admin_token else None
-        self._lifespan = lifespan
         self._recorder = recorder
         self._router = Router()
         self._openapi_body = orjson.dumps(openapi_document())
+        self._handlers: dict[str, Callable[[HttpRequest], Awaitable[Reply]]] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "lifespan" and self._lifespan is not None:
-            await self._lifespan(receive, send)
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = time.perf_counter()
-        route, params, path_known = self._router.match(scope["method"], scope["path"])
+    def answer_now(self, request: HttpRequest) -> Reply | None:
+        """The reply when it needs no waiting: no such route, or an inference refused before
+        it is decoded. None: `answer` is called."""
+        route, params, path_known = self._router.match(request.method, request.path)
         if route is None:
             status = 405 if path_known else 404
             what = "method not allowed" if path_known else "no such route"
-            await _send(send, status, _JSON, _error(f"{what}: {scope['method']} {scope['path']}"))
-            return
-        request = HttpRequest(scope, receive, params, self.max_body_bytes)
+            return status, _JSON, _error(f"{what}: {request.method} {request.path}")
+        request.route = route
+        request.params = params
+        if route.handler not in _SHED:
+            return None
+        try:
+            self._shed(request, params["model"], params.get("version"))
+        except TailserveError as exc:
+            return self._counted(request, route, *_refusal(exc))
+        return None
+
+    async def answer(self, request: HttpRequest) -> Reply:
+        route: Route = request.route
+        handler = self._handlers.get(route.handler)
+        if handler is None:
+            handler = self._handlers[route.handler] = getattr(self, "_" + route.handler)
         try:
             if route.admin:
                 self._authorize(request)
-            status, headers, body = await getattr(self, "_" + route.handler)(request)
+            status, headers, body = await handler(request)
             if self._slow_fault is not None and route.protocol is not None:
-                await self._slow_fault.delay(time.perf_counter() - started)
-        except ClientGone:
-            return
+                await self._slow_fault.delay(time.monotonic() - request.received_at)
         except asyncio.CancelledError:
-            if not scope.get(DISCONNECTED):
-                raise
-            # The client hung up (the loser of a hedge, a caller that gave up): its queued
-            # work is dropped and nobody is left to answer. 499 as nginx counts it.
-            if route.protocol is not None:
-                model = params.get("model", "")
-                label = model if self.dataplane.knows(model) else "_unknown"
-                self.metrics.on_request(label, route.protocol, 499, time.perf_counter() - started)
-            return
+            if request.disconnected:
+                # The client hung up (the loser of a hedge, a caller that gave up): its queued
+                # work is dropped and nobody is left to answer. 499 as nginx counts it.
+                self._counted(request, route, 499, _JSON, b"")
+            raise
         except TailserveError as exc:
-            status, headers, body = status_of(exc), [*_JSON, *headers_of(exc)], _error(exc.message)
+            status, headers, body = _refusal(exc)
         except Exception as exc:
-            log.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            log.exception("unexpected error on %s %s", request.method, request.path)
             status, headers, body = 500, _JSON, _error(f"internal error: {type(exc).__name__}")
-        await _send(send, status, headers, body)
+        return self._counted(request, route, status, headers, body)
+
+    def _counted(
+        self, request: HttpRequest, route: Route, status: int, headers: Headers, body: bytes
+    ) -> Reply:
         if route.protocol is not None:
-            model = params.get("model", "")
+            model = request.params.get("model", "")
             label = model if self.dataplane.knows(model) else "_unknown"
-            self.metrics.on_request(label, route.protocol, status, time.perf_counter() - started)
+            elapsed = time.monotonic() - request.received_at
+            self.metrics.on_request(label, route.protocol, status, elapsed)
+        return status, headers, body
 
     def _authorize(self, request: HttpRequest) -> None:
         if self._admin is None:
@@ -243,7 +143,11 @@ class HttpApp:
             raise Unauthorized("this admin route needs 'Authorization: Bearer <token>'")
 
     def _shed(self, request: HttpRequest, model: str, version: str | None) -> None:
-        """Refuse before reading the body when the model is too busy for the deadline."""
+        """Refuse before decoding when the model is too busy for the request's deadline: the
+        header's, else the model's SLO. A ``timeout`` parameter in the body may be looser
+        than the SLO (the tighter of it and the header wins): a small body with no header
+        that names one is left to admission, which sees its real deadline; so is a compressed
+        one with no header (what it names is not known until it is decompressed)."""
         deadline = request.header(b"x-deadline-ms")
         deadline_ms = None
         if deadline is not None:
@@ -253,25 +157,16 @@ class HttpApp:
                 return  # reading the request will say what is wrong with it
             if not deadline_ms > 0:
                 return
+        elif request.route.handler == "infer":
+            encoding = request.header(b"content-encoding")
+            if encoding not in (None, b"", b"identity"):
+                return
+            body = request.raw_body
+            if len(body) <= _PEEK_BYTES:
+                header = _header_length(request.header(b"inference-header-content-length"))
+                if _TIMEOUT in (body if header is None else body[:header]):
+                    return
         self.dataplane.shed(model, version, request.received_at, deadline_ms)
-
-    async def _shed_then_read(self, request: HttpRequest, model: str, version: str | None) -> bytes:
-        """An inference request's body, once its model is known not to be too busy for it.
-
-        Refused before the body is read when it is, for the header's deadline or else the
-        model's SLO. A ``timeout`` parameter in the body may be looser than the SLO (the tighter
-        of it and the header wins): a small body with no header is read first, and one that
-        names a timeout is left to admission, which sees its real deadline."""
-        length = request.header(b"content-length")
-        small = length is not None and length.isdigit() and int(length) <= _PEEK_BYTES
-        if request.header(b"x-deadline-ms") is not None or not small:
-            self._shed(request, model, version)
-            return await self._read_traced(request)
-        body = await self._read_traced(request)
-        header = _header_length(request.header(b"inference-header-content-length"))
-        if _TIMEOUT not in (body if header is None else body[:header]):
-            self._shed(request, model, version)
-        return body
 
     # --- health and metadata ----------------------------------------------------------------
 
@@ -320,7 +215,7 @@ class HttpApp:
 
     async def _infer(self, request: HttpRequest) -> Reply:
         p = request.params
-        body = await self._shed_then_read(request, p["model"], p.get("version"))
+        body = await self._read_traced(request)
         header_length = _header_length(request.header(b"inference-header-content-length"))
         infer_request = oip.decode_request(p["model"], p.get("version"), body, header_length)
         _request_options(request, infer_request)
@@ -330,7 +225,6 @@ class HttpApp:
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
-        self._shed(request, name, None)
         config = self.dataplane.manager.get(name).config
         infer_request = kserve_v1.decode_records(name, config, await self._read_traced(request))
         _request_options(request, infer_request)
@@ -432,12 +326,5 @@ def _error(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
-async def _send(send: Send, status: int, headers: Headers, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*headers, (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+def _refusal(exc: TailserveError) -> Reply:
+    return status_of(exc), [*_JSON, *headers_of(exc)], _error(exc.message)

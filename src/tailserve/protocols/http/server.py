@@ -1,0 +1,446 @@
+"""The worker's HTTP/1.1 server: a bare asyncio protocol on httptools' parser.
+
+It replaced uvicorn in the worker. Per request uvicorn built an ASGI scope, a message per body
+piece and two per reply, and a task; that was most of the gap between a cache hit and a fixed
+reply (docs/worker.md, "The HTTP server"). Here a request is read whole into an `HttpRequest`
+and handed to the application in one call, which may answer at once (`Application.answer_now`:
+a route that does not exist, a request refused under load) or return a coroutine, run as a
+task; its ``(status, headers, body)`` is written as one buffer.
+
+HTTP/1.1 as clients use it: keep-alive (an idle connection closes after ``keep_alive_s``),
+pipelined requests answered in order, chunked request bodies, ``Expect: 100-continue``,
+HTTP/1.0, HEAD. A body over the limit is refused with 413, by its declared length before it
+is read; a malformed request gets a 400 and the connection closes; a protocol upgrade is not
+made (the request is answered over HTTP/1.1, then the connection closes). A client that hangs
+up cancels its request's task (`HttpRequest.disconnected` tells that cancellation apart), so
+work still queued for a batch is dropped. Each request's arrival (the parser's first byte of
+it) is its deadline's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import http
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Coroutine
+from typing import Any, Protocol, cast
+
+import httptools
+import orjson
+
+from tailserve.protocols.http.request import HttpRequest
+
+log = logging.getLogger(__name__)
+access = logging.getLogger("tailserve.access")
+
+Headers = list[tuple[bytes, bytes]]
+Reply = tuple[int, Headers, bytes]
+
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
+# Set by the server from these, not by the application.
+_FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection", b"date"))
+# A request's line and headers together may not be longer (431).
+MAX_HEAD_BYTES = 64 * 1024
+# Requests read ahead of the one being answered (pipelined) before reading pauses.
+MAX_PIPELINED = 32
+
+
+class Application(Protocol):
+    def answer_now(self, request: HttpRequest) -> Reply | None:
+        """The reply, if it needs no waiting (else None: `answer` is called)."""
+
+    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply]: ...
+
+
+class HttpServer:
+    def __init__(
+        self,
+        app: Application,
+        *,
+        max_body_bytes: int,
+        keep_alive_s: float = 5.0,
+        access_log: bool = False,
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.keep_alive_s = keep_alive_s
+        self.access_log = access_log
+        self.draining = False
+        self.date = b""
+        self._servers: list[asyncio.Server] = []
+        self._connections: set[_Connection] = set()
+        self._busy = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._servers[0].sockets[0].getsockname()[1])
+
+    async def start(
+        self,
+        host: str,
+        port: int,
+        *,
+        sockets: list[socket.socket] | None = None,
+        backlog: int = 2048,
+    ) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        if sockets:
+            for sock in sockets:
+                server = await loop.create_server(lambda: _Connection(self), sock=sock,
+                                                  backlog=backlog)  # fmt: skip
+                self._servers.append(server)
+        else:
+            server = await loop.create_server(lambda: _Connection(self), host, port,
+                                              reuse_address=True, backlog=backlog)  # fmt: skip
+            self._servers.append(server)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Once a second: the Date header's value, and idle connections past their time."""
+        assert self._loop is not None
+        self.date = b"date: " + email.utils.formatdate(usegmt=True).encode() + b"\r\n"
+        now = time.monotonic()
+        for connection in list(self._connections):
+            connection.close_if_idle(now - self.keep_alive_s)
+        self._sweeper = self._loop.call_later(1.0, self._sweep)
+
+    async def drain(self, timeout_s: float, forced: asyncio.Event | None = None) -> None:
+        """Stop accepting and close idle connections; let the requests in flight finish (up
+        to the timeout, or until ``forced`` is set), each connection closing after its reply;
+        then close what is left, cancelling its work."""
+        self.draining = True
+        for server in self._servers:
+            server.close()
+        for connection in list(self._connections):
+            connection.close_if_idle(None)
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if forced is not None:
+            waits.append(asyncio.ensure_future(forced.wait()))
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        self.close()
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for connection in list(self._connections):
+            connection.abort()
+
+    def _began(self) -> None:
+        self._busy += 1
+        self._idle.clear()
+
+    def _ended(self) -> None:
+        self._busy -= 1
+        if self._busy == 0:
+            self._idle.set()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._peer = ""
+        # The request being read.
+        self._url = b""
+        self._headers: Headers = []
+        self._head_size = 0
+        self._body: list[bytes] = []
+        self._size = 0
+        self._too_large = False
+        self._started = 0.0
+        self._in_message = False
+        # A "100 Continue" is owed to the request being read, once those ahead are answered.
+        self._continue_owed = False
+        # Read and waiting their turn; the one being answered and its task.
+        self._queue: deque[HttpRequest] = deque()
+        self._current: HttpRequest | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._idle_since = time.monotonic()
+        self._reading_paused = False
+        self._write_paused = False
+        # Nothing more is read (a request that could not be read, or an upgrade): the requests
+        # already read are answered in turn, then the connection closes.
+        self._ended = False
+        self._closing = False
+        self._closed = False
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._server._connections.add(self)
+        if self._server.access_log:
+            peer = transport.get_extra_info("peername")
+            self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+    def data_received(self, data: bytes) -> None:
+        if self._ended or self._closing:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # A whole request that asked for an upgrade is answered over HTTP/1.1 (the upgrade
+            # ignored), and the connection closed after it; one cut short is refused.
+            if self._in_message:
+                self._end(400, "protocol upgrades are not supported")
+            else:
+                self._end(None)
+        except httptools.HttpParserError as exc:
+            self._end(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server._connections.discard(self)
+        self._queue.clear()
+        task, request = self._task, self._current
+        if task is not None and request is not None and not task.done():
+            # The client no longer wants the answer: its work (a place in a batch's queue)
+            # is dropped.
+            request.disconnected = True
+            task.cancel()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._next()
+
+    # --- httptools callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._started = time.monotonic()
+        self._in_message = True
+        self._url = b""
+        self._headers = []
+        self._head_size = 0
+        self._body = []
+        self._size = 0
+        self._too_large = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD_BYTES:
+            self._end(414, f"request target over {MAX_HEAD_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._head_size += len(name) + len(value)
+        if self._head_size > MAX_HEAD_BYTES:
+            self._end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
+
+    def on_headers_complete(self) -> None:
+        if self._ended:
+            return
+        declared = expect = None
+        for name, value in self._headers:
+            if name == b"content-length":
+                declared = value
+            elif name == b"expect":
+                expect = value
+        limit = self._server.max_body_bytes
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            # Refused by its declared length before its body (which may never end): in its
+            # turn, and nothing after it is read.
+            length = int(declared)
+            self._end(413, f"request body of {length} bytes is over the {limit}-byte limit")
+            return
+        # A client that waits for leave to send its body (curl does, past 1 KiB) gets it as
+        # soon as the requests ahead of it are answered: an interim reply written while
+        # another is on its way would land inside that one.
+        if (
+            expect is not None
+            and expect.lower() == b"100-continue"
+            and self._parser.get_http_version() != "1.0"
+        ):
+            self._continue_owed = True
+            self._pay_continue()
+
+    def on_body(self, body: bytes) -> None:
+        if self._ended:
+            return
+        self._size += len(body)
+        if self._size > self._server.max_body_bytes:
+            self._too_large = True
+            self._body = []
+        elif not self._too_large:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        self._continue_owed = False
+        if self._ended or self._closing:
+            return
+        parser = self._parser
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = HttpRequest(
+            parser.get_method().decode("latin-1"), self._url, self._headers, body,
+            received_at=self._started, max_body_bytes=self._server.max_body_bytes,
+            keep_alive=parser.should_keep_alive(), version=parser.get_http_version(),
+        )  # fmt: skip
+        if self._too_large:
+            limit = self._server.max_body_bytes
+            request.raw_body = b""
+            request.keep_alive = False  # the rest of the connection's bytes are not trusted
+            request.error = (413, f"request body is over the {limit}-byte limit")
+        self._queue.append(request)
+        if len(self._queue) > MAX_PIPELINED and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+        self._next()
+
+    # --- requests, one at a time --------------------------------------------------------
+
+    def _next(self) -> None:
+        while (
+            self._queue
+            and self._task is None
+            and not self._write_paused
+            and not self._closing
+            and not self._closed
+        ):
+            request = self._queue.popleft()
+            if request.error is not None:
+                status, message = request.error
+                self._write(request, status, _JSON, orjson.dumps({"error": message}))
+                continue
+            app = self._server.app
+            reply = app.answer_now(request)
+            if reply is not None:
+                self._write(request, *reply)
+                continue
+            self._server._began()
+            self._current = request
+            self._task = asyncio.get_running_loop().create_task(self._answer(request))
+        if self._reading_paused and len(self._queue) <= MAX_PIPELINED // 2:
+            self._reading_paused = False
+            if self._transport is not None and not self._ended:
+                self._transport.resume_reading()
+        self._pay_continue()
+
+    async def _answer(self, request: HttpRequest) -> None:
+        """Run the application's answer and write it from the same task: a done callback
+        would wait a turn of the event loop, behind every other connection's reads."""
+        try:
+            try:
+                reply = await self._server.app.answer(request)
+            except asyncio.CancelledError:
+                if not request.disconnected:
+                    self.abort()  # cancelled with the client still there: a forced close
+                raise
+            except Exception as exc:
+                # The application answers its own errors; this is a bug in it.
+                log.error("unanswered error on %s %s", request.method, request.path,
+                          exc_info=exc)  # fmt: skip
+                reply = (500, _JSON, b'{"error": "internal error"}')
+        finally:
+            self._server._ended()
+        self._task = self._current = None
+        if not self._closed:
+            self._write(request, *reply)
+            self._next()
+
+    def _keep_alive(self, request: HttpRequest) -> bool:
+        """Whether the connection stays open after this request's reply: not when the client
+        or a drain says so, nor after the last request read before the connection ended."""
+        return (
+            request.keep_alive
+            and not self._server.draining
+            and not (self._ended and not self._queue)
+        )
+
+    def _write(self, request: HttpRequest, status: int, headers: Headers, body: bytes) -> None:
+        """The reply; to a HEAD request its head alone (with the length GET would send)."""
+        transport = self._transport
+        if transport is None or self._closed:
+            return
+        keep_alive = self._keep_alive(request)
+        line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+        parts = [line, self._server.date]
+        for name, value in headers:
+            if name not in _FRAMING:
+                parts += (name, b": ", value, b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(body))
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        if request.method != "HEAD":
+            parts.append(body)
+        transport.write(b"".join(parts))
+        self._idle_since = time.monotonic()
+        if self._server.access_log:
+            access.info('%s - "%s %s HTTP/%s" %d', self._peer, request.method, request.path,
+                        request.version, status)  # fmt: skip
+        if not keep_alive:
+            self._closing = True
+            transport.close()
+
+    def _end(self, status: int | None, message: str = "") -> None:
+        """Read nothing more on this connection. The requests already read are answered in
+        turn; then ``status`` (when given) answers the one that could not be read, and the
+        connection closes."""
+        if self._ended or self._closed or self._closing or self._transport is None:
+            return
+        self._ended = True
+        self._continue_owed = False
+        self._transport.pause_reading()
+        if status is not None:
+            request = HttpRequest("", b"", [], b"", received_at=time.monotonic(),
+                                  max_body_bytes=0, keep_alive=False)  # fmt: skip
+            request.error = (status, message)
+            self._queue.append(request)
+        if self._task is None and not self._queue:
+            self._closing = True
+            self._transport.close()
+        else:
+            self._next()
+
+    def _pay_continue(self) -> None:
+        if (
+            self._continue_owed
+            and self._task is None
+            and not self._queue
+            and not self._closed
+            and not self._closing
+            and self._transport is not None
+        ):
+            self._continue_owed = False
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def close_if_idle(self, idle_before: float | None) -> None:
+        """Close the connection if nothing is being read or answered on it (and, given a
+        time, it has been idle since before it)."""
+        if (
+            self._task is None
+            and not self._queue
+            and not self._in_message
+            and not self._closing
+            and self._transport is not None
+            and (idle_before is None or self._idle_since < idle_before)
+        ):
+            self._closing = True
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None and not self._closed:
+            self._closing = True
+            self._transport.abort()
+
+
+_JSON: Headers = [(b"content-type", b"application/json")]

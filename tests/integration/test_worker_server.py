@@ -1,0 +1,256 @@
+"""The worker's HTTP/1.1 server (protocols/http/server.py) on a loopback port, driven over raw
+connections with a small application: pipelined requests answered in order, keep-alive and its
+idle timeout, HTTP/1.0, HEAD, 100-continue, bodies over the limit, malformed requests, a client
+that hangs up (its work cancelled) and a drain."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import pytest
+
+from tailserve.protocols.http.request import HttpRequest
+from tailserve.protocols.http.server import HttpServer, Reply
+
+LIMIT = 1000
+
+
+class App:
+    """``/now`` answers without a task, ``/echo`` echoes the body, ``/wait`` waits for
+    `release`, ``/boom`` raises."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+        self.seen: list[HttpRequest] = []
+        self.cancelled: list[HttpRequest] = []
+
+    def answer_now(self, request: HttpRequest) -> Reply | None:
+        self.seen.append(request)
+        if request.path == "/now":
+            return 200, [(b"x-how", b"now")], b"now"
+        return None
+
+    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply]:
+        return self._answer(request)
+
+    async def _answer(self, request: HttpRequest) -> Reply:
+        if request.path == "/wait":
+            self.started.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(request)
+                raise
+            return 200, [], b"waited"
+        if request.path == "/boom":
+            raise RuntimeError("a bug")
+        return 200, [(b"content-type", b"text/plain")], b"echo:" + request.raw_body
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[HttpServer, App]]:
+    app = App()
+    server = HttpServer(app, max_body_bytes=LIMIT, keep_alive_s=0.5)
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server, app
+    finally:
+        server.close()
+
+
+async def _replies(port: int, data: bytes, *, count: int = 10) -> list[tuple[bytes, bytes]]:
+    """Send ``data``; each reply's head and body in order, until ``count`` or the server
+    closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    replies: list[tuple[bytes, bytes]] = []
+    try:
+        while len(replies) < count:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            except asyncio.IncompleteReadError as eof:
+                assert not eof.partial, eof.partial
+                break
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            interim = head.startswith(b"HTTP/1.1 100")
+            body = await reader.readexactly(length) if length and not interim else b""
+            replies.append((head, body))
+    finally:
+        writer.close()
+    return replies
+
+
+def _status(head: bytes) -> int:
+    return int(head.split(b" ", 2)[1])
+
+
+async def test_pipelined_requests_are_answered_in_order(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    data = (
+        b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: 1\r\n\r\na"
+        b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n"
+        b"POST /echo HTTP/1.1\r\nhost: w\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"2\r\nbc\r\n1\r\nd\r\n0\r\n\r\n"
+        b"GET /now HTTP/1.1\r\nhost: w\r\nconnection: close\r\n\r\n"
+    )
+    replies = await _replies(server.port, data)
+    assert [body for _, body in replies] == [b"echo:a", b"now", b"echo:bcd", b"now"]
+    assert all(_status(head) == 200 for head, _ in replies)
+    assert b"connection: close" in replies[-1][0]
+    assert b"date: " in replies[0][0]
+
+
+async def test_a_head_request_gets_the_length_and_no_body(served: tuple[HttpServer, App]) -> None:
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"HEAD /now HTTP/1.1\r\nhost: w\r\n\r\nGET /now HTTP/1.1\r\nhost: w\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert b"content-length: 3" in head
+    # The next bytes are the second reply, not a body for the first.
+    second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert second.startswith(b"HTTP/1.1 200")
+    assert await reader.readexactly(3) == b"now"
+    writer.close()
+
+
+async def test_http_1_0_closes_after_the_reply_unless_kept_alive(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    replies = await _replies(server.port, b"GET /now HTTP/1.0\r\n\r\nGET /now HTTP/1.0\r\n\r\n")
+    assert len(replies) == 1
+    assert b"connection: close" in replies[0][0]
+    kept = await _replies(
+        server.port, b"GET /now HTTP/1.0\r\nconnection: keep-alive\r\n\r\n", count=1
+    )
+    assert b"connection: close" not in kept[0][0]
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_time(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n")
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    await reader.readexactly(3)
+    # The sweep runs once a second: closed within keep_alive_s (0.5 s) plus one sweep.
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_100_continue_is_sent_before_the_body_is_read(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        b"POST /echo HTTP/1.1\r\nhost: w\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"
+    )
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hi")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 200
+    assert await reader.readexactly(7) == b"echo:hi"
+    writer.close()
+
+
+async def test_a_body_over_the_limit_is_refused_by_its_declared_length_before_it_is_sent(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, app = served
+    data = (
+        b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n"
+        b"POST /echo HTTP/1.1\r\nhost: w\r\nexpect: 100-continue\r\n"
+        b"content-length: %d\r\n\r\n" % (LIMIT + 1)
+    )
+    replies = await _replies(server.port, data)
+    assert [_status(head) for head, _ in replies] == [200, 413]  # no 100 Continue
+    assert b"over the 1000-byte limit" in replies[1][1]
+    assert [r.path for r in app.seen] == ["/now"]
+
+
+async def test_a_chunked_body_that_grows_past_the_limit_is_refused(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, app = served
+    chunk = b"x" * 600
+    data = (
+        b"POST /echo HTTP/1.1\r\nhost: w\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(chunk), chunk, len(chunk), chunk)
+    )
+    replies = await _replies(server.port, data)
+    assert [_status(head) for head, _ in replies] == [413]
+    assert b"connection: close" in replies[0][0]
+    assert app.seen == []
+
+
+async def test_a_malformed_request_is_400_after_those_before_it(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    data = b"GET /now HTTP/1.1\r\nhost: w\r\n\r\nNOT HTTP AT ALL\r\n\r\n"
+    replies = await _replies(server.port, data)
+    assert [_status(head) for head, _ in replies] == [200, 400]
+    assert b"malformed HTTP request" in replies[1][1]
+
+
+async def test_an_error_the_application_left_unanswered_is_a_500(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    data = b"GET /boom HTTP/1.1\r\nhost: w\r\n\r\nGET /now HTTP/1.1\r\nhost: w\r\n\r\n"
+    replies = await _replies(server.port, data, count=2)
+    assert [_status(head) for head, _ in replies] == [500, 200]
+
+
+async def test_a_client_that_hangs_up_has_its_work_cancelled(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, app = served
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /wait HTTP/1.1\r\nhost: w\r\n\r\n")
+    await asyncio.wait_for(app.started.wait(), 5)
+    writer.close()
+    for _ in range(500):
+        if app.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert len(app.cancelled) == 1
+    assert app.cancelled[0].disconnected
+
+
+async def test_a_drain_finishes_the_request_in_flight_and_closes_idle_connections(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, app = served
+    port = server.port
+    idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+    idle_writer.write(b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n")
+    await asyncio.wait_for(idle_reader.readuntil(b"\r\n\r\n"), 5)
+    await idle_reader.readexactly(3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /wait HTTP/1.1\r\nhost: w\r\n\r\n")
+    await asyncio.wait_for(app.started.wait(), 5)
+
+    drained = asyncio.ensure_future(server.drain(10.0))
+    assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # the idle one is closed
+    assert not drained.done()  # the one in flight holds the drain
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", port)  # no longer accepting
+    app.release.set()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 200 and b"connection: close" in head
+    assert await reader.readexactly(6) == b"waited"
+    await asyncio.wait_for(drained, 5)
+    idle_writer.close()
+    writer.close()
