@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-token", help="bearer token the admin routes require")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     serve.add_argument(
+        "--reply-memo-mb",
+        type=float,
+        help="MiB of encoded L1-hit replies kept for repeated requests (64; 0: off)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=float,
         dest="drain_timeout_s",
@@ -115,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         key: getattr(args, key)
         for key in (
             "repository", "host", "http_port", "grpc_port", "redis_url", "redis_cluster",
-            "cache_l2_budget_ms", "redis_client", "worker_id", "admin_token",
+            "cache_l2_budget_ms", "redis_client", "reply_memo_mb", "worker_id", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
             "trace_file", "trace_sample", "fault_slow_fraction", "fault_slow_factor",
             "gil_switch_interval_ms",

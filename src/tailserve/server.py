@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailserve.cache.redis import RedisTier, connect
+from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
 from tailserve.engine.dataplane import DataPlane
@@ -69,6 +70,8 @@ class Worker:
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
         )
         self.metrics.cost_source = self._cost_rows
+        if settings.reply_memo_mb > 0:
+            self.metrics.reply_memo = ReplyMemo(int(settings.reply_memo_mb * 2**20))
         self.recorder = None
         if settings.trace_file:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
@@ -77,6 +80,7 @@ class Worker:
             self.metrics,
             admin_token=settings.admin_token,
             recorder=self.recorder,
+            reply_memo=self.metrics.reply_memo,
             slow_fault=(
                 SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
                 if settings.fault_slow_fraction > 0

@@ -33,6 +33,9 @@ class Settings:
     # The cache's hot path (MGET, SET pipeline) on a single Redis: "lean" (one pipelined
     # connection, hiredis-packed) or "redis-py" (the standard client, as tutorials use it).
     redis_client: str = "lean"
+    # The reply memo (cache/replies.py): encoded replies of L1 hits, reused for a request of
+    # the same bytes while L1 still serves the entry they came from. 0: off.
+    reply_memo_mb: float = 64.0
     # How this worker signs what it computes (cache lineage); default host:pid.
     worker_id: str | None = None
     # Admin routes (repository load/unload/index) need this bearer token when it is set.

@@ -93,6 +93,8 @@ class Served:
     lineage: Lineage | None
     # What `compute` returned beside the outputs (the batch's account) when this request ran it.
     extra: Any = None
+    # A fresh L1 hit's stored bytes (what the entry was, to tell it from a later one).
+    value: bytes | None = None
 
 
 class _LeaderGone(Exception):
@@ -169,7 +171,7 @@ class ResultCache:
                 self._refresh_later(view, key, compute, from_l2=True)
                 return Served(result.outputs, "stale", result.lineage)
             source = "precomputed" if result.lineage.precomputed else "l1"
-            return Served(result.outputs, source, result.lineage)
+            return Served(result.outputs, source, result.lineage, value=found[0])
         self.observer.on_lookup(model, "l1", lookup.value)
         waiting = self._inflight.get(key)
         if waiting is not None:

@@ -16,6 +16,8 @@ import numpy as np
 from tailserve import __version__
 from tailserve.cache import ResultCache, keys
 from tailserve.cache.entry import Outputs
+from tailserve.cache.memory import Lookup
+from tailserve.cache.replies import Replay
 from tailserve.cache.tiered import MODES, Mode
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
@@ -145,6 +147,7 @@ class DataPlane:
             )  # fmt: skip
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}
+        origin = None
         if view is None or self.cache is None:
             outputs, stats = await compute()
         else:
@@ -152,6 +155,8 @@ class DataPlane:
             key = view.keys.key(request.inputs, request.parameters)
             answer = await self.cache.serve(view, key, mode, compute)
             outputs, stats = answer.outputs, answer.extra
+            if answer.value is not None:
+                origin = (view, key, answer.value)
             parameters["cache"] = answer.source
             if answer.lineage is not None and stats is None:
                 lineage = answer.lineage
@@ -175,7 +180,28 @@ class DataPlane:
             outputs=tensors,
             id=request.id,
             parameters=parameters,
+            origin=origin,
         )
+
+    def replay(self, replay: Replay, model: str, version: str | None) -> bool:
+        """Whether a reply kept in the reply memo may answer a request for ``model`` (and
+        ``version``) again: the version that would serve it now is the one that answered,
+        and L1 still holds, fresh, the entry the reply was made from. Counted as the L1 hit
+        it is."""
+        if self.cache is None:
+            return False
+        try:
+            served = self.manager.get(model, version)
+        except TailserveError:
+            return False
+        view = served.cache
+        if view is None or view is not replay.view:
+            return False
+        lookup, found = view.l1.get(replay.key)
+        if found is None or lookup is not Lookup.HIT or found[0] is not replay.value:
+            return False
+        self.cache.observer.on_lookup(model, "l1", lookup.value)
+        return True
 
     async def invalidate(
         self, model: str | None = None, version: str | None = None, prefix: str | None = None

@@ -39,3 +39,6 @@ class InferResponse:
     outputs: list[Tensor]
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Where a fresh L1 hit came from: (the cache's `ModelView`, the key, the entry's stored
+    # bytes). The HTTP layer keeps the encoded reply against it (`cache.replies`).
+    origin: tuple[Any, str, bytes] | None = None

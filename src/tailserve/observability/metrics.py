@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from tailserve.engine.scheduler import BatchRecord
 
 if TYPE_CHECKING:
+    from tailserve.cache.replies import ReplyMemo
     from tailserve.cache.tiered import ResultCache
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -166,6 +167,26 @@ class _CacheStateCollector(Collector):
         yield entries
         yield size
         yield breaker
+        memo = self._metrics.reply_memo
+        if memo is not None:
+            yield GaugeMetricFamily(
+                "tailserve_cache_reply_memo_entries", "Encoded replies kept (cache/replies.py).",
+                value=len(memo),
+            )  # fmt: skip
+            yield GaugeMetricFamily(
+                "tailserve_cache_reply_memo_bytes", "Bytes of encoded replies kept.",
+                value=memo.bytes,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "tailserve_cache_reply_memo_hits",
+                "Requests answered with a kept reply (each also counts as an L1 hit).",
+                value=memo.hits,
+            )
+            yield CounterMetricFamily(
+                "tailserve_cache_reply_memo_stale",
+                "Kept replies dropped when asked for: L1 no longer held their entry fresh.",
+                value=memo.stale,
+            )
 
 
 class Metrics:
@@ -280,6 +301,7 @@ class Metrics:
         self.registry.register(_CostCollector(self))
         # Set by the worker: the result cache, for its sizes and breaker state.
         self.cache_source: ResultCache | None = None
+        self.reply_memo: ReplyMemo | None = None
         self.registry.register(_CacheStateCollector(self))
         self.model_ready = Gauge(
             "tailserve_model_ready",

@@ -14,8 +14,8 @@ from tailserve.errors import InvalidInput, PayloadTooLarge
 
 class HttpRequest:
     __slots__ = (
-        "disconnected", "error", "headers", "keep_alive", "max_body_bytes", "method",
-        "params", "path", "raw_body", "received_at", "route", "version",
+        "disconnected", "error", "headers", "keep_alive", "max_body_bytes", "memo_key",
+        "method", "params", "path", "raw_body", "received_at", "route", "version",
     )  # fmt: skip
 
     def __init__(
@@ -45,6 +45,8 @@ class HttpRequest:
         # Set by the application once it has matched the route.
         self.params: dict[str, str] = {}
         self.route: Any = None
+        # Its identity in the reply memo, where the application looked it up there.
+        self.memo_key: bytes | None = None
         # The client hung up before its reply: the work for it was cancelled.
         self.disconnected = False
         # Refused before the application saw it (status, message): a body over the limit.

@@ -1,0 +1,37 @@
+"""The reply memo's bookkeeping: bounded by bytes, oldest out first; digests of parts."""
+
+from __future__ import annotations
+
+from tailserve.cache.replies import Replay, ReplyMemo, digest
+
+
+def _replay(body: bytes) -> Replay:
+    return Replay(view=None, key="k", value=b"v", status=200, headers=[], body=body)
+
+
+def test_it_holds_no_more_bytes_than_its_bound_dropping_the_oldest() -> None:
+    one = _replay(b"x" * 100)
+    memo = ReplyMemo(max_bytes=3 * one.size)
+    for i in range(3):
+        memo.put(bytes([i]), _replay(b"x" * 100))
+    assert len(memo) == 3 and memo.bytes == 3 * one.size
+    memo.put(b"\x09", _replay(b"x" * 100))
+    assert len(memo) == 3 and memo.bytes <= memo.max_bytes
+    assert memo.get(b"\x00") is None and memo.get(b"\x09") is not None
+    memo.put(b"\x01", _replay(b"y" * 100))  # replaced in place: counted once
+    assert len(memo) == 3 and memo.bytes == 3 * one.size
+    memo.drop(b"\x01")
+    assert memo.get(b"\x01") is None and memo.bytes == 2 * one.size
+
+
+def test_a_reply_larger_than_the_whole_memo_is_not_kept() -> None:
+    memo = ReplyMemo(max_bytes=1000)
+    memo.put(b"a", _replay(b"x" * 2000))
+    assert len(memo) == 0 and memo.bytes == 0
+
+
+def test_digests_tell_parts_apart_however_they_would_run_together() -> None:
+    assert digest(b"ab", b"c") != digest(b"a", b"bc")
+    assert digest(b"m", b"", b"body") != digest(b"m", b"body", b"")
+    assert digest(b"m", b"1", b"x") == digest(b"m", b"1", b"x")
+    assert len(digest(b"x")) == 16
