@@ -6,15 +6,16 @@ that hangs up (its work cancelled) and a drain."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import HttpServer, Reply
+from tailserve.protocols.http.server import MAX_HEAD_BYTES, MAX_QUEUED_BYTES, HttpServer, Reply
 
 LIMIT = 1000
+BIG = b"b" * (20 * 1024 * 1024)
 
 
 class App:
@@ -26,11 +27,15 @@ class App:
         self.started = asyncio.Event()
         self.seen: list[HttpRequest] = []
         self.cancelled: list[HttpRequest] = []
+        # Called as ``/hook`` is answered, before its task is made.
+        self.hook: Callable[[], None] = lambda: None
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
         self.seen.append(request)
         if request.path == "/now":
             return 200, [(b"x-how", b"now")], b"now"
+        if request.path == "/hook":
+            self.hook()
         return None
 
     def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply]:
@@ -44,7 +49,7 @@ class App:
             except asyncio.CancelledError:
                 self.cancelled.append(request)
                 raise
-            return 200, [], b"waited"
+            return 200, [], BIG if request.raw_body == b"big" else b"waited"
         if request.path == "/boom":
             raise RuntimeError("a bug")
         return 200, [(b"content-type", b"text/plain")], b"echo:" + request.raw_body
@@ -131,7 +136,7 @@ async def test_http_1_0_closes_after_the_reply_unless_kept_alive(
     kept = await _replies(
         server.port, b"GET /now HTTP/1.0\r\nconnection: keep-alive\r\n\r\n", count=1
     )
-    assert b"connection: close" not in kept[0][0]
+    assert b"connection: keep-alive" in kept[0][0]  # said, or a 1.0 client waits for the close
 
 
 async def test_an_idle_connection_is_closed_after_the_keep_alive_time(
@@ -184,9 +189,9 @@ async def test_a_chunked_body_that_grows_past_the_limit_is_refused(
 ) -> None:
     server, app = served
     chunk = b"x" * 600
-    data = (
+    data = (  # never ended: the 413 cannot wait for its end
         b"POST /echo HTTP/1.1\r\nhost: w\r\ntransfer-encoding: chunked\r\n\r\n"
-        b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(chunk), chunk, len(chunk), chunk)
+        b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(chunk), chunk, len(chunk), chunk)
     )
     replies = await _replies(server.port, data)
     assert [_status(head) for head, _ in replies] == [413]
@@ -253,4 +258,88 @@ async def test_a_drain_finishes_the_request_in_flight_and_closes_idle_connection
     assert await reader.readexactly(6) == b"waited"
     await asyncio.wait_for(drained, 5)
     idle_writer.close()
+    writer.close()
+
+
+async def test_a_header_too_long_is_refused_before_it_ends(served: tuple[HttpServer, App]) -> None:
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /now HTTP/1.1\r\nhost: w\r\nx-big: ")
+    for _ in range(4):  # never ended
+        writer.write(b"v" * MAX_HEAD_BYTES)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 431
+    writer.close()
+
+
+async def test_an_absolute_target_and_an_upgrade(served: tuple[HttpServer, App]) -> None:
+    server, _ = served
+    replies = await _replies(
+        server.port,
+        b"GET http://w:1/now?x=1 HTTP/1.1\r\nhost: w\r\n\r\n"
+        b"GET /now HTTP/1.1\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n",
+    )
+    assert [body for _, body in replies] == [b"now", b"now"]
+    assert b"connection: close" in replies[1][0]  # not upgraded, and closed after it
+
+
+async def test_pipelined_bodies_pause_reading_by_their_bytes(
+    served: tuple[HttpServer, App],
+) -> None:
+    app = App()
+    server = HttpServer(app, max_body_bytes=512 * 1024)
+    await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /wait HTTP/1.1\r\nhost: w\r\n\r\n")
+    await asyncio.wait_for(app.started.wait(), 5)
+    body = b"x" * (500 * 1024)
+    post = b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    for _ in range(40):  # 20 MB: far more than the socket buffers hold
+        writer.write(post)
+    (connection,) = server._connections
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        assert connection._queued_bytes <= MAX_QUEUED_BYTES + len(body)
+    assert connection._reading_paused
+    app.release.set()
+    for _ in range(41):
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.wait_for(reader.readuntil(b"waited") if _ == 0 else
+                               reader.readexactly(5 + len(body)), 10)  # fmt: skip
+    writer.close()
+    server.close()
+
+
+async def test_a_task_cancelled_before_it_ran_does_not_hold_a_drain(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, app = served
+
+    def hang_up() -> None:  # the client's reset arrives before the task's first step
+        (connection,) = server._connections
+        connection.abort()
+
+    app.hook = hang_up
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /hook HTTP/1.1\r\nhost: w\r\n\r\n")
+    for _ in range(500):
+        if not server._connections:
+            break
+        await asyncio.sleep(0.01)
+    assert not server._connections
+    await asyncio.wait_for(server.drain(10.0), 2)
+    writer.close()
+
+
+async def test_a_drain_lets_a_large_reply_be_written_out(served: tuple[HttpServer, App]) -> None:
+    server, app = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /wait HTTP/1.1\r\nhost: w\r\ncontent-length: 3\r\n\r\nbig")
+    await asyncio.wait_for(app.started.wait(), 5)
+    drained = asyncio.ensure_future(server.drain(10.0))
+    app.release.set()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert b"content-length: %d" % len(BIG) in head
+    assert await asyncio.wait_for(reader.readexactly(len(BIG)), 10) == BIG
+    await asyncio.wait_for(drained, 5)
     writer.close()

@@ -7,6 +7,7 @@ import zlib
 from typing import Any
 from urllib.parse import unquote
 
+import httptools
 import orjson
 
 from tailserve.errors import InvalidInput, PayloadTooLarge
@@ -31,7 +32,10 @@ class HttpRequest:
         version: str = "1.1",
     ) -> None:
         self.method = method
-        path = target.split(b"?", 1)[0].decode("latin-1")
+        if target[:1] == b"/":
+            path = target.split(b"?", 1)[0].decode("latin-1")
+        else:  # absolute-form (a client that speaks as if to a proxy), or "*"
+            path = _path_of(target)
         self.path = unquote(path) if "%" in path else path
         # Names lower-cased, in the order they came.
         self.headers = headers
@@ -74,6 +78,14 @@ class HttpRequest:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+
+
+def _path_of(target: bytes) -> str:
+    try:
+        parsed = httptools.parse_url(target)
+    except httptools.HttpParserInvalidURLError:
+        return target.decode("latin-1")
+    return (parsed.path or b"/").decode("latin-1")
 
 
 def _decompress(encoding: bytes, body: bytes, limit: int) -> bytes:

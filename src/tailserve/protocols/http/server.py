@@ -46,8 +46,10 @@ _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason i
 _FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection", b"date"))
 # A request's line and headers together may not be longer (431).
 MAX_HEAD_BYTES = 64 * 1024
-# Requests read ahead of the one being answered (pipelined) before reading pauses.
+# Requests, and bytes of their bodies, read ahead of the one being answered (pipelined)
+# before reading pauses.
 MAX_PIPELINED = 32
+MAX_QUEUED_BYTES = 1024 * 1024
 
 
 class Application(Protocol):
@@ -77,6 +79,8 @@ class HttpServer:
         self._busy = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._gone = asyncio.Event()  # no connection left
+        self._gone.set()
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -118,16 +122,19 @@ class HttpServer:
         to the timeout, or until ``forced`` is set), each connection closing after its reply;
         then close what is left, cancelling its work."""
         self.draining = True
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
         for server in self._servers:
             server.close()
         for connection in list(self._connections):
             connection.close_if_idle(None)
-        waits = [asyncio.ensure_future(self._idle.wait())]
-        if forced is not None:
-            waits.append(asyncio.ensure_future(forced.wait()))
-        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        for wait in waits:
-            wait.cancel()
+        # The work in flight, then the connections: each closes once its last reply is
+        # written out (aborting one earlier would cut a large reply short).
+        for done in (self._idle, self._gone):
+            if self._connections or not done.is_set():
+                await _first(done, forced, until - loop.time())
+            for connection in list(self._connections):
+                connection.close_if_idle(None)
         self.close()
 
     def close(self) -> None:
@@ -143,10 +150,26 @@ class HttpServer:
         self._busy += 1
         self._idle.clear()
 
-    def _ended(self) -> None:
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        # A done callback: it runs even for a task cancelled before its first step.
         self._busy -= 1
         if self._busy == 0:
             self._idle.set()
+
+    def _lost(self, connection: _Connection) -> None:
+        self._connections.discard(connection)
+        if not self._connections:
+            self._gone.set()
+
+
+async def _first(event: asyncio.Event, forced: asyncio.Event | None, timeout_s: float) -> None:
+    """Until ``event`` (or ``forced``) is set, for at most ``timeout_s``."""
+    waits = [asyncio.ensure_future(event.wait())]
+    if forced is not None:
+        waits.append(asyncio.ensure_future(forced.wait()))
+    await asyncio.wait(waits, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
 
 
 class _Connection(asyncio.Protocol):
@@ -161,13 +184,17 @@ class _Connection(asyncio.Protocol):
         self._head_size = 0
         self._body: list[bytes] = []
         self._size = 0
-        self._too_large = False
         self._started = 0.0
         self._in_message = False
+        # Between a request's first byte and its last header; the bytes fed meanwhile
+        # (httptools holds a header whole before it calls back: a long one is cut here).
+        self._in_head = False
+        self._head_fed = 0
         # A "100 Continue" is owed to the request being read, once those ahead are answered.
         self._continue_owed = False
         # Read and waiting their turn; the one being answered and its task.
         self._queue: deque[HttpRequest] = deque()
+        self._queued_bytes = 0
         self._current: HttpRequest | None = None
         self._task: asyncio.Task[None] | None = None
         self._idle_since = time.monotonic()
@@ -184,6 +211,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._server._connections.add(self)
+        self._server._gone.clear()
         if self._server.access_log:
             peer = transport.get_extra_info("peername")
             self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -191,6 +219,11 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._ended or self._closing:
             return
+        if self._in_head:
+            self._head_fed += len(data)
+            if self._head_fed > 2 * MAX_HEAD_BYTES:
+                self._end(431, f"request head over {MAX_HEAD_BYTES} bytes")
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -205,8 +238,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self._server._connections.discard(self)
+        self._server._lost(self)
         self._queue.clear()
+        self._queued_bytes = 0
         task, request = self._task, self._current
         if task is not None and request is not None and not task.done():
             # The client no longer wants the answer: its work (a place in a batch's queue)
@@ -226,12 +260,13 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._started = time.monotonic()
         self._in_message = True
+        self._in_head = True
+        self._head_fed = 0
         self._url = b""
         self._headers = []
         self._head_size = 0
         self._body = []
         self._size = 0
-        self._too_large = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -241,11 +276,12 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
-        self._head_size += len(name) + len(value)
+        self._head_size += len(name) + len(value) + 4
         if self._head_size > MAX_HEAD_BYTES:
             self._end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self._ended:
             return
         declared = expect = None
@@ -276,11 +312,12 @@ class _Connection(asyncio.Protocol):
         if self._ended:
             return
         self._size += len(body)
-        if self._size > self._server.max_body_bytes:
-            self._too_large = True
+        limit = self._server.max_body_bytes
+        if self._size > limit:  # a chunked body (a declared length was refused above)
             self._body = []
-        elif not self._too_large:
-            self._body.append(body)
+            self._end(413, f"request body is over the {limit}-byte limit")
+            return
+        self._body.append(body)
 
     def on_message_complete(self) -> None:
         self._in_message = False
@@ -289,18 +326,19 @@ class _Connection(asyncio.Protocol):
             return
         parser = self._parser
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
         request = HttpRequest(
             parser.get_method().decode("latin-1"), self._url, self._headers, body,
             received_at=self._started, max_body_bytes=self._server.max_body_bytes,
-            keep_alive=parser.should_keep_alive(), version=parser.get_http_version(),
+            # An upgrade is not made: the request is answered, then the connection closes.
+            keep_alive=parser.should_keep_alive() and not parser.should_upgrade(),
+            version=parser.get_http_version(),
         )  # fmt: skip
-        if self._too_large:
-            limit = self._server.max_body_bytes
-            request.raw_body = b""
-            request.keep_alive = False  # the rest of the connection's bytes are not trusted
-            request.error = (413, f"request body is over the {limit}-byte limit")
         self._queue.append(request)
-        if len(self._queue) > MAX_PIPELINED and self._transport is not None:
+        self._queued_bytes += len(body)
+        if (
+            len(self._queue) > MAX_PIPELINED or self._queued_bytes > MAX_QUEUED_BYTES
+        ) and self._transport is not None:
             self._reading_paused = True
             self._transport.pause_reading()
         self._next()
@@ -316,6 +354,7 @@ class _Connection(asyncio.Protocol):
             and not self._closed
         ):
             request = self._queue.popleft()
+            self._queued_bytes -= len(request.raw_body)
             if request.error is not None:
                 status, message = request.error
                 self._write(request, status, _JSON, orjson.dumps({"error": message}))
@@ -327,8 +366,13 @@ class _Connection(asyncio.Protocol):
                 continue
             self._server._began()
             self._current = request
-            self._task = asyncio.get_running_loop().create_task(self._answer(request))
-        if self._reading_paused and len(self._queue) <= MAX_PIPELINED // 2:
+            task = self._task = asyncio.get_running_loop().create_task(self._answer(request))
+            task.add_done_callback(self._server._ended)
+        if (
+            self._reading_paused
+            and len(self._queue) <= MAX_PIPELINED // 2
+            and self._queued_bytes <= MAX_QUEUED_BYTES // 2
+        ):
             self._reading_paused = False
             if self._transport is not None and not self._ended:
                 self._transport.resume_reading()
@@ -338,19 +382,16 @@ class _Connection(asyncio.Protocol):
         """Run the application's answer and write it from the same task: a done callback
         would wait a turn of the event loop, behind every other connection's reads."""
         try:
-            try:
-                reply = await self._server.app.answer(request)
-            except asyncio.CancelledError:
-                if not request.disconnected:
-                    self.abort()  # cancelled with the client still there: a forced close
-                raise
-            except Exception as exc:
-                # The application answers its own errors; this is a bug in it.
-                log.error("unanswered error on %s %s", request.method, request.path,
-                          exc_info=exc)  # fmt: skip
-                reply = (500, _JSON, b'{"error": "internal error"}')
-        finally:
-            self._server._ended()
+            reply = await self._server.app.answer(request)
+        except asyncio.CancelledError:
+            if not request.disconnected:
+                self.abort()  # cancelled with the client still there: a forced close
+            raise
+        except Exception as exc:
+            # The application answers its own errors; this is a bug in it.
+            log.error("unanswered error on %s %s", request.method, request.path,
+                      exc_info=exc)  # fmt: skip
+            reply = (500, _JSON, b'{"error": "internal error"}')
         self._task = self._current = None
         if not self._closed:
             self._write(request, *reply)
@@ -379,6 +420,8 @@ class _Connection(asyncio.Protocol):
         parts.append(b"content-length: %d\r\n" % len(body))
         if not keep_alive:
             parts.append(b"connection: close\r\n")
+        elif request.version == "1.0":  # kept open only when said so, for a 1.0 client
+            parts.append(b"connection: keep-alive\r\n")
         parts.append(b"\r\n")
         if request.method != "HEAD":
             parts.append(body)
