@@ -54,6 +54,7 @@ from tailserve.router.dispatch import (
 from tailserve.router.membership import Membership
 from tailserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from tailserve.transport.http1 import Ticket
+from tailserve.transport.inbound import CONTINUE, feed, head_of
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class _ClientConnection(asyncio.Protocol):
         # Nothing more is read (a request that could not be read, or a protocol upgrade): the
         # requests already read are answered in turn, then the connection closes.
         self._ended = False
-        self._in_message = False
+        self.in_message = False
         # A "100 Continue" is owed to the request being read, once those ahead are answered.
         self._continue_owed = False
 
@@ -171,17 +172,7 @@ class _ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._ended:
             return
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # A whole request that asked for an upgrade is answered over HTTP/1.1 (the upgrade
-            # ignored), and the connection closed after it; one cut short is refused.
-            if self._in_message:
-                self._end(400, "protocol upgrades are not supported")
-            else:
-                self._end(None)
-        except httptools.HttpParserError as exc:
-            self._end(400, f"malformed HTTP request: {exc}")
+        feed(self._parser, data, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -204,7 +195,7 @@ class _ClientConnection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._in_message = True
+        self.in_message = True
         self._url = b""
         self._headers = []
         self._body = []
@@ -221,25 +212,17 @@ class _ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         config = self._router.config
-        declared = expect = None
-        for name, value in self._headers:
-            if name == b"content-length":
-                declared = value
-            elif name == b"expect":
-                expect = value
-        if declared is not None and declared.strip().isdigit():
-            self._length = int(declared)
+        self._length, waits = head_of(self._headers, self._parser.get_http_version())
         if self._length is not None and self._length > config.max_body_bytes:
             # Refused by its declared length, before its body (it may never end): in its turn,
             # and nothing after it is read.
             limit = config.max_body_bytes
-            self._end(413, f"request body of {self._length} bytes is over the {limit}-byte limit")
+            self.end(413, f"request body of {self._length} bytes is over the {limit}-byte limit")
             return
         # A client that waits for leave to send its body (curl does, past 1 KiB) gets it as
         # soon as the requests ahead of it are answered: an interim reply written while
         # another reply is on its way would land inside that one.
-        wants = expect is not None and expect.lower() == b"100-continue"
-        if wants and self._parser.get_http_version() != "1.0":
+        if waits:
             self._continue_owed = True
             self._pay_continue()
         if self._length is not None and self._length > config.stream_body_bytes:
@@ -270,7 +253,7 @@ class _ClientConnection(asyncio.Protocol):
                 self._start_stream(chunked=True)
 
     def on_message_complete(self) -> None:
-        self._in_message = False
+        self.in_message = False
         self._continue_owed = False
         if self.closing or self._ended:
             return
@@ -416,7 +399,7 @@ class _ClientConnection(asyncio.Protocol):
         body = orjson.dumps({"error": message})
         self._write(status, _JSON, body, self._keep_alive(request), None)
 
-    def _end(self, status: int | None, message: str = "") -> None:
+    def end(self, status: int | None, message: str = "") -> None:
         """Read nothing more on this connection. The requests already read are answered in
         turn; then ``status`` (when given) answers the one that could not be read, and the
         connection closes. A request whose body was streaming upstream cannot be finished:
@@ -452,7 +435,7 @@ class _ClientConnection(asyncio.Protocol):
             and self._transport is not None
         ):
             self._continue_owed = False
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._transport.write(CONTINUE)
 
     def _write(
         self,

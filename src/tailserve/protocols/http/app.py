@@ -4,8 +4,8 @@ No web framework sits on the hot path: a route table lookup, a codec and a call 
 plane. (benchmarks/http_overhead.py measures what this costs over a bare handler.) Handlers
 return ``(status, headers, body)``; errors from the data plane become ``{"error": "..."}`` with
 the status `errors.status_of` gives. What needs no waiting is answered in `answer_now`, with
-no task: an unknown route, and an inference refused before it is decoded because its model is
-too busy for its deadline.
+no task: an unknown route, an inference whose reply the reply memo holds (cache/replies.py),
+and one refused before it is decoded because its model is too busy for its deadline.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class HttpApp:
         self._handlers: dict[str, Callable[[HttpRequest], Awaitable[Reply]]] = {}
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
-        """The reply when it needs no waiting: no such route, or an inference refused before
-        it is decoded. None: `answer` is called."""
+        """The reply when it needs no waiting: no such route, a kept reply, or an inference
+        refused before it is decoded. None: `answer` is called."""
         route, params, path_known = self._router.match(request.method, request.path)
         if route is None:
             status = 405 if path_known else 404

@@ -33,6 +33,7 @@ import httptools
 import orjson
 
 from tailserve.protocols.http.request import HttpRequest
+from tailserve.transport.inbound import CONTINUE, feed, head_of
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("tailserve.access")
@@ -185,7 +186,7 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._started = 0.0
-        self._in_message = False
+        self.in_message = False
         # Between a request's first byte and its last header; the bytes fed meanwhile
         # (httptools holds a header whole before it calls back: a long one is cut here).
         self._in_head = False
@@ -222,19 +223,9 @@ class _Connection(asyncio.Protocol):
         if self._in_head:
             self._head_fed += len(data)
             if self._head_fed > 2 * MAX_HEAD_BYTES:
-                self._end(431, f"request head over {MAX_HEAD_BYTES} bytes")
+                self.end(431, f"request head over {MAX_HEAD_BYTES} bytes")
                 return
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # A whole request that asked for an upgrade is answered over HTTP/1.1 (the upgrade
-            # ignored), and the connection closed after it; one cut short is refused.
-            if self._in_message:
-                self._end(400, "protocol upgrades are not supported")
-            else:
-                self._end(None)
-        except httptools.HttpParserError as exc:
-            self._end(400, f"malformed HTTP request: {exc}")
+        feed(self._parser, data, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -259,7 +250,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._started = time.monotonic()
-        self._in_message = True
+        self.in_message = True
         self._in_head = True
         self._head_fed = 0
         self._url = b""
@@ -272,39 +263,29 @@ class _Connection(asyncio.Protocol):
         self._url += url
         self._head_size += len(url)
         if self._head_size > MAX_HEAD_BYTES:
-            self._end(414, f"request target over {MAX_HEAD_BYTES} bytes")
+            self.end(414, f"request target over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
         self._head_size += len(name) + len(value) + 4
         if self._head_size > MAX_HEAD_BYTES:
-            self._end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
+            self.end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         if self._ended:
             return
-        declared = expect = None
-        for name, value in self._headers:
-            if name == b"content-length":
-                declared = value
-            elif name == b"expect":
-                expect = value
+        length, waits = head_of(self._headers, self._parser.get_http_version())
         limit = self._server.max_body_bytes
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        if length is not None and length > limit:
             # Refused by its declared length before its body (which may never end): in its
             # turn, and nothing after it is read.
-            length = int(declared)
-            self._end(413, f"request body of {length} bytes is over the {limit}-byte limit")
+            self.end(413, f"request body of {length} bytes is over the {limit}-byte limit")
             return
-        # A client that waits for leave to send its body (curl does, past 1 KiB) gets it as
-        # soon as the requests ahead of it are answered: an interim reply written while
-        # another is on its way would land inside that one.
-        if (
-            expect is not None
-            and expect.lower() == b"100-continue"
-            and self._parser.get_http_version() != "1.0"
-        ):
+        # A client that waits for leave to send its body gets it as soon as the requests
+        # ahead of it are answered: an interim reply written while another is on its way
+        # would land inside that one.
+        if waits:
             self._continue_owed = True
             self._pay_continue()
 
@@ -315,12 +296,12 @@ class _Connection(asyncio.Protocol):
         limit = self._server.max_body_bytes
         if self._size > limit:  # a chunked body (a declared length was refused above)
             self._body = []
-            self._end(413, f"request body is over the {limit}-byte limit")
+            self.end(413, f"request body is over the {limit}-byte limit")
             return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._in_message = False
+        self.in_message = False
         self._continue_owed = False
         if self._ended or self._closing:
             return
@@ -434,7 +415,7 @@ class _Connection(asyncio.Protocol):
             self._closing = True
             transport.close()
 
-    def _end(self, status: int | None, message: str = "") -> None:
+    def end(self, status: int | None, message: str = "") -> None:
         """Read nothing more on this connection. The requests already read are answered in
         turn; then ``status`` (when given) answers the one that could not be read, and the
         connection closes."""
@@ -464,7 +445,7 @@ class _Connection(asyncio.Protocol):
             and self._transport is not None
         ):
             self._continue_owed = False
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._transport.write(CONTINUE)
 
     def close_if_idle(self, idle_before: float | None) -> None:
         """Close the connection if nothing is being read or answered on it (and, given a
@@ -472,7 +453,7 @@ class _Connection(asyncio.Protocol):
         if (
             self._task is None
             and not self._queue
-            and not self._in_message
+            and not self.in_message
             and not self._closing
             and self._transport is not None
             and (idle_before is None or self._idle_since < idle_before)

@@ -1,0 +1,52 @@
+"""What tailserve's two HTTP/1.1 servers (the worker's, protocols/http/server.py, and the
+router's, router/proxy.py) read the same way from a client."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httptools
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Reader(Protocol):
+    """A connection reading requests with httptools' parser."""
+
+    @property
+    def in_message(self) -> bool:
+        """Between a request's first byte and its last."""
+
+    def end(self, status: int | None, message: str = "") -> None:
+        """Read nothing more; the requests already read are answered, then ``status`` (when
+        given) answers the one that could not be read, and the connection closes."""
+
+
+def feed(parser: httptools.HttpRequestParser, data: bytes, reader: Reader) -> None:
+    """Give the parser the bytes that came. A whole request that asked for a protocol upgrade
+    is answered over HTTP/1.1 (the upgrade ignored), and the connection closed after it; one
+    cut short is refused, and so is a request the parser cannot read (400)."""
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserUpgrade:
+        if reader.in_message:
+            reader.end(400, "protocol upgrades are not supported")
+        else:
+            reader.end(None)
+    except httptools.HttpParserError as exc:
+        reader.end(400, f"malformed HTTP request: {exc}")
+
+
+def head_of(headers: list[tuple[bytes, bytes]], version: str) -> tuple[int | None, bool]:
+    """From a request's headers (names lower-cased): its declared body length (None: none
+    given, or not a number), and whether the client waits for a ``100 Continue`` before it
+    sends its body (curl does, past 1 KiB; never an HTTP/1.0 client)."""
+    declared = expect = None
+    for name, value in headers:
+        if name == b"content-length":
+            declared = value
+        elif name == b"expect":
+            expect = value
+    length = int(declared) if declared is not None and declared.strip().isdigit() else None
+    waits = expect is not None and expect.lower() == b"100-continue" and version != "1.0"
+    return length, waits
