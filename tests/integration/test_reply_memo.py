@@ -4,6 +4,8 @@ still serves, fresh, the entry that reply came from."""
 
 from __future__ import annotations
 
+import gzip
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,8 @@ def test_headers_the_whole_path_would_refuse_or_act_on_are_not_replayed(
     assert refused.status_code == 400 and "X-Deadline-Ms" in refused.text
     refused = _post(worker, payload, **{"x-priority": "high"})
     assert refused.status_code == 400 and "X-Priority" in refused.text
+    refused = _post(worker, payload, **{"x-priority": "9"})  # out of the model's levels
+    assert refused.status_code == 400 and "'priority'" in refused.text, refused.text
     assert source(_post(worker, payload, **{"x-cache-mode": "bypass"})) == "bypass"
     assert source(_post(worker, payload, **{"x-cache-mode": "refresh"})) == "refresh"
     assert runs(worker.url) == 3
@@ -137,3 +141,38 @@ def test_no_memo_when_it_is_off(tmp_path: Path) -> None:
         replies = [httpx.post(running.url + URL, content=payload, timeout=30) for _ in range(3)]
         assert [source(r) for r in replies] == ["miss", "l1", "l1"]
         assert "tailserve_cache_reply_memo" not in httpx.get(f"{running.url}/metrics").text
+
+
+def test_an_expired_entry_is_looked_up_once_and_counted_as_expired(tmp_path: Path) -> None:
+    config = cached_config()
+    config["cache"]["ttl_s"] = 0.3
+    write_model(tmp_path, "m", config)
+    with run_worker(Settings(repository=str(tmp_path))) as running:
+        payload = orjson.dumps(body(6.0))
+        for _ in range(3):
+            httpx.post(running.url + URL, content=payload, timeout=30)
+        time.sleep(0.4)  # the entry's TTL passes (what is tested is what happens after it)
+        again = httpx.post(running.url + URL, content=payload, timeout=30)
+        assert source(again) == "miss"
+        lookups = "tailserve_cache_lookups_total"
+        assert _metric(running.url, lookups, 'result="expired"') == 1
+        assert _metric(running.url, lookups, 'result="cold"') == 1
+        computations = "tailserve_cache_computations_total"
+        assert _metric(running.url, computations, 'kind="recompute"') == 1
+
+
+def test_a_replayed_gzip_request_is_traced_as_the_whole_path_traces_it(tmp_path: Path) -> None:
+    from tailserve.observability.trace_log import read_trace
+
+    write_model(tmp_path / "repo", "m", cached_config())
+    trace = tmp_path / "trace.jsonl"
+    settings = Settings(repository=str(tmp_path / "repo"), trace_file=str(trace))
+    payload = gzip.compress(orjson.dumps(body(7.0)))
+    with run_worker(settings) as running:
+        for _ in range(3):
+            reply = httpx.post(running.url + URL, content=payload, timeout=30,
+                               headers={"content-encoding": "gzip"})  # fmt: skip
+            assert reply.status_code == 200, reply.text
+        assert _memo_hits(running) == 1
+    traced = [e["body"] for e in read_trace(trace)]  # read_trace decodes base64
+    assert traced == [orjson.dumps(body(7.0))] * 3

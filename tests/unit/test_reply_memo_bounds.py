@@ -35,3 +35,12 @@ def test_digests_tell_parts_apart_however_they_would_run_together() -> None:
     assert digest(b"m", b"", b"body") != digest(b"m", b"body", b"")
     assert digest(b"m", b"1", b"x") == digest(b"m", b"1", b"x")
     assert len(digest(b"x")) == 16
+
+
+def test_the_l1_entry_it_holds_counts_against_its_bound() -> None:
+    kept = Replay(view=None, key="k", value=b"v" * 5000, status=200, headers=[], body=b"x")
+    assert kept.size > 5000
+    memo = ReplyMemo(max_bytes=8000)
+    memo.put(b"a", kept)
+    memo.put(b"b", kept)
+    assert len(memo) == 1 and memo.bytes <= 8000

@@ -160,6 +160,18 @@ class MemoryCache:
             self._touch(key, segment)
         return (Lookup.HIT if now < entry[2] else Lookup.STALE), entry
 
+    def peek(self, key: str) -> tuple[Lookup, Entry | None]:
+        """`get` with no side effect: no popularity counted, no reordering, an expired entry
+        left where it is."""
+        segment = self._where.get(key) if self.enabled else None
+        if segment is None:
+            return Lookup.COLD, None
+        entry = segment.items[key]
+        now = self._clock()
+        if now >= entry[3]:
+            return Lookup.EXPIRED, entry
+        return (Lookup.HIT if now < entry[2] else Lookup.STALE), entry
+
     def get_many(self, keys: Sequence[str]) -> tuple[list[Any], list[int], list[Lookup]]:
         """`get` for many keys at one reading of the clock: the value of each key where it was
         found (fresh or stale, as `get` finds it; None where not), the positions of the keys

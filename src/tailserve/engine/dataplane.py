@@ -183,24 +183,33 @@ class DataPlane:
             origin=origin,
         )
 
-    def replay(self, replay: Replay, model: str, version: str | None) -> bool:
-        """Whether a reply kept in the reply memo may answer a request for ``model`` (and
-        ``version``) again: the version that would serve it now is the one that answered,
-        and L1 still holds, fresh, the entry the reply was made from. Counted as the L1 hit
-        it is."""
+    def memoizable(self, model: str, version: str | None) -> bool:
+        """Whether a reply for ``model`` (and ``version``) may come from the reply memo: the
+        version that would serve it has a result cache with an L1."""
         if self.cache is None:
             return False
         try:
             served = self.manager.get(model, version)
         except TailserveError:
             return False
+        return served.cache is not None and served.cache.l1.enabled
+
+    def replay(self, replay: Replay, request: InferRequest) -> bool:
+        """Whether a reply kept in the reply memo may answer ``request`` (its headers' options
+        on it) again: the version that would serve it now is the one that answered, and L1
+        still holds, fresh, the entry the reply was made from. Then counted as the L1 hit it
+        is (and only then: a refused replay leaves the lookup to the whole path). Raises what
+        the whole path would for the request's options (a priority out of range)."""
+        served = self.manager.get(request.model, request.version)
+        _deadline_and_priority(served.config, request)
         view = served.cache
-        if view is None or view is not replay.view:
+        if self.cache is None or view is None or view is not replay.view:
             return False
-        lookup, found = view.l1.get(replay.key)
+        lookup, found = view.l1.peek(replay.key)
         if found is None or lookup is not Lookup.HIT or found[0] is not replay.value:
             return False
-        self.cache.observer.on_lookup(model, "l1", lookup.value)
+        view.l1.get(replay.key)
+        self.cache.observer.on_lookup(request.model, "l1", lookup.value)
         return True
 
     async def invalidate(

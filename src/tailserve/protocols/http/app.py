@@ -44,6 +44,8 @@ _JSON: Headers = [(b"content-type", b"application/json")]
 # SLO).
 _PEEK_BYTES = 64 * 1024
 _TIMEOUT = b'"timeout"'
+# Bodies up to this size are looked up in the reply memo (a digest costs ~1 ms a MiB).
+_MEMO_BODY_BYTES = 1024 * 1024
 # Routes whose requests may be refused before they are decoded (`_shed`).
 _SHED = frozenset(("infer", "predict_v1"))
 
@@ -150,30 +152,35 @@ class HttpApp:
         mode = request.header(b"x-cache-mode")
         if mode is not None and mode != b"use":
             return None
+        body = request.raw_body
         params = request.params
         model, version = params["model"], params.get("version")
-        try:
-            _request_options(request, InferRequest(model, []))
-        except TailserveError:
-            return None  # the whole path answers it with its 400
+        if len(body) > _MEMO_BODY_BYTES or not self.dataplane.memoizable(model, version):
+            return None
         key = request.memo_key = digest(
             model.encode(),
             (version or "").encode(),
             request.header(b"inference-header-content-length") or b"",
             request.header(b"content-encoding") or b"",
-            request.raw_body,
+            body,
         )
         replay = memo.get(key)
         if replay is None:
             return None
-        if not self.dataplane.replay(replay, model, version):
+        options = InferRequest(model, [], version=version)
+        try:
+            _request_options(request, options)
+            replayed = self.dataplane.replay(replay, options)
+        except TailserveError:
+            return None  # the whole path answers it with its 4xx
+        if not replayed:
             memo.drop(key)
             memo.stale += 1
             return None
         memo.hits += 1
         if self._recorder is not None:
             self._recorder.record(request.method, request.path, request.headers,
-                                  request.raw_body)  # fmt: skip
+                                  request.decoded_body())  # fmt: skip
         return replay.status, replay.headers, replay.body
 
     def _authorize(self, request: HttpRequest) -> None:

@@ -64,6 +64,9 @@ class HttpRequest:
 
     async def body(self) -> bytes:
         """The whole body, decompressed (and held to the limit once decompressed)."""
+        return self.decoded_body()
+
+    def decoded_body(self) -> bytes:
         body = self.raw_body
         encoding = self.header(b"content-encoding")
         if encoding is not None and encoding not in (b"identity", b""):
