@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 REPOSITORY ?= var/repository
 PORT ?= 8080
+# a Redis for the result cache's L2 and the ranker's feature store (empty: none; the ranker is
+# then not served, it reads its inputs from the store)
+REDIS_URL ?=
 
 .PHONY: run test setup setup-dev lint bench clean
 
@@ -27,7 +30,12 @@ $(REPOSITORY)/churn/model.yaml: | $(VENV)/.installed
 	$(BIN)/tailserve examples $(REPOSITORY)
 
 run: setup $(REPOSITORY)/churn/model.yaml
+ifneq ($(REDIS_URL),)
+	$(BIN)/tailserve examples $(REPOSITORY) --features-only --redis-url $(REDIS_URL)
+	$(BIN)/tailserve up --repository $(REPOSITORY) --port $(PORT) --redis-url $(REDIS_URL)
+else
 	$(BIN)/tailserve up --repository $(REPOSITORY) --port $(PORT)
+endif
 
 test: setup-dev
 	$(BIN)/ruff check src tests benchmarks

@@ -100,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     examples.add_argument(
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
     )
+    examples.add_argument(
+        "--features-only",
+        action="store_true",
+        help="write no models: only load the ranker's features of DIRECTORY into --redis-url",
+    )
     examples.set_defaults(handler=_examples)
 
     from tailserve.loadgen import command as bench
@@ -142,8 +147,17 @@ def _serve(args: argparse.Namespace) -> int:
 def _examples(args: argparse.Namespace) -> int:
     from tailserve.examples import write_examples
 
-    names = write_examples(args.directory, sklearn=args.sklearn)
-    print(f"wrote {', '.join(names)} to {args.directory}")
+    if args.features_only:
+        if args.redis_url is None:
+            print("--features-only needs --redis-url", file=sys.stderr)
+            return 2
+        if not (args.directory / "ranker" / "model.yaml").is_file():
+            missing = f"{args.directory} holds no ranker: run `tailserve examples` first"
+            print(missing, file=sys.stderr)
+            return 2
+    else:
+        names = write_examples(args.directory, sklearn=args.sklearn)
+        print(f"wrote {', '.join(names)} to {args.directory}")
     if args.redis_url is not None:
         from tailserve.examples import load_features
 

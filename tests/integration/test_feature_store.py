@@ -4,6 +4,8 @@ features loaded and served end to end."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from support.servers import (
@@ -265,3 +268,29 @@ def test_a_worker_scores_candidates_from_their_ids(
         missing = httpx.post(f"{worker.url}/v2/models/ranker/infer", json=body, timeout=30)
         assert missing.status_code == 400
         assert "'user_id'" in missing.json()["error"]
+
+
+def test_examples_features_only_fills_a_redis_from_a_written_repository(
+    ranker_repository: Path, redis: RedisServer, tmp_path: Path
+) -> None:
+    # a database of its own on the shared server, so what is counted is this command's doing
+    url = f"redis://127.0.0.1:{redis.port}/7"
+    command = [sys.executable, "-m", "tailserve.cli", "examples"]
+    empty = subprocess.run(
+        [*command, str(tmp_path), "--features-only", "--redis-url", url],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert empty.returncode == 2 and "holds no ranker" in empty.stderr
+    assert list(tmp_path.iterdir()) == []
+    done = subprocess.run(
+        [*command, str(ranker_repository), "--features-only", "--redis-url", url],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "wrote" not in done.stdout and f"{ranker.USERS:,} users" in done.stdout
+    assert sorted(path.name for path in ranker_repository.iterdir()) == ["ranker"]
+    with SyncRedis(port=redis.port, db=7) as admin:
+        assert admin.exists(entity_key("user", "1", ranker.USERS - 1))
+        assert admin.exists(entity_key("item", "1", ranker.ITEMS - 1))
+        assert not admin.exists(entity_key("item", "1", ranker.ITEMS))
+        admin.flushdb()
