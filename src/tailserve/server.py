@@ -161,6 +161,8 @@ class Worker:
             self._http = HttpServer(
                 self.app,
                 max_body_bytes=self.settings.max_body_bytes,
+                keep_alive_s=self.settings.keep_alive_s,
+                read_timeout_s=self.settings.read_timeout_s,
                 access_log=self.settings.access_log,
             )
             await self._http.start(self.settings.host, self.settings.http_port, sockets=sockets,

@@ -41,6 +41,10 @@ class Settings:
     # Admin routes (repository load/unload/index) need this bearer token when it is set.
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
+    # An idle kept-alive connection closes after this long; a request whose head is not whole
+    # this long after its first byte, or whose body stops coming for this long, gets a 408.
+    keep_alive_s: float = 5.0
+    read_timeout_s: float = 30.0
     # SIGTERM: stop accepting, let requests in flight finish for up to this long, exit 0.
     drain_timeout_s: float = 30.0
     # Strict: a model that failed to load keeps the whole server unready.

@@ -13,6 +13,7 @@ import pytest
 
 from support.routing import running_router
 from support.stub import StubApp, run_stub
+from tailserve.transport.inbound import MAX_HEAD_BYTES
 
 BODY = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1]}]})
 INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n" % len(BODY)
@@ -113,3 +114,36 @@ async def test_100_continue_waits_for_the_reply_ahead_of_it(
     )
     # The first reply whole, then the interim one, then the second reply.
     assert [_status(r) for r in replies] == [200, 100, 200], replies
+
+
+async def test_a_head_too_long_or_too_slow_is_refused_and_idle_clients_are_let_go() -> None:
+    stub = StubApp()
+    with run_stub(stub) as backend:
+        async with running_router(
+            [backend.url], hedge=False, keep_alive_s=0.5, read_timeout_s=0.5
+        ) as router:
+            # A header that never ends: 431 before it does.
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            writer.write(b"GET /v2/models/m HTTP/1.1\r\nhost: r\r\nx-big: ")
+            for _ in range(4):
+                writer.write(b"v" * MAX_HEAD_BYTES)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert _status(head) == 431
+            writer.close()
+            # A head that trickles in, a byte a tick: 408 once it is late, then closed.
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            slow = b"GET /v2/models/m HTTP/1.1\r\nhost: r\r\nx-slow: " + b"v" * 1000
+            reply = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+            sent = 0
+            while not reply.done() and sent < len(slow):
+                writer.write(slow[sent : sent + 1])
+                sent += 1
+                await asyncio.wait([reply], timeout=0.02)
+            assert reply.done() and sent < len(slow)
+            assert _status(reply.result()) == 408
+            assert b"not received within 0.5 s" in await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            # A kept-alive client that goes quiet after its reply is let go (without the
+            # sweep, _exchange would wait for the close in vain and time out).
+            replies = await _exchange(router.port, INFER + b"\r\n" + BODY)
+            assert [_status(r) for r in replies] == [200]  # then closed: _exchange read EOF

@@ -6,6 +6,7 @@ that hangs up (its work cancelled) and a drain."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -343,3 +344,79 @@ async def test_a_drain_lets_a_large_reply_be_written_out(served: tuple[HttpServe
     assert await asyncio.wait_for(reader.readexactly(len(BIG)), 10) == BIG
     await asyncio.wait_for(drained, 5)
     writer.close()
+
+
+async def test_a_head_that_trickles_in_gets_a_408_and_others_are_served(
+    served: tuple[HttpServer, App],
+) -> None:
+    app = App()
+    server = HttpServer(app, max_body_bytes=LIMIT, read_timeout_s=0.5)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        head = b"GET /now HTTP/1.1\r\nhost: w\r\nx-slow: " + b"v" * 1000
+        reply = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        sent = 0
+        while not reply.done() and sent < len(head):  # a byte a tick, never finished
+            writer.write(head[sent : sent + 1])
+            sent += 1
+            await asyncio.wait([reply], timeout=0.02)
+        assert reply.done() and sent < len(head)
+        assert _status(reply.result()) == 408 and b"connection: close" in reply.result()
+        assert b"not received within 0.5 s" in await reader.read()  # then closed
+        # Another client is served as ever.
+        assert [body for _, body in await _replies(server.port, b"GET /now HTTP/1.0\r\n\r\n")] == [
+            b"now"
+        ]
+        writer.close()
+    finally:
+        server.close()
+
+
+async def test_a_body_that_stops_is_refused_unless_the_server_holds_it_back(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, app = served
+    # A body that stops coming: 408 once the sweep finds it silent for the timeout.
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: 10\r\n\r\nabc")
+    stalled = await _connection_reading(server)
+    stalled.expire_read(time.monotonic() + 5, 10.0)
+    assert not reader.at_eof()  # not silent for 10 s yet
+    stalled.expire_read(time.monotonic() + 11, 10.0)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 408
+    assert b"body stalled" in await reader.read()
+    writer.close()
+    # A body the server holds back (its 100 Continue owed while the request ahead of it is
+    # answered) is not late, however long that takes; its time starts once it is let in.
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        b"GET /wait HTTP/1.1\r\nhost: w\r\n\r\n"
+        b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n"
+    )
+    await asyncio.wait_for(app.started.wait(), 5)
+    held = await _connection_reading(server)
+    later = time.monotonic() + 60
+    held.expire_read(later, 10.0)
+    app.release.set()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 200 and await reader.readexactly(6) == b"waited"
+    assert (
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    held.expire_read(later + 5, 10.0)  # 5 s after it was let in: still in time
+    writer.write(b"ok")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 200 and await reader.readexactly(7) == b"echo:ok"
+    writer.close()
+
+
+async def _connection_reading(server: HttpServer) -> Any:
+    """The server's one connection that is reading a request, once it is."""
+    for _ in range(500):
+        reading = [c for c in server._connections if c.in_message]
+        if reading:
+            return reading[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("no connection began reading a request")

@@ -66,6 +66,11 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bodies over this size stream through, unhedged (1 MiB)")  # fmt: skip
     parser.add_argument("--decision-sample", type=float, default=0.0,
                         help="fraction of routing decisions to log (0)")  # fmt: skip
+    parser.add_argument("--keep-alive", type=float, default=75.0, dest="keep_alive_s",
+                        help="close a client's connection idle this long (75 s)")  # fmt: skip
+    parser.add_argument("--read-timeout", type=float, default=30.0, dest="read_timeout_s",
+                        help="408 to a request whose head or body stops coming this long "
+                             "(30 s)")  # fmt: skip
 
 
 def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
@@ -80,6 +85,8 @@ def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
         stream_body_bytes=args.stream_body_bytes,
         admin_token=getattr(args, "admin_token", None),
         decision_sample=args.decision_sample,
+        keep_alive_s=args.keep_alive_s,
+        read_timeout_s=args.read_timeout_s,
         **extra,
     )
 

@@ -61,6 +61,12 @@ class RouterConfig:
     # The bearer token of the workers' admin routes (the router reads each one's model index).
     admin_token: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
+    # A client's idle kept-alive connection closes after this long (longer than the
+    # worker's: a load balancer in front keeps connections open a minute); a request whose
+    # head is not whole this long after its first byte, or whose body stops coming for this
+    # long, gets a 408 and the connection closes.
+    keep_alive_s: float = 75.0
+    read_timeout_s: float = 30.0
     # Bodies larger than this (or chunked ones that grow past it) stream through instead of
     # being read whole, both ways; a streamed request is neither hedged nor retried once
     # any of it has gone out.
@@ -77,6 +83,8 @@ class RouterConfig:
                 )
         for url in self.backends:
             parse_backend(url)
+        if self.keep_alive_s <= 0 or self.read_timeout_s <= 0:
+            raise ConfigError("keep_alive_s and read_timeout_s must be above 0")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, not {self.max_in_flight}")
         if not 0.0 <= self.hedge_ratio <= 1.0 or not 0.0 <= self.retry_ratio <= 1.0:

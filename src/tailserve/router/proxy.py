@@ -1,7 +1,9 @@
 """``tailserve route``: the asyncio HTTP proxy in front of the workers.
 
 It speaks HTTP/1.1 to clients (keep-alive, pipelined requests answered in order, chunked
-request bodies) on a bare asyncio protocol with httptools' parser, and hands each request to
+request bodies; an idle connection closes after ``keep_alive_s``, a request whose head is not
+whole or whose body stops coming for ``read_timeout_s`` gets a 408, a head over 64 KiB a 431)
+on a bare asyncio protocol with httptools' parser, and hands each request to
 the `Dispatcher` (replica choice, hedging, retries, ejection, shedding). No framework and no
 task per request: parsing, framing and the reply are a few callbacks, so the router adds
 little to a request's latency (benchmarks/router.py measures it).
@@ -54,7 +56,7 @@ from tailserve.router.dispatch import (
 from tailserve.router.membership import Membership
 from tailserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from tailserve.transport.http1 import Ticket
-from tailserve.transport.inbound import CONTINUE, feed, head_of
+from tailserve.transport.inbound import CONTINUE, MAX_HEAD_BYTES, feed, head_of, late, too_long
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +140,22 @@ def classify(method: bytes, path: str) -> _Target:
 class _ClientConnection(asyncio.Protocol):
     def __init__(self, router: Router) -> None:
         self._router = router
+        self._loop = router.loop
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        # The head being read: its size so far, and the bytes fed meanwhile (httptools holds
+        # a header whole before it calls back: one that never ends is cut off by these).
+        self._in_head = False
+        self._head_size = 0
+        self._head_fed = 0
+        # When bytes of the request being read last came, and when the router last held the
+        # client back (reading paused, a 100 Continue owed); when the connection last went
+        # idle (its last reply written).
+        self._heard = 0.0
+        self._held = 0.0
+        self._idle_since = self._loop.time()
         self._body: list[bytes] = []
         self._size = 0
         self._too_large = False
@@ -172,6 +186,12 @@ class _ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._ended:
             return
+        self._heard = self._loop.time()
+        if self._in_head:
+            self._head_fed += len(data)
+            if too_long(self._head_fed):
+                self.end(431, f"request head over {MAX_HEAD_BYTES} bytes")
+                return
         feed(self._parser, data, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -196,21 +216,32 @@ class _ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.in_message = True
+        self._in_head = True
+        self._head_size = self._head_fed = 0
         self._url = b""
         self._headers = []
         self._body = []
         self._size = 0
         self._too_large = False
         self._length = None
-        self._started = self._router.loop.time()
+        self._started = self._heard = self._loop.time()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD_BYTES:
+            self.end(414, f"request target over {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD_BYTES:
+            self.end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._ended:
+            return
         config = self._router.config
         self._length, waits = head_of(self._headers, self._parser.get_http_version())
         if self._length is not None and self._length > config.max_body_bytes:
@@ -339,6 +370,7 @@ class _ClientConnection(asyncio.Protocol):
         if self._reply is not reply:
             return  # the client left first: connection_lost settled the request
         self._reply = None
+        self._idle_since = self._loop.time()
         request = reply.request
         self._settle(request, reply.status, reply.label)
         if self.closed or self._transport is None:
@@ -451,6 +483,7 @@ class _ClientConnection(asyncio.Protocol):
         assert self._transport is not None
         start = self._head(status, headers, len(body), keep_alive, outcome)
         self._transport.write(start + (b"" if head else body))
+        self._idle_since = self._loop.time()
         if not keep_alive:
             self.closing = True
             self._transport.close()
@@ -483,6 +516,26 @@ class _ClientConnection(asyncio.Protocol):
     def close_if_idle(self) -> None:
         if not self._busy and self._transport is not None:
             self._transport.close()
+
+    def sweep(self, now: float, keep_alive_s: float, read_timeout_s: float) -> None:
+        """Close the connection if it has been idle for ``keep_alive_s``; refuse the request
+        being read (408, then close) if it stopped coming."""
+        if self.closed or self.closing or self._transport is None:
+            return
+        if not self.in_message:
+            if not self._busy and not self._queue and now - self._idle_since > keep_alive_s:
+                self.closing = True
+                self._transport.close()
+            return
+        if self._ended:
+            return
+        if self._reading_paused or self._continue_owed:
+            self._heard = self._held = now
+            return
+        begun = max(self._started, self._held)
+        reason = late(self._in_head, begun, self._heard, now, read_timeout_s)
+        if reason is not None:
+            self.end(408, reason)
 
 
 class _ReplyStream:
@@ -547,6 +600,7 @@ class Router:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: set[_ClientConnection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -595,12 +649,20 @@ class Router:
         sockets = self._server.sockets
         if sockets:
             self.port = sockets[0].getsockname()[1]
+        self._sweep()
         log.info(
             "router on %s: %d backends, policy %s, hedging %s",
             self.url, len(dispatcher.upstreams), self.config.balance,
             "on" if self.config.hedge else "off",
         )  # fmt: skip
         await self._start_grpc()
+
+    def _sweep(self) -> None:
+        """Once a second: idle connections past their time, requests that stopped coming."""
+        now, config = self.loop.time(), self.config
+        for connection in list(self._connections):
+            connection.sweep(now, config.keep_alive_s, config.read_timeout_s)
+        self._sweeper = self.loop.call_later(1.0, self._sweep)
 
     async def _start_grpc(self) -> None:
         """The Open Inference Protocol's gRPC service on ``grpc_port`` (0: none), sent on to
@@ -641,6 +703,9 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for connection in list(self._connections):
             if connection._transport is not None:
                 connection._transport.close()

@@ -8,6 +8,8 @@ from typing import Protocol
 import httptools
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# A request's line and headers together may not be longer (431).
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class Reader(Protocol):
@@ -50,3 +52,25 @@ def head_of(headers: list[tuple[bytes, bytes]], version: str) -> tuple[int | Non
     length = int(declared) if declared is not None and declared.strip().isdigit() else None
     waits = expect is not None and expect.lower() == b"100-continue" and version != "1.0"
     return length, waits
+
+
+def too_long(head_fed: int) -> bool:
+    """Whether the bytes fed while a request's head is being read are past what any head within
+    the limit takes (httptools holds a header whole before it calls back, so one header that
+    never ends is only seen here)."""
+    return head_fed > 2 * MAX_HEAD_BYTES
+
+
+def late(in_head: bool, begun: float, heard: float, now: float, timeout_s: float) -> str | None:
+    """Why a request still being read is refused with 408 (None: it is not late). Its head
+    must be whole within ``timeout_s`` of its first byte, however it trickles in (a client
+    that sends a byte now and then holds a connection forever otherwise); its body may take
+    as long as it needs, but not stop for ``timeout_s``. ``heard``: when bytes last came, or
+    when the server last stopped holding the client back (reading paused, a 100 Continue owed),
+    which is no fault of the client's."""
+    if in_head:
+        if now - begun > timeout_s:
+            return f"request head not received within {timeout_s:g} s"
+    elif now - heard > timeout_s:
+        return f"request body stalled: nothing received for {timeout_s:g} s"
+    return None

@@ -7,7 +7,8 @@ and handed to the application in one call, which may answer at once (`Applicatio
 a route that does not exist, a request refused under load) or return a coroutine, run as a
 task; its ``(status, headers, body)`` is written as one buffer.
 
-HTTP/1.1 as clients use it: keep-alive (an idle connection closes after ``keep_alive_s``),
+HTTP/1.1 as clients use it: keep-alive (an idle connection closes after ``keep_alive_s``; a
+request whose head is not whole, or whose body stops coming, for ``read_timeout_s`` gets a 408),
 pipelined requests answered in order, chunked request bodies, ``Expect: 100-continue``,
 HTTP/1.0, HEAD. A body over the limit is refused with 413, by its declared length before it
 is read; a malformed request gets a 400 and the connection closes; a protocol upgrade is not
@@ -33,7 +34,7 @@ import httptools
 import orjson
 
 from tailserve.protocols.http.request import HttpRequest
-from tailserve.transport.inbound import CONTINUE, feed, head_of
+from tailserve.transport.inbound import CONTINUE, MAX_HEAD_BYTES, feed, head_of, late, too_long
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("tailserve.access")
@@ -45,8 +46,6 @@ _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
 # Set by the server from these, not by the application.
 _FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection", b"date"))
-# A request's line and headers together may not be longer (431).
-MAX_HEAD_BYTES = 64 * 1024
 # Requests, and bytes of their bodies, read ahead of the one being answered (pipelined)
 # before reading pauses.
 MAX_PIPELINED = 32
@@ -67,11 +66,13 @@ class HttpServer:
         *,
         max_body_bytes: int,
         keep_alive_s: float = 5.0,
+        read_timeout_s: float = 30.0,
         access_log: bool = False,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
+        self.read_timeout_s = read_timeout_s
         self.access_log = access_log
         self.draining = False
         self.date = b""
@@ -110,12 +111,14 @@ class HttpServer:
         self._sweep()
 
     def _sweep(self) -> None:
-        """Once a second: the Date header's value, and idle connections past their time."""
+        """Once a second: the Date header's value, idle connections past their time, and
+        requests that stopped coming."""
         assert self._loop is not None
         self.date = b"date: " + email.utils.formatdate(usegmt=True).encode() + b"\r\n"
         now = time.monotonic()
         for connection in list(self._connections):
             connection.close_if_idle(now - self.keep_alive_s)
+            connection.expire_read(now, self.read_timeout_s)
         self._sweeper = self._loop.call_later(1.0, self._sweep)
 
     async def drain(self, timeout_s: float, forced: asyncio.Event | None = None) -> None:
@@ -191,6 +194,10 @@ class _Connection(asyncio.Protocol):
         # (httptools holds a header whole before it calls back: a long one is cut here).
         self._in_head = False
         self._head_fed = 0
+        # When bytes of the request being read last came, and when the server last held the
+        # client back (reading paused, a 100 Continue owed): its clock starts again from there.
+        self._heard = 0.0
+        self._held = 0.0
         # A "100 Continue" is owed to the request being read, once those ahead are answered.
         self._continue_owed = False
         # Read and waiting their turn; the one being answered and its task.
@@ -220,9 +227,10 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._ended or self._closing:
             return
+        self._heard = time.monotonic()
         if self._in_head:
             self._head_fed += len(data)
-            if self._head_fed > 2 * MAX_HEAD_BYTES:
+            if too_long(self._head_fed):
                 self.end(431, f"request head over {MAX_HEAD_BYTES} bytes")
                 return
         feed(self._parser, data, self)
@@ -249,7 +257,7 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._started = time.monotonic()
+        self._started = self._heard = time.monotonic()
         self.in_message = True
         self._in_head = True
         self._head_fed = 0
@@ -460,6 +468,18 @@ class _Connection(asyncio.Protocol):
         ):
             self._closing = True
             self._transport.close()
+
+    def expire_read(self, now: float, timeout_s: float) -> None:
+        """Refuse the request being read (408, then close) if it stopped coming."""
+        if not self.in_message or self._ended or self._closing or self._closed:
+            return
+        if self._reading_paused or self._continue_owed:
+            self._heard = self._held = now
+            return
+        begun = max(self._started, self._held)
+        reason = late(self._in_head, begun, self._heard, now, timeout_s)
+        if reason is not None:
+            self.end(408, reason)
 
     def abort(self) -> None:
         if self._transport is not None and not self._closed:
