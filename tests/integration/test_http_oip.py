@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from support.models import doubler_config, write_model
 from support.servers import RunningWorker, run_worker
+from tailserve.protocols.http import oip
 from tailserve.protocols.http.routes import ROUTES
 from tailserve.settings import Settings
 
@@ -404,3 +406,40 @@ def test_sampled_trace_log_records_infer_requests(tmp_path: Path) -> None:
     assert [orjson.loads(e["body"])["inputs"][0]["data"] for e in entries] == [[1.0], [2.0], [3.0]]
     assert entries[0]["t"] <= entries[1]["t"] <= entries[2]["t"]
     assert entries[0]["headers"]["content-type"] == "application/json"
+
+
+def test_large_or_compressed_bodies_are_decoded_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_model(tmp_path, "doubler", doubler_config())
+    with run_worker(Settings(repository=str(tmp_path))) as worker:
+        _decode_off_the_loop(worker, monkeypatch)
+
+
+def _decode_off_the_loop(worker: RunningWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    decode = oip.decode_request
+
+    def spy(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return decode(*args)
+
+    monkeypatch.setattr(oip, "decode_request", spy)
+    url = f"{worker.url}/v2/models/doubler/infer"
+    small = orjson.dumps(infer_body([1.0]))
+    large = small[:-1] + b" " * 300_000 + b"}"  # the same request, padded past 256 KiB
+    outputs = []
+    for content, encoding in ((small, None), (large, None), (gzip.compress(small), "gzip")):
+        headers = {"content-type": "application/json"}
+        if encoding:
+            headers["content-encoding"] = encoding
+        reply = httpx.post(url, content=content, headers=headers)
+        assert reply.status_code == 200, reply.text
+        outputs.append(reply.json()["outputs"])
+    assert outputs[0] == outputs[1] == outputs[2]
+    loop, *off = threads
+    assert len(off) == 2 and loop not in off, threads
+    # An error found on the thread is the client's 400 as ever.
+    reply = httpx.post(url, content=large[:-1] + b"]", headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]
+    assert_still_serving(worker.url)
