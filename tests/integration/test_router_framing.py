@@ -147,3 +147,16 @@ async def test_a_head_too_long_or_too_slow_is_refused_and_idle_clients_are_let_g
             # sweep, _exchange would wait for the close in vain and time out).
             replies = await _exchange(router.port, INFER + b"\r\n" + BODY)
             assert [_status(r) for r in replies] == [200]  # then closed: _exchange read EOF
+
+
+async def test_an_http_1_0_client_is_told_when_it_is_kept_alive(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, _ = router_port
+    request = b"POST /v2/models/m/infer HTTP/1.0\r\ncontent-length: %d\r\n" % len(BODY)
+    kept = request + b"connection: keep-alive\r\n\r\n" + BODY
+    replies = await _exchange(port, kept + kept + request + b"\r\n" + BODY)
+    assert [_status(r) for r in replies] == [200, 200, 200], replies
+    heads = [reply.split(b"\r\n\r\n", 1)[0].lower() for reply in replies]
+    assert [b"connection: keep-alive" in head for head in heads] == [True, True, False]
+    assert b"connection: close" in heads[2]  # and then closed (_exchange read to the end)

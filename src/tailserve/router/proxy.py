@@ -75,8 +75,8 @@ _JSON = [(b"content-type", b"application/json")]
 
 class _Request:
     __slots__ = (
-        "body", "chunked", "error", "headers", "keep_alive", "length", "method", "started",
-        "stream", "url",
+        "body", "chunked", "error", "headers", "http10", "keep_alive", "length", "method",
+        "started", "stream", "url",
     )  # fmt: skip
 
     def __init__(
@@ -100,6 +100,8 @@ class _Request:
         self.stream = False
         self.chunked = False
         self.length: int | None = None
+        # From an HTTP/1.0 client: told when it is kept alive, and never sent chunks.
+        self.http10 = False
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -299,6 +301,7 @@ class _ClientConnection(asyncio.Protocol):
             self._parser.get_method(), self._url, self._headers, body,
             self._parser.should_keep_alive(), self._started,
         )  # fmt: skip
+        request.http10 = self._parser.get_http_version() == "1.0"
         if self._too_large:
             limit = self._router.config.max_body_bytes
             request.body = b""
@@ -326,6 +329,7 @@ class _ClientConnection(asyncio.Protocol):
         request.stream = True
         request.chunked = chunked
         request.length = self._length
+        request.http10 = self._parser.get_http_version() == "1.0"
         self._streaming = True
         self._busy = True
         held, self._body = self._body, []
@@ -355,15 +359,19 @@ class _ClientConnection(asyncio.Protocol):
         self, request: _Request, label: str, head: Outcome, length: int | None,
         ticket: Ticket,
     ) -> _ReplyStream:  # fmt: skip
-        """A large reply's head has come: send it on, and its body as it arrives."""
-        keep_alive = self._keep_alive(request)
+        """A large reply's head has come: send it on, and its body as it arrives (to an
+        HTTP/1.0 client, a body of unknown length ends when the connection closes)."""
+        unframed = length is None and request.http10
+        keep_alive = self._keep_alive(request) and not unframed
         reply = self._reply = _ReplyStream(
-            self, request, label, head.status, ticket, chunked=length is None,
+            self, request, label, head.status, ticket, chunked=length is None and not unframed,
             keep_alive=keep_alive,
         )  # fmt: skip
         if not self.closed:
             assert self._transport is not None
-            self._transport.write(self._head(head.status, head.headers, length, keep_alive, head))
+            start = self._head(head.status, head.headers, length, keep_alive, head,
+                               http10=request.http10)  # fmt: skip
+            self._transport.write(start)
         return reply
 
     def reply_ended(self, reply: _ReplyStream, *, broken: bool) -> None:
@@ -411,7 +419,7 @@ class _ClientConnection(asyncio.Protocol):
         keep_alive = self._keep_alive(request)
         self._write(
             outcome.status, outcome.headers, outcome.body, keep_alive, outcome,
-            head=request.method == b"HEAD",
+            head=request.method == b"HEAD", http10=request.http10,
         )  # fmt: skip
         if keep_alive:
             self._next()
@@ -429,7 +437,7 @@ class _ClientConnection(asyncio.Protocol):
 
     def _reply_error(self, request: _Request, status: int, message: str) -> None:
         body = orjson.dumps({"error": message})
-        self._write(status, _JSON, body, self._keep_alive(request), None)
+        self._write(status, _JSON, body, self._keep_alive(request), None, http10=request.http10)
 
     def end(self, status: int | None, message: str = "") -> None:
         """Read nothing more on this connection. The requests already read are answered in
@@ -478,10 +486,11 @@ class _ClientConnection(asyncio.Protocol):
         outcome: Outcome | None,
         *,
         head: bool = False,
+        http10: bool = False,
     ) -> None:
         """The reply; to a HEAD request, its head alone (with the length GET would send)."""
         assert self._transport is not None
-        start = self._head(status, headers, len(body), keep_alive, outcome)
+        start = self._head(status, headers, len(body), keep_alive, outcome, http10=http10)
         self._transport.write(start + (b"" if head else body))
         self._idle_since = self._loop.time()
         if not keep_alive:
@@ -495,14 +504,18 @@ class _ClientConnection(asyncio.Protocol):
         length: int | None,
         keep_alive: bool,
         outcome: Outcome | None,
+        *,
+        http10: bool = False,
     ) -> bytes:
-        """A reply's status line and headers; chunked when the length is not known."""
+        """A reply's status line and headers; chunked when the length is not known (but not
+        to an HTTP/1.0 client: its body then ends with the connection)."""
         lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown"))]
         for name, value in headers:
             if name.lower() not in _REPLY_HOP:
                 lines.append(name + b": " + value)
         if length is None:
-            lines.append(b"transfer-encoding: chunked")
+            if not http10:
+                lines.append(b"transfer-encoding: chunked")
         else:
             lines.append(b"content-length: %d" % length)
         if outcome is not None and outcome.backend is not None:
@@ -511,6 +524,8 @@ class _ClientConnection(asyncio.Protocol):
                 lines.append(b"x-tailserve-hedged: 1")
         if not keep_alive:
             lines.append(b"connection: close")
+        elif http10:  # kept open only when said so, for a 1.0 client
+            lines.append(b"connection: keep-alive")
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     def close_if_idle(self) -> None:
