@@ -391,3 +391,20 @@ def test_after_overload_an_idle_worker_admits_a_request_its_own_batch_fills_half
     while b.poll(1.0, [1.0], draining=True).batch:
         pass
     assert b.offer(Item(500, SHORT, 2.0, 2.025), 2.0, [2.0]) is None
+
+
+def test_the_event_loops_backlog_counts_against_a_deadline() -> None:
+    # A cheap model whose queue is empty: only the loop's backlog (the requests the worker
+    # holds, times the loop CPU each needs) stands between a request and its answer.
+    b = batcher()
+    seeded(b, COST)
+    b.loop_backlog_s = 0.040
+    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None
+    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is None
+    b.loop_backlog_s = 0.060  # more than the whole budget: refused before it is read...
+    refused = b.shed(0.0, [0.0], deadline=0.050, priority=1)
+    assert refused is not None and refused.reason == "deadline"
+    assert refused.retry_after_s >= 0.060
+    late = b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0])  # ...and when it is offered
+    assert late is not None and late.reason == "deadline" and len(b) == 1
+    assert b.offer(Item(1, SHORT, 0.0, 0.200), 0.0, [0.0]) is None  # a looser one gets in

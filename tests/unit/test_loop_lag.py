@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from tailserve.observability.loop_lag import LoopLag
 
 
@@ -35,3 +37,26 @@ def test_a_saturated_loop_reads_busy_and_late_and_an_idle_one_does_not() -> None
     assert busy > 0.25
     assert lagged > 0.002  # ticks due every 5 ms fired up to 20 ms late
     assert idle < 0.5 * busy
+
+
+async def backlog(in_flight: int) -> tuple[float, float]:
+    answered = 0
+    lag = LoopLag(requests=lambda: (in_flight, answered))
+    lag.start()
+    try:
+        for _ in range(40):  # 2 ms of the loop's CPU for each request answered
+            burn(0.002)
+            answered += 1
+            await asyncio.sleep(0)
+        return lag.per_request_s, lag.backlog_s
+    finally:
+        lag.stop()
+
+
+def test_the_backlog_is_the_requests_held_times_the_loop_cpu_each_costs() -> None:
+    per_request, held = asyncio.run(backlog(in_flight=50))
+    # The moving average starts from nothing and the ticks fall between requests: it reads
+    # part of the 2 ms within 40 requests, never more than the CPU the loop spent.
+    assert 0.0002 < per_request < 0.003
+    assert held == pytest.approx(50 * per_request)
+    assert asyncio.run(backlog(in_flight=0))[1] == 0.0

@@ -63,6 +63,8 @@ class Batcher(Protocol):
     loop_delay_s: float
     # How busy the event loop's thread is, 0..1 (set by the scheduler before each offer).
     loop_busy: float
+    # The loop's time the requests it holds still need, seconds (likewise).
+    loop_backlog_s: float
 
     def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
         """Queue the request, or say why not. ``free_at``: when each instance is free."""
@@ -115,6 +117,7 @@ class _Fifo:
         self.max_queue = max_queue
         self.loop_delay_s = 0.0
         self.loop_busy = 0.0
+        self.loop_backlog_s = 0.0
         self.queue: deque[Item] = deque()
         self._costs: dict[Any, tuple[str, LinearCost]] = {}
 

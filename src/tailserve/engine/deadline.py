@@ -8,10 +8,11 @@ never share a batch.
 be met: not even by a batch of its rows alone started now, or when the wait for the work
 queued ahead of it (same or higher priority, every class, spread over the instances) and what
 the instances are still running would take more than a share of the time left once the known
-delays (the hand-off, the event loop's lag once, for the answer going out, a learnt
-correction) are taken off. The share is all of it while the worker refuses next to nothing,
-and falls to ``admission_target`` as refusals near a steady few percent (overload): then the
-rest is headroom for what the worker cannot see.
+delays (the hand-off, the event loop's lag once, for the answer going out, the loop's backlog:
+what the requests it holds still need of it, a learnt correction) are taken off. The share is
+all of it while the worker refuses next to nothing, and falls to ``admission_target`` as
+refusals near a steady few percent (overload): then the rest is headroom for what the worker
+cannot see.
 Refusing early keeps the queue at what can be served in time, so under overload the admitted
 requests keep their latency (goodput) instead of all getting slow.
 
@@ -197,6 +198,9 @@ class DeadlineBatcher:
         self.loop_delay_s = 0.0
         # How busy the event loop's thread is (0..1).
         self.loop_busy = 0.0
+        # The loop's time the requests it holds still need (observability.loop_lag): where the
+        # loop, not the model, is the bottleneck, the wait an admitted request has ahead.
+        self.loop_backlog_s = 0.0
         # How much later than estimated admitted requests were answered (moving average):
         # what the estimate leaves out (idle gaps, contention) is learnt back into it. It fades
         # with time too: were everything refused, nothing would be answered to correct it.
@@ -310,7 +314,10 @@ class DeadlineBatcher:
         instances = max(1, len(free_at))
         ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
         queueing = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
-        delays = self._overhead(now) + self.loop_delay_s + max(0.0, self._correction(now))
+        delays = (
+            self._overhead(now) + self.loop_delay_s + self.loop_backlog_s
+            + max(0.0, self._correction(now))
+        )  # fmt: skip
         return ahead, queueing, delays
 
     def _batches(self, cost: LinearCost, rows: int) -> tuple[float, float]:

@@ -109,6 +109,7 @@ class LoopState(Protocol):
 
     lag_s: float  # how late it runs what is ready, seconds
     busy: float  # how busy its thread is, 0..1
+    backlog_s: float  # the loop's time the requests it holds still need, seconds
 
 
 class Scheduler:
@@ -183,6 +184,7 @@ class Scheduler:
         if self._loop is not None:
             self._batcher.loop_delay_s = self._loop.lag_s
             self._batcher.loop_busy = self._loop.busy
+            self._batcher.loop_backlog_s = self._loop.backlog_s
 
     def _refuse(self, rejection: Rejection) -> NoReturn:
         self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1

@@ -6,7 +6,14 @@ nothing else in the worker can see it.
 The same timer measures how busy the loop's thread is: the CPU time it used over the wall time
 between ticks. A loop near saturation is the worker's bottleneck (HTTP, decoding, hand-offs),
 however idle the model's instances are; the batcher then waits a little for company, since
-every batch costs the loop a hand-off."""
+every batch costs the loop a hand-off.
+
+And, given the server's count of the requests in flight and of those answered, the loop's
+backlog: the requests it holds times the loop CPU a request has cost of late. Where the loop is
+the bottleneck (a cheap model: churn), an admitted request waits for the loop to decode, batch,
+encode and write the requests ahead of it; neither the lag (one turn of the loop) nor a model's
+queue (its batches run in a fraction of a millisecond) shows that wait, and admission let
+requests in that then spent 70-100 ms inside the worker against a 50 ms SLO."""
 
 from __future__ import annotations
 
@@ -21,9 +28,18 @@ class LoopLag:
         *,
         interval_s: float = 0.005,
         on_sample: Callable[[float], None] | None = None,
+        requests: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.on_sample = on_sample
+        # The server's (requests in flight, requests answered so far), when it tells.
+        self.requests = requests
+        # Moving average of the loop CPU an answered request costs (all the loop's work over
+        # the requests answered meanwhile, refusals' and other models' included: they take
+        # the loop from the requests waiting too), and the backlog it makes of those in flight.
+        self.per_request_s = 0.0
+        self.backlog_s = 0.0
+        self._answered = 0
         # Moving average of the lateness, seconds (a few hundred milliseconds of memory).
         self.lag_s = 0.0
         # Moving average of the loop thread's CPU time over wall time (0..1).
@@ -54,6 +70,12 @@ class LoopLag:
         if now > self._wall:
             share = min(1.0, (cpu - self._cpu) / (now - self._wall))
             self.busy += 0.05 * (share - self.busy)
+        if self.requests is not None:
+            in_flight, answered = self.requests()
+            done, self._answered = answered - self._answered, answered
+            if done > 0:
+                self.per_request_s += 0.05 * ((cpu - self._cpu) / done - self.per_request_s)
+            self.backlog_s = in_flight * self.per_request_s
         self._cpu, self._wall = cpu, now
         if self.on_sample is not None:
             self.on_sample(late)

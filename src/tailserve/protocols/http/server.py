@@ -79,12 +79,19 @@ class HttpServer:
         self._servers: list[asyncio.Server] = []
         self._connections: set[_Connection] = set()
         self._busy = 0
+        # Requests answered by a task so far (the loop's backlog: observability.loop_lag).
+        self.answered = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._gone = asyncio.Event()  # no connection left
         self._gone.set()
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being answered by a task now."""
+        return self._busy
 
     @property
     def port(self) -> int:
@@ -157,6 +164,7 @@ class HttpServer:
     def _ended(self, task: asyncio.Task[None]) -> None:
         # A done callback: it runs even for a task cancelled before its first step.
         self._busy -= 1
+        self.answered += 1
         if self._busy == 0:
             self._idle.set()
 
