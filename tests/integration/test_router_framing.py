@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import pytest
@@ -125,7 +126,7 @@ async def test_a_head_too_long_or_too_slow_is_refused_and_idle_clients_are_let_g
             # A header that never ends: 431 before it does.
             reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
             writer.write(b"GET /v2/models/m HTTP/1.1\r\nhost: r\r\nx-big: ")
-            for _ in range(4):
+            for _ in range(8):
                 writer.write(b"v" * MAX_HEAD_BYTES)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert _status(head) == 431
@@ -160,3 +161,63 @@ async def test_an_http_1_0_client_is_told_when_it_is_kept_alive(
     heads = [reply.split(b"\r\n\r\n", 1)[0].lower() for reply in replies]
     assert [b"connection: keep-alive" in head for head in heads] == [True, True, False]
     assert b"connection: close" in heads[2]  # and then closed (_exchange read to the end)
+
+
+async def test_many_pipelined_requests_in_large_reads_are_all_answered(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, _ = router_port
+    count = 10_000
+    live = b"GET /v2/health/live HTTP/1.1\r\nhost: r\r\n\r\n"
+    replies = await _exchange(
+        port, live * (count - 1) + live.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+    )
+    assert len(replies) == count and all(_status(reply) == 200 for reply in replies)
+
+
+async def test_a_long_target_is_414_and_a_client_held_back_is_not_late() -> None:
+    stub = StubApp()
+    with run_stub(stub) as backend:
+        async with running_router([backend.url], hedge=False) as router:
+            replies = await _exchange(
+                router.port, b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nhost: r\r\n\r\n"
+            )
+            assert [_status(r) for r in replies] == [414]
+            # A body the router holds back (its 100 Continue owed while the request ahead is
+            # answered) is not late however long that takes; its time runs from when it is
+            # let in. (The sweep is called by hand, with a clock an hour ahead.)
+            stub.service_s = 0.5
+            waiting = INFER.replace(
+                b"\r\ncontent-length", b"\r\nexpect: 100-continue\r\ncontent-length"
+            )
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            writer.write(INFER + b"\r\n" + BODY + waiting + b"\r\n")
+            (connection,) = await _reading(router)
+            connection.sweep(router.loop.time() + 3600, 75.0, 10.0)
+            first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert _status(first) == 200
+            await reader.readexactly(
+                int(first.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            )
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert _status(interim) == 100
+            connection.sweep(router.loop.time() + 5, 75.0, 10.0)  # 5 s after: in time
+            writer.write(BODY)
+            second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert _status(second) == 200
+            connection.sweep(router.loop.time() + 3600, 75.0, 10.0)  # idle an hour: let go
+            await reader.readexactly(
+                int(second.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            )
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+
+
+async def _reading(router: Any) -> list[Any]:
+    """The router's connections, once one is reading a request."""
+    for _ in range(500):
+        reading = [c for c in router._connections if c.in_message]
+        if reading:
+            return reading
+        await asyncio.sleep(0.01)
+    raise AssertionError("no connection began reading a request")

@@ -152,6 +152,7 @@ class _ClientConnection(asyncio.Protocol):
         self._in_head = False
         self._head_size = 0
         self._head_fed = 0
+        self._heads = 0  # requests begun on this connection
         # When bytes of the request being read last came, and when the router last held the
         # client back (reading paused, a 100 Continue owed); when the connection last went
         # idle (its last reply written).
@@ -189,12 +190,14 @@ class _ClientConnection(asyncio.Protocol):
         if self._ended:
             return
         self._heard = self._loop.time()
-        if self._in_head:
+        head = self._heads if self._in_head else -1
+        feed(self._parser, data, self)
+        # A read counts against a head only when all of it went to that head (one read may
+        # also end the head before it and hold bodies and pipelined requests).
+        if head == self._heads and self._in_head and not self._ended:
             self._head_fed += len(data)
             if too_long(self._head_fed):
                 self.end(431, f"request head over {MAX_HEAD_BYTES} bytes")
-                return
-        feed(self._parser, data, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -219,6 +222,7 @@ class _ClientConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.in_message = True
         self._in_head = True
+        self._heads += 1
         self._head_size = self._head_fed = 0
         self._url = b""
         self._headers = []
@@ -343,6 +347,7 @@ class _ClientConnection(asyncio.Protocol):
     def resume_body(self) -> None:
         if self._reading_paused and self._transport is not None and not self.closed:
             self._reading_paused = False
+            self._heard = self._loop.time()  # the client's time runs again from here
             self._transport.resume_reading()
 
     def _abandon(self) -> None:
@@ -475,6 +480,7 @@ class _ClientConnection(asyncio.Protocol):
             and self._transport is not None
         ):
             self._continue_owed = False
+            self._heard = self._loop.time()
             self._transport.write(CONTINUE)
 
     def _write(

@@ -55,9 +55,9 @@ def head_of(headers: list[tuple[bytes, bytes]], version: str) -> tuple[int | Non
 
 
 def too_long(head_fed: int) -> bool:
-    """Whether the bytes fed while a request's head is being read are past what any head within
-    the limit takes (httptools holds a header whole before it calls back, so one header that
-    never ends is only seen here)."""
+    """Whether the bytes of the reads that went wholly to a request's head are past what any
+    head within the limit takes (httptools holds a header whole before it calls back, so one
+    header that never ends is only seen here)."""
     return head_fed > 2 * MAX_HEAD_BYTES
 
 

@@ -202,6 +202,7 @@ class _Connection(asyncio.Protocol):
         # (httptools holds a header whole before it calls back: a long one is cut here).
         self._in_head = False
         self._head_fed = 0
+        self._heads = 0  # requests begun on this connection
         # When bytes of the request being read last came, and when the server last held the
         # client back (reading paused, a 100 Continue owed): its clock starts again from there.
         self._heard = 0.0
@@ -236,12 +237,14 @@ class _Connection(asyncio.Protocol):
         if self._ended or self._closing:
             return
         self._heard = time.monotonic()
-        if self._in_head:
+        head = self._heads if self._in_head else -1
+        feed(self._parser, data, self)
+        # A read counts against a head only when all of it went to that head (one read may
+        # also end the head before it and hold bodies and pipelined requests).
+        if head == self._heads and self._in_head and not self._ended:
             self._head_fed += len(data)
             if too_long(self._head_fed):
                 self.end(431, f"request head over {MAX_HEAD_BYTES} bytes")
-                return
-        feed(self._parser, data, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -268,6 +271,7 @@ class _Connection(asyncio.Protocol):
         self._started = self._heard = time.monotonic()
         self.in_message = True
         self._in_head = True
+        self._heads += 1
         self._head_fed = 0
         self._url = b""
         self._headers = []
@@ -371,6 +375,7 @@ class _Connection(asyncio.Protocol):
             and self._queued_bytes <= MAX_QUEUED_BYTES // 2
         ):
             self._reading_paused = False
+            self._heard = time.monotonic()  # the client's time runs again from here
             if self._transport is not None and not self._ended:
                 self._transport.resume_reading()
         self._pay_continue()
@@ -461,6 +466,7 @@ class _Connection(asyncio.Protocol):
             and self._transport is not None
         ):
             self._continue_owed = False
+            self._heard = time.monotonic()
             self._transport.write(CONTINUE)
 
     def close_if_idle(self, idle_before: float | None) -> None:
