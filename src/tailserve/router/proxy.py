@@ -56,7 +56,14 @@ from tailserve.router.dispatch import (
 from tailserve.router.membership import Membership
 from tailserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from tailserve.transport.http1 import Ticket
-from tailserve.transport.inbound import CONTINUE, MAX_HEAD_BYTES, feed, head_of, late, too_long
+from tailserve.transport.inbound import (
+    CONTINUE,
+    MAX_HEAD_BYTES,
+    HeadReading,
+    feed,
+    head_of,
+    too_long,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +146,7 @@ def classify(method: bytes, path: str) -> _Target:
     return _Target(ANY)
 
 
-class _ClientConnection(asyncio.Protocol):
+class _ClientConnection(HeadReading, asyncio.Protocol):
     def __init__(self, router: Router) -> None:
         self._router = router
         self._loop = router.loop
@@ -231,18 +238,6 @@ class _ClientConnection(asyncio.Protocol):
         self._too_large = False
         self._length = None
         self._started = self._heard = self._loop.time()
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-        self._head_size += len(url)
-        if self._head_size > MAX_HEAD_BYTES:
-            self.end(414, f"request target over {MAX_HEAD_BYTES} bytes")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > MAX_HEAD_BYTES:
-            self.end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -550,11 +545,7 @@ class _ClientConnection(asyncio.Protocol):
             return
         if self._ended:
             return
-        if self._reading_paused or self._continue_owed:
-            self._heard = self._held = now
-            return
-        begun = max(self._started, self._held)
-        reason = late(self._in_head, begun, self._heard, now, read_timeout_s)
+        reason = self._late(now, read_timeout_s)
         if reason is not None:
             self.end(408, reason)
 

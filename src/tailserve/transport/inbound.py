@@ -74,3 +74,41 @@ def late(in_head: bool, begun: float, heard: float, now: float, timeout_s: float
     elif now - heard > timeout_s:
         return f"request body stalled: nothing received for {timeout_s:g} s"
     return None
+
+
+class HeadReading:
+    """What both servers' connections do the same way while a request's head is read: the
+    target and headers kept within `MAX_HEAD_BYTES` (414, 431), and whether the request being
+    read is late (`late`, with the time the server holds the client back not counted)."""
+
+    _url: bytes
+    _headers: list[tuple[bytes, bytes]]
+    _head_size: int
+    _in_head: bool
+    _started: float
+    _heard: float
+    _held: float
+    _reading_paused: bool
+    _continue_owed: bool
+
+    def end(self, status: int | None, message: str = "") -> None:
+        raise NotImplementedError
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD_BYTES:
+            self.end(414, f"request target over {MAX_HEAD_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD_BYTES:
+            self.end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
+
+    def _late(self, now: float, timeout_s: float) -> str | None:
+        """Why the request being read is refused now (None: it is in time, or held back)."""
+        if self._reading_paused or self._continue_owed:
+            self._heard = self._held = now
+            return None
+        return late(self._in_head, max(self._started, self._held), self._heard, now, timeout_s)

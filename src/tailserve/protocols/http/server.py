@@ -34,7 +34,14 @@ import httptools
 import orjson
 
 from tailserve.protocols.http.request import HttpRequest
-from tailserve.transport.inbound import CONTINUE, MAX_HEAD_BYTES, feed, head_of, late, too_long
+from tailserve.transport.inbound import (
+    CONTINUE,
+    MAX_HEAD_BYTES,
+    HeadReading,
+    feed,
+    head_of,
+    too_long,
+)
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("tailserve.access")
@@ -184,7 +191,7 @@ async def _first(event: asyncio.Event, forced: asyncio.Event | None, timeout_s: 
         wait.cancel()
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(HeadReading, asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self._server = server
         self._parser = httptools.HttpRequestParser(self)
@@ -278,18 +285,6 @@ class _Connection(asyncio.Protocol):
         self._head_size = 0
         self._body = []
         self._size = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-        self._head_size += len(url)
-        if self._head_size > MAX_HEAD_BYTES:
-            self.end(414, f"request target over {MAX_HEAD_BYTES} bytes")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > MAX_HEAD_BYTES:
-            self.end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -487,11 +482,7 @@ class _Connection(asyncio.Protocol):
         """Refuse the request being read (408, then close) if it stopped coming."""
         if not self.in_message or self._ended or self._closing or self._closed:
             return
-        if self._reading_paused or self._continue_owed:
-            self._heard = self._held = now
-            return
-        begun = max(self._started, self._held)
-        reason = late(self._in_head, begun, self._heard, now, timeout_s)
+        reason = self._late(now, timeout_s)
         if reason is not None:
             self.end(408, reason)
 
