@@ -12,7 +12,7 @@ import pytest
 
 from tailserve.engine.batching import Item
 from tailserve.engine.buckets import Bucket
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline import _LOOP_WAIT_S, DeadlineBatcher
 
 SHORT, LONG = Bucket("short", "len<=16"), Bucket("long", "len<=512")
 MAX_ROWS = 64
@@ -360,7 +360,7 @@ def test_admission_keeps_its_headroom_only_under_overload() -> None:
 def test_a_saturated_event_loop_makes_batches_wait_for_company() -> None:
     # A cheap model (0.2 ms a batch) at 2,000 req/s: its instance is mostly idle, so batches
     # go at once, one or two rows each. When the loop's thread is saturated (HTTP, hand-offs)
-    # the loop is the bottleneck: batches wait up to ~2 ms for company, and fill.
+    # the loop is the bottleneck: batches wait up to ~4 ms for company, and fill.
     cheap = linear(0.0002, 0.000002)
     arrivals = [Arrival(a.at, 0.050) for a in poisson(2000.0, 1.0, 0.050, seed=3)]
     rows = {}
@@ -374,6 +374,22 @@ def test_a_saturated_event_loop_makes_batches_wait_for_company() -> None:
         rows[busy] = outcome.mean_rows()
     assert rows[0.3] < 2.0
     assert rows[1.0] > 2.5 * rows[0.3]
+
+
+def test_a_wait_for_company_for_the_loops_sake_is_bounded_in_time() -> None:
+    # A saturated, lagging loop and a burst at 2,000 req/s that stops: the batcher expects
+    # company (rows arriving within the loop's wait), but no member waits for it longer than
+    # that wait, however much the rate it learnt says more is coming, nor until its deadline.
+    cheap = linear(0.0002, 0.000002)
+    arrivals = [Arrival(a.at, 0.050) for a in poisson(2000.0, 0.2, 0.050, seed=5)]
+    b = batcher()
+    seeded(b, cheap)
+    b.loop_busy, b.loop_delay_s = 1.0, 0.020
+    outcome = simulate(b, arrivals, cheap)
+    assert not outcome.rejected and len(outcome.served) == len(arrivals)
+    waits = [run.start - item.enqueued_at for item, run in outcome.served]
+    assert max(waits) <= _LOOP_WAIT_S + 1e-9
+    assert outcome.mean_rows() > 2.0  # it did wait for company
 
 
 def test_after_overload_an_idle_worker_admits_a_request_its_own_batch_fills_half_of() -> None:

@@ -26,9 +26,10 @@ which the class's arrivals need no more than ``target_utilization`` of the insta
     rows arriving λ a second, batches costing a + b·n:   λ·(a/n + b) <= U·k   =>   n >= λa/(Uk - λb)
 
 At low load that is one row (no wait at all); as the load nears capacity it climbs to the
-maximum (full batches). While the event loop lags or its thread is near saturation (it is then
-the bottleneck, not the instances), the target is at least the rows that arrive within the lag,
-or within up to 2 ms as the loop's thread nears full use. A class that is ready
+maximum (full batches). The instances are not always the bottleneck: once the event loop's
+thread is more than 30% busy, a class also waits for the rows that arrive within up to 4 ms (as
+the loop nears full use), and for no longer than that since its most urgent member came, as
+every batch costs the loop its dispatch, merge, split and answers. A class that is ready
 goes before one that may still wait; among the ready, the higher priority and then the earlier
 latest start goes first.
 
@@ -60,16 +61,21 @@ _NOTHING = Bucket(None, "")
 _REFUSAL_RATE = 0.01
 _OVERLOADED_AT = 0.05
 
-# From this share of its thread's time busy, the event loop counts as the bottleneck: a class
+# From this share of its thread's time busy, the event loop counts as a bottleneck: a class
 # then waits for the rows arriving within up to _LOOP_WAIT_S (all of it at a saturated loop),
-# as every batch costs the loop a hand-off. The deadline rule still starts a batch in time.
-_LOOP_BUSY_FROM = 0.6
-_LOOP_WAIT_S = 0.002
+# and for no longer than that since its most urgent member came, as every batch costs the
+# loop its dispatch, merge, split and answers (churn: a batch's fixed cost on the loop, ~70 µs,
+# is about what a whole request costs it besides). The deadline rule still starts it in time.
+_LOOP_BUSY_FROM = 0.3
+_LOOP_WAIT_S = 0.004
 
 # The weight of each answered request in the admission's correction; what admission learnt
 # (the correction, the hand-off overhead) fades with this time constant when nothing new comes.
 _CORRECTION_RATE = 0.01
 _CORRECTION_TAU_S = 0.5
+# What admission learnt, faded, is worked out again at most this often (it fades over
+# _CORRECTION_TAU_S) or when a batch or an answer teaches something new: not on every request.
+_LEARNT_REFRESH_S = 0.001
 # The most hand-off overhead a batch teaches (a loop stalled for a moment says nothing of the
 # next batch's hand-off; the scheduler caps its own estimate alike).
 _MAX_OVERHEAD_S = 0.02
@@ -111,6 +117,9 @@ class _Class:
     hard: list[tuple[float, int, Item]] = field(default_factory=list)
     rows: int = 0
     rows_by_priority: dict[int, int] = field(default_factory=dict)
+    # The lowest priority (largest level) ever queued here: a request at it or below has
+    # every queued row ahead of it.
+    lowest: int = 0
     rate: _Rate = field(default_factory=_Rate)
 
     def push(self, item: Item, seq: int) -> None:
@@ -121,6 +130,8 @@ class _Class:
         self.rows += item.rows
         level = item.priority
         self.rows_by_priority[level] = self.rows_by_priority.get(level, 0) + item.rows
+        if level > self.lowest:
+            self.lowest = level
 
     def remove(self, item: Item) -> None:
         item.taken = True
@@ -167,6 +178,8 @@ class _Class:
 
     def ahead(self, priority: int) -> int:
         """Rows queued at this priority or a higher one."""
+        if priority >= self.lowest:
+            return self.rows
         return sum(rows for level, rows in self.rows_by_priority.items() if level <= priority)
 
 
@@ -208,6 +221,9 @@ class DeadlineBatcher:
         self._corrected_at = 0.0
         # The share of recent requests refused (moving average).
         self.refusals = 0.0
+        # (The faded overhead plus correction, and when it was worked out: `_learnt`.)
+        self._learnt_s = 0.0
+        self._learnt_at = -math.inf
 
     def __len__(self) -> int:
         return self._queued
@@ -287,6 +303,7 @@ class DeadlineBatcher:
             self.correction_s = self._correction(done)
             self.correction_s += _CORRECTION_RATE * (error - self.correction_s)
             self._corrected_at = done
+            self._learnt_at = -math.inf
 
     def _correction(self, now: float) -> float:
         return _faded(self.correction_s, self._corrected_at, now)
@@ -299,13 +316,19 @@ class DeadlineBatcher:
         what is ahead of it; the same with its own rows added to its class ``queue`` (their
         batch alone, or their share of one already queued); and the delays outside the model
         (hand-off, the event loop before and after, the learnt correction)."""
-        busy = sum(max(0.0, at - now) for at in free_at)
+        busy = 0.0
+        for at in free_at:
+            if at > now:
+                busy += at - now
         work = variance = own_work = own_variance = 0.0
         for other in self._classes.values():
             rows = other.ahead(item.priority)
-            batches_work, batches_variance = self._batches(other.cost, rows)
-            work += batches_work
-            variance += batches_variance
+            if rows:
+                batches_work, batches_variance = self._batches(other.cost, rows)
+                work += batches_work
+                variance += batches_variance
+            else:
+                batches_work = batches_variance = 0.0
             if other is queue and item.rows:
                 with_own = self._batches(other.cost, rows + item.rows)
                 own_work = with_own[0] - batches_work
@@ -314,16 +337,22 @@ class DeadlineBatcher:
         instances = max(1, len(free_at))
         ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
         queueing = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
-        delays = (
-            self._overhead(now) + self.loop_delay_s + self.loop_backlog_s
-            + max(0.0, self._correction(now))
-        )  # fmt: skip
+        delays = self._learnt(now) + self.loop_delay_s + self.loop_backlog_s
         return ahead, queueing, delays
+
+    def _learnt(self, now: float) -> float:
+        """The delays admission learnt (hand-off overhead, correction when positive), faded."""
+        if not 0.0 <= now - self._learnt_at < _LEARNT_REFRESH_S:
+            self._learnt_s = self._overhead(now) + max(0.0, self._correction(now))
+            self._learnt_at = now
+        return self._learnt_s
 
     def _batches(self, cost: LinearCost, rows: int) -> tuple[float, float]:
         """The time of ``rows`` in full batches and a last partial one, and its variance."""
         if rows <= 0:
             return 0.0, 0.0
+        if rows < self.max_rows:
+            return cost.fixed_s + cost.per_row_s * rows, cost.error_s * cost.error_s
         full, rest = divmod(rows, self.max_rows)
         work = full * cost.predict(self.max_rows) + (cost.predict(rest) if rest else 0.0)
         return work, (full + (rest > 0)) * cost.error_s**2
@@ -343,15 +372,24 @@ class DeadlineBatcher:
             limit = self._rows_in_time(queue, urgent.deadline - now)
             rows = queue.next_batch_rows(limit)
             latest = urgent.deadline - queue.cost.bound(rows) - self.overhead_s
-            target = self._target_rows(queue, now)
-            if draining or queue.rows >= min(target, limit) or now >= latest:
+            rate = queue.rate.value(now)
+            target = self._target_rows(queue, rate, now)
+            # Company for the loop's sake: the rows that arrive within the loop's wait, for no
+            # longer than that wait since the most urgent member came.
+            wait = self._loop_wait()
+            company = math.ceil(rate * wait)
+            waited = urgent.enqueued_at + wait
+            short = min(target, limit) - queue.rows
+            ready = short <= 0 and (now >= waited or queue.rows >= company)
+            if draining or now >= latest or ready:
                 key = (queue.best_priority(), latest, queue, limit)
                 if chosen is None or key[:2] < chosen[:2]:
                     chosen = key
                 continue
-            rate = queue.rate.value(now)
-            filled = now + (target - queue.rows) / rate if rate > 0 else latest
-            wake = min(wake, latest, filled)
+            if short > 0:
+                wake = min(wake, latest, now + short / rate if rate > 0 else latest)
+            else:
+                wake = min(wake, latest, waited)
         if chosen is not None:
             batch = chosen[2].take(chosen[3])
             self._queued -= len(batch)
@@ -374,28 +412,26 @@ class DeadlineBatcher:
         fit = int(rows)
         return self.max_rows if fit < 1 else fit
 
-    def _target_rows(self, queue: _Class, now: float) -> int:
-        rate = queue.rate.value(now)
+    def _target_rows(self, queue: _Class, rate: float, now: float) -> int:
+        """The rows at which the class's arrivals (``rate`` rows a second, now) need no more
+        than ``target_utilization`` of the instances' time."""
         if rate <= 0:
             return 1
         # Each batch also costs the event loop its hand-off (dispatch, results back): where the
         # loop is the bottleneck, that is the fixed cost that batching amortises.
         fixed, per_row = queue.cost.fixed_s + self.overhead_s, queue.cost.per_row_s
         # The instance time the other classes need at the least (their per-row part).
-        others = sum(
-            other.rate.value(now) * other.cost.per_row_s
-            for other in self._classes.values()
-            if other is not queue
-        )
+        others = 0.0
+        if len(self._classes) > 1:
+            others = sum(
+                other.rate.value(now) * other.cost.per_row_s
+                for other in self._classes.values()
+                if other is not queue
+            )
         room = self.target_utilization * self.instances - others - rate * per_row
         if room <= 0:
             return self.max_rows
-        # While the event loop lags, every answer already waits about that long to go out:
-        # waiting as long for company costs little. And while its thread is near saturation,
-        # fewer, fuller batches give the loop (the bottleneck then, not the instances) less to
-        # do: wait up to a couple of milliseconds for company.
-        lagged = rate * max(self.loop_delay_s, self._loop_wait())
-        return max(1, min(self.max_rows, math.ceil(max(rate * fixed / room, lagged))))
+        return max(1, min(self.max_rows, math.ceil(rate * fixed / room)))
 
     def _loop_wait(self) -> float:
         """How long a class may wait for company because the event loop is the bottleneck."""
@@ -432,6 +468,7 @@ class DeadlineBatcher:
             self.overhead_s = learnt + 0.05 * (min(overhead_s, _MAX_OVERHEAD_S) - learnt)
             if now is not None:
                 self._overhead_at = now
+            self._learnt_at = -math.inf
 
     def _overhead(self, now: float) -> float:
         """The hand-off overhead admission counts on: the learnt one, faded since it was last
