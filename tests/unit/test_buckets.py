@@ -84,6 +84,22 @@ def test_pad_parts_widens_only_the_padded_input() -> None:
     assert edge[0]["lang"] is parts[0]["lang"]
 
 
+def test_a_batch_is_padded_to_its_longest_rounded_up_to_eight_within_its_class_edge() -> None:
+    def widths(lengths: list[int], edge: int) -> set[int]:
+        parts = [{"tokens": np.ones((1, n), dtype=np.int64)} for n in lengths]
+        padded = pad_parts(parts, Pad("tokens", 1, edge, 0))
+        for part, n in zip(padded, lengths, strict=True):
+            assert part["tokens"][0, :n].tolist() == [1] * n  # the data kept, in place
+            assert not part["tokens"][0, n:].any()  # the rest is the pad value
+        return {part["tokens"].shape[1] for part in padded}
+
+    assert widths([2, 3], 64) == {8}
+    assert widths([9, 3], 64) == {16}
+    assert widths([33, 40], 64) == {40}
+    assert widths([33, 60], 64) == {64}
+    assert widths([3], 5) == {5}  # never past the edge
+
+
 @pytest.mark.parametrize(
     ("batching", "field"),
     [

@@ -223,7 +223,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_expires_and_is_not_r
     await s.close()
 
 
-async def test_padded_classes_pad_to_the_edge_and_split_back() -> None:
+async def test_padded_classes_pad_to_the_longest_within_the_edge_and_split_back() -> None:
     class Lengths:
         def __init__(self) -> None:
             self.shapes: list[tuple[int, ...]] = []
@@ -242,11 +242,11 @@ async def test_padded_classes_pad_to_the_edge_and_split_back() -> None:
 
     runtime = Lengths()
     s = scheduler(runtime, batcher=SizeOrTimeout(max_rows=8, max_delay_s=0.05, max_queue=10))
-    bucket = Bucket("len<=16", "tokens<=16", Pad("tokens", 1, 16, 0))
+    bucket = Bucket("len<=32", "tokens<=32", Pad("tokens", 1, 32, 0))
     requests = [np.arange(1, n + 1, dtype=np.int64).reshape(1, n) for n in (3, 9, 5)]
     results = await asyncio.gather(*(s.infer({"tokens": r}, 1, bucket) for r in requests))
     await s.close()
-    assert runtime.shapes == [(3, 16)]
+    assert runtime.shapes == [(3, 16)]  # the longest (9), rounded up to 16: not the edge, 32
     assert [int(out["n"][0, 0]) for out, _ in results] == [3, 9, 5]
 
 

@@ -4,8 +4,12 @@ A request's cost class comes from its shape, by the model's `batching.cost` rule
 the length of one input's variable dimension (a sequence length, a candidate count), placed
 at the first class edge at or above it. Requests of different classes never share a batch, so
 a 10-token request never waits behind, or is padded to, a 2,000-token one. With a
-`pad_value`, the variable input is padded to its class's edge, so every length in the class
-batches together; without one, a class still only batches requests of identical shapes.
+`pad_value`, every length in the class batches together: the variable input is padded to the
+longest in the batch, rounded up to a multiple of 8 (a bounded set of shapes for the runtime
+to warm) and never past the class's edge; without one, a class still only batches requests of
+identical shapes. (Padding every batch to its edge cost `sentiment`'s model thread about 30%
+more time a request than running each request at its own length: a length spread evenly
+between two power-of-two edges pads by a third on average.)
 
 The baseline policies have no classes: with a `pad_value`, every length batches together,
 padded to the longest in the batch (what most serving code does); else identical shapes only.
@@ -27,13 +31,15 @@ Arrays = dict[str, np.ndarray[Any, Any]]
 
 # "auto" edges: powers of two up to these.
 _AUTO_LENGTH = (8, 8192)
+# Within a class, a batch is padded to its longest request rounded up to a multiple of this.
+PAD_GRANULE = 8
 
 
 @dataclass(frozen=True, slots=True)
 class Pad:
     input: str
     axis: int  # of the batched array (0 is the rows)
-    length: int | None  # pad to this; None: to the longest in the batch
+    length: int | None  # the class's edge: padded no further; None: to the longest in the batch
     value: float
 
 
@@ -118,19 +124,25 @@ def _edges(edges: list[int] | str, by: str, max_rows: int) -> list[int]:
 
 
 def pad_parts(parts: list[Arrays], pad: Pad) -> list[Arrays]:
-    """Each request's padded input widened to the pad length (or the longest), others as is."""
+    """Each request's padded input widened to the batch's width, others as is: the longest in
+    the batch, rounded up to a multiple of `PAD_GRANULE` within the class's edge (without an
+    edge, the longest as it is)."""
     lengths = [part[pad.input].shape[pad.axis] for part in parts if pad.input in part]
     if not lengths:
         return parts
-    target = pad.length if pad.length is not None else max(lengths)
+    target = max(lengths)
+    if pad.length is not None:
+        target = max(target, min(pad.length, -(-target // PAD_GRANULE) * PAD_GRANULE))
     out = []
     for part in parts:
         array = part.get(pad.input)
         if array is None or array.shape[pad.axis] == target:
             out.append(part)
             continue
-        widths = [(0, 0)] * array.ndim
-        widths[pad.axis] = (0, target - array.shape[pad.axis])
-        padded = np.pad(array, widths, constant_values=np.asarray(pad.value, dtype=array.dtype))
+        shape = list(array.shape)
+        shape[pad.axis] = target
+        # (np.full and a copy: np.pad costs several times more in Python per call.)
+        padded = np.full(shape, np.asarray(pad.value, dtype=array.dtype), dtype=array.dtype)
+        padded[(slice(None),) * pad.axis + (slice(0, array.shape[pad.axis]),)] = array
         out.append({**part, pad.input: padded})
     return out
