@@ -7,7 +7,7 @@ review is positive when its opinion words lean positive (plus noise).
 The model (ONNX, built here): embed each token, two tanh layers per token, mean over the
 tokens that are not padding, a logistic head. The per-token layers make the cost grow with
 rows x length, and the masked mean makes padding with 0 change no answer, which is what lets
-the deadline batcher pad requests to their cost class's edge. The embeddings and per-token
+the batchers pad requests of different lengths into one batch. The embeddings and per-token
 layers are fixed random projections (the embedding's first dimension holds each token's
 sentiment); the head is trained by logistic regression on the synthetic reviews, fixed seeds.
 """

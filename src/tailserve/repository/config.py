@@ -64,8 +64,9 @@ class Batching(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Cost classes (deadline policy): requests of different classes never share a batch.
     cost: CostRule | None = None
     # Variable-length input padding, so requests of different lengths can batch: with a
-    # value, the cost input is padded with it to its class's edge (size_or_timeout: to the
-    # longest request in the batch). The model must read that value as padding.
+    # value, the cost input is padded with it to the longest request in the batch (deadline:
+    # rounded up to a multiple of 8, within its class's edge). The model must read that value
+    # as padding.
     pad_value: float | None = None
     # Priority levels 1 (highest) .. priority_levels; a request without one gets the default.
     priority_levels: int = 1
