@@ -221,8 +221,8 @@ class DeadlineBatcher:
         self._corrected_at = 0.0
         # The share of recent requests refused (moving average).
         self.refusals = 0.0
-        # (The faded overhead plus correction, and when it was worked out: `_learnt`.)
-        self._learnt_s = 0.0
+        # (The faded overhead, it plus the correction, and when they were worked out: `_learnt`.)
+        self._learnt_s = (0.0, 0.0)
         self._learnt_at = -math.inf
 
     def __len__(self) -> int:
@@ -235,7 +235,7 @@ class DeadlineBatcher:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         queue = self._class(item.bucket)
-        alone = queue.cost.predict(item.rows) + self._overhead(now) + self.loop_delay_s
+        alone = queue.cost.predict(item.rows) + self._learnt(now)[0] + self.loop_delay_s
         budget = item.deadline - now
         if budget < alone:
             return Rejection(
@@ -337,13 +337,15 @@ class DeadlineBatcher:
         instances = max(1, len(free_at))
         ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
         queueing = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
-        delays = self._learnt(now) + self.loop_delay_s + self.loop_backlog_s
+        delays = self._learnt(now)[1] + self.loop_delay_s + self.loop_backlog_s
         return ahead, queueing, delays
 
-    def _learnt(self, now: float) -> float:
-        """The delays admission learnt (hand-off overhead, correction when positive), faded."""
+    def _learnt(self, now: float) -> tuple[float, float]:
+        """The delays admission learnt, faded: the hand-off overhead, and it plus the
+        correction (when positive)."""
         if not 0.0 <= now - self._learnt_at < _LEARNT_REFRESH_S:
-            self._learnt_s = self._overhead(now) + max(0.0, self._correction(now))
+            overhead = self._overhead(now)
+            self._learnt_s = (overhead, overhead + max(0.0, self._correction(now)))
             self._learnt_at = now
         return self._learnt_s
 
@@ -361,7 +363,7 @@ class DeadlineBatcher:
 
     def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
         expired = self._expire(now)
-        if not self._queued or not any(at <= now for at in free_at):
+        if not self._queued or not free_at or min(free_at) > now:
             return Poll(expired=expired)
         chosen: tuple[int, float, _Class, int] | None = None
         wake = math.inf
@@ -441,7 +443,7 @@ class DeadlineBatcher:
     def _expire(self, now: float) -> list[Item]:
         expired: list[Item] = []
         for queue in self._classes.values():
-            while True:
+            while queue.hard:  # (only client-set deadlines expire)
                 urgent = queue.most_urgent_hard()
                 if urgent is None or urgent.deadline >= now + queue.cost.predict(urgent.rows):
                     break
