@@ -252,14 +252,7 @@ class DeadlineBatcher:
         ahead, queueing, delays = self._wait_estimate(item, queue, now, free_at)
         own = queueing - ahead
         if ahead > (budget - delays - own) * self.share():
-            wait = queueing + delays
-            self._count(refused=True)
-            return Rejection(
-                "deadline",
-                f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
-                f"needs ~{wait * 1000:.1f} ms",
-                wait,
-            )
+            return self._unmeetable(budget, queueing, delays)
         self._count(refused=False)
         item.estimate = now + queueing + delays
         queue.push(item, next(self._seq))
@@ -277,14 +270,23 @@ class DeadlineBatcher:
         queueing, _, delays = self._wait_estimate(empty, None, now, free_at)
         budget = deadline - now
         if queueing > (budget - delays) * self.share():
-            self._count(refused=True)
-            return Rejection(
-                "deadline",
-                f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead "
-                f"needs ~{(queueing + delays) * 1000:.1f} ms",
-                queueing + delays,
-            )
+            return self._unmeetable(budget, queueing, delays)
         return None
+
+    def _unmeetable(self, budget: float, queueing: float, delays: float) -> Rejection:
+        """A refusal for the wait ahead, saying what makes it up (the model's queue, the
+        event loop's backlog, the other delays) and what share of the budget it may take."""
+        self._count(refused=True)
+        wait = queueing + delays
+        backlog = self.loop_backlog_s
+        return Rejection(
+            "deadline",
+            f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead needs "
+            f"~{wait * 1000:.1f} ms (the model's queue {queueing * 1000:.1f}, the event loop's "
+            f"backlog {backlog * 1000:.1f}, other delays {(delays - backlog) * 1000:.1f}; "
+            f"it may take {self.share():.0%} of the budget)",
+            wait,
+        )
 
     def share(self) -> float:
         """The share of its time left a request may spend queued: all of it while the worker
