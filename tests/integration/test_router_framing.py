@@ -130,6 +130,10 @@ async def test_a_head_too_long_or_too_slow_is_refused_and_idle_clients_are_let_g
                 writer.write(b"v" * MAX_HEAD_BYTES)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert _status(head) == 431
+            for _ in range(4):  # still sending after the reply: it still gets all of it
+                writer.write(b"v" * MAX_HEAD_BYTES)
+                await writer.drain()
+            assert b"request head over" in await asyncio.wait_for(reader.read(), 5)
             writer.close()
             # A head that trickles in, a byte a tick: 408 once it is late, then closed.
             reader, writer = await asyncio.open_connection("127.0.0.1", router.port)

@@ -273,6 +273,24 @@ async def test_a_header_too_long_is_refused_before_it_ends(served: tuple[HttpSer
     writer.close()
 
 
+async def test_a_refused_client_still_sending_gets_the_whole_reply(
+    served: tuple[HttpServer, App],
+) -> None:
+    # The head goes over the limit and the client keeps sending: the server answers 431 and
+    # ends the connection with the client's bytes unread. Closed at once, the kernel would
+    # reset it and the client would lose the reply; it gets all of it, then the end.
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /now HTTP/1.1\r\nhost: w\r\nx-big: " + b"v" * (4 * MAX_HEAD_BYTES))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert _status(head) == 431
+    for _ in range(4):  # still sending after the reply
+        writer.write(b"v" * MAX_HEAD_BYTES)
+        await writer.drain()
+    assert b"request head over" in await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+
+
 async def test_an_absolute_target_and_an_upgrade(served: tuple[HttpServer, App]) -> None:
     server, _ = served
     replies = await _replies(

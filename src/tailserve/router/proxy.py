@@ -60,6 +60,7 @@ from tailserve.transport.inbound import (
     CONTINUE,
     MAX_HEAD_BYTES,
     HeadReading,
+    close_after,
     feed,
     head_of,
     too_long,
@@ -496,7 +497,7 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
         self._idle_since = self._loop.time()
         if not keep_alive:
             self.closing = True
-            self._transport.close()
+            close_after(self._transport, ended=self._ended)
 
     @staticmethod
     def _head(

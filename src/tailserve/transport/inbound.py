@@ -3,6 +3,7 @@ router's, router/proxy.py) read the same way from a client."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 import httptools
@@ -10,6 +11,8 @@ import httptools
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # A request's line and headers together may not be longer (431).
 MAX_HEAD_BYTES = 64 * 1024
+# How long a connection ended by an error lingers, reading and dropping what still comes.
+LINGER_S = 2.0
 
 
 class Reader(Protocol):
@@ -112,3 +115,17 @@ class HeadReading:
             self._heard = self._held = now
             return None
         return late(self._in_head, max(self._started, self._held), self._heard, now, timeout_s)
+
+
+def close_after(transport: asyncio.Transport, *, ended: bool) -> None:
+    """Close a connection once its last reply is written. One that an error ended (408, 413,
+    431, 400) may have a client still sending: closed with those bytes unread, the kernel
+    resets the connection and the client may lose the reply that says why. So its sending side
+    shuts after the reply, and what still comes is read (the connection drops it) for up to
+    `LINGER_S` before the close."""
+    if ended and transport.can_write_eof():
+        transport.write_eof()
+        transport.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+    else:
+        transport.close()

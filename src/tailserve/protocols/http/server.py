@@ -38,6 +38,7 @@ from tailserve.transport.inbound import (
     CONTINUE,
     MAX_HEAD_BYTES,
     HeadReading,
+    close_after,
     feed,
     head_of,
     too_long,
@@ -429,7 +430,7 @@ class _Connection(HeadReading, asyncio.Protocol):
                         request.version, status)  # fmt: skip
         if not keep_alive:
             self._closing = True
-            transport.close()
+            close_after(transport, ended=self._ended)
 
     def end(self, status: int | None, message: str = "") -> None:
         """Read nothing more on this connection. The requests already read are answered in
