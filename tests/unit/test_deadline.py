@@ -424,3 +424,22 @@ def test_the_event_loops_backlog_counts_against_a_deadline() -> None:
     late = b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0])  # ...and when it is offered
     assert late is not None and late.reason == "deadline" and len(b) == 1
     assert b.offer(Item(1, SHORT, 0.0, 0.200), 0.0, [0.0]) is None  # a looser one gets in
+
+
+def test_under_overload_the_event_loops_backlog_takes_only_the_share() -> None:
+    # The loop's backlog is a queue ahead like the model's. Counted among the fixed delays,
+    # it could fill the whole budget under overload: admitted requests spent 45 of churn's
+    # 50 ms in the worker, and the wait in the kernel before it took them past the SLO.
+    b = batcher()
+    seeded(b, COST)
+    b.loop_backlog_s = 0.030
+    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None  # nothing refused yet: all
+    for _ in range(300):  # a flood of tighter deadlines refused: overload
+        assert b.offer(Item(1, SHORT, 0.0, 0.020), 0.0, [0.0]) is not None
+    assert b.share() == pytest.approx(b.admission_target, abs=0.01)
+    refused = b.shed(0.0, [0.0], deadline=0.050, priority=1)
+    assert refused is not None and "the event loop's backlog 30.0" in refused.message
+    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is not None
+    b.loop_backlog_s = 0.010  # within the share of the time left: admitted
+    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None
+    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is None

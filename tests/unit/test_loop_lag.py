@@ -60,3 +60,27 @@ def test_the_backlog_is_the_requests_held_times_the_loop_cpu_each_costs() -> Non
     assert 0.0002 < per_request < 0.003
     assert held == pytest.approx(50 * per_request)
     assert asyncio.run(backlog(in_flight=0))[1] == 0.0
+
+
+async def live_backlog() -> tuple[float, float, float]:
+    held = [0]
+    answered = 0
+    lag = LoopLag(requests=lambda: (held[0], answered))
+    lag.start()
+    try:
+        while not lag.per_request_s:  # a tick has learnt what a request costs the loop
+            burn(0.002)
+            answered += 1
+            await asyncio.sleep(0)
+        per_request = lag.per_request_s
+        before = lag.backlog_s
+        held[0] = 300  # a burst read in one turn of the loop, no tick in between
+        return per_request, before, lag.backlog_s
+    finally:
+        lag.stop()
+
+
+def test_the_backlog_follows_the_requests_held_between_ticks() -> None:
+    per_request, before, after = asyncio.run(live_backlog())
+    assert before == 0.0
+    assert after == pytest.approx(300 * per_request)

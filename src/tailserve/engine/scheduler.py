@@ -109,7 +109,10 @@ class LoopState(Protocol):
 
     lag_s: float  # how late it runs what is ready, seconds
     busy: float  # how busy its thread is, 0..1
-    backlog_s: float  # the loop's time the requests it holds still need, seconds
+
+    @property
+    def backlog_s(self) -> float:
+        """The loop's time the requests it holds now still need, seconds."""
 
 
 class Scheduler:

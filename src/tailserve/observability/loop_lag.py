@@ -38,7 +38,6 @@ class LoopLag:
         # the requests answered meanwhile, refusals' and other models' included: they take
         # the loop from the requests waiting too), and the backlog it makes of those in flight.
         self.per_request_s = 0.0
-        self.backlog_s = 0.0
         self._answered = 0
         # Moving average of the lateness, seconds (a few hundred milliseconds of memory).
         self.lag_s = 0.0
@@ -48,6 +47,16 @@ class LoopLag:
         self._wall = 0.0
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
+
+    @property
+    def backlog_s(self) -> float:
+        """The requests in flight now times the loop CPU a request costs. Read when asked:
+        a burst read in one turn of the loop takes hundreds of requests in between two ticks,
+        and a backlog sampled at the ticks read nothing for the whole burst (every request of
+        it admitted) and then far more than was left (the next ones refused)."""
+        if self.requests is None or not self.per_request_s:
+            return 0.0
+        return self.requests()[0] * self.per_request_s
 
     def start(self) -> None:
         self._cpu, self._wall = time.thread_time(), time.monotonic()
@@ -71,11 +80,10 @@ class LoopLag:
             share = min(1.0, (cpu - self._cpu) / (now - self._wall))
             self.busy += 0.05 * (share - self.busy)
         if self.requests is not None:
-            in_flight, answered = self.requests()
+            answered = self.requests()[1]
             done, self._answered = answered - self._answered, answered
             if done > 0:
                 self.per_request_s += 0.05 * ((cpu - self._cpu) / done - self.per_request_s)
-            self.backlog_s = in_flight * self.per_request_s
         self._cpu, self._wall = cpu, now
         if self.on_sample is not None:
             self.on_sample(late)
