@@ -438,8 +438,21 @@ def test_under_overload_the_event_loops_backlog_takes_only_the_share() -> None:
         assert b.offer(Item(1, SHORT, 0.0, 0.020), 0.0, [0.0]) is not None
     assert b.share() == pytest.approx(b.admission_target, abs=0.01)
     refused = b.shed(0.0, [0.0], deadline=0.050, priority=1)
-    assert refused is not None and "the event loop's backlog 30.0" in refused.message
+    assert refused is not None and "the event loop's backlog, 30.0" in refused.message
     assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is not None
     b.loop_backlog_s = 0.010  # within the share of the time left: admitted
     assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None
     assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is None
+
+
+def test_the_model_and_the_event_loop_drain_their_queues_at_once() -> None:
+    # The instance is busy for 30 ms and the loop's backlog is 30 ms: the loop decodes and
+    # answers while the instance runs, so the wait is ~30 ms, not 60, and a 50 ms budget holds.
+    b = batcher()
+    seeded(b, COST)
+    b.loop_backlog_s = 0.030
+    assert b.shed(0.0, [0.030], deadline=0.050, priority=1) is None
+    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.030]) is None
+    b.loop_backlog_s = 0.055  # the longer one past the budget: refused
+    refused = b.shed(0.0, [0.030], deadline=0.050, priority=1)
+    assert refused is not None and "backlog, 55.0" in refused.message

@@ -7,13 +7,12 @@ never share a batch.
 **Admission.** A request is refused at once (the scheduler answers 429) when its deadline cannot
 be met: not even by a batch of its rows alone started now, or when the wait for the work
 queued ahead of it (same or higher priority, every class, spread over the instances) and what
-the instances are still running, with the event loop's backlog (what the requests it holds
-still need of it: a queue as much as the model's), would take more than a share of the time
-left once the known delays (the hand-off, the event loop's lag once, for the answer going out,
-a learnt correction) are taken off. The share is
-all of it while the worker refuses next to nothing, and falls to ``admission_target`` as
-refusals near a steady few percent (overload): then the rest is headroom for what the worker
-cannot see.
+the instances are still running, or the event loop's backlog where that is longer (what the
+requests it holds still need of it: a queue as much as the model's, drained at the same time),
+would take more than a share of the time left once the known delays (the hand-off, the event
+loop's lag once, for the answer going out, a learnt correction) are taken off. The share is all
+of it while the worker refuses next to nothing, and falls to ``admission_target`` as refusals
+near a steady few percent (overload): then the rest is headroom for what the worker cannot see.
 Refusing early keeps the queue at what can be served in time, so under overload the admitted
 requests keep their latency (goodput) instead of all getting slow.
 
@@ -279,13 +278,13 @@ class DeadlineBatcher:
         event loop's backlog, the other delays) and what share of the budget it may take."""
         self._count(refused=True)
         wait = queueing + delays
-        backlog = self.loop_backlog_s
         return Rejection(
             "deadline",
             f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead needs "
-            f"~{wait * 1000:.1f} ms (the model's queue {(queueing - backlog) * 1000:.1f}, the "
-            f"event loop's backlog {backlog * 1000:.1f}, other delays {delays * 1000:.1f}; "
-            f"the queues may take {self.share():.0%} of the time the delays leave)",
+            f"~{wait * 1000:.1f} ms (the longer of the model's queue and the event loop's "
+            f"backlog, {self.loop_backlog_s * 1000:.1f}: {queueing * 1000:.1f}; other delays "
+            f"{delays * 1000:.1f}; the queue may take {self.share():.0%} of the time the "
+            "delays leave)",
             wait,
         )
 
@@ -315,10 +314,11 @@ class DeadlineBatcher:
         self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
     ) -> tuple[float, float, float]:
         """How long until the request is answered, as a fluid estimate (the instances'
-        remaining busy time and the work queued ahead, shared between instances, and the event
-        loop's backlog): the wait for what is ahead of it; the same with its own rows added to
-        its class ``queue`` (their batch alone, or their share of one already queued); and the
-        delays outside the queues (hand-off, the loop's lag, the learnt correction)."""
+        remaining busy time and the work queued ahead, shared between instances, or the event
+        loop's backlog where that is longer): the wait for what is ahead of it; the same with
+        its own rows added to its class ``queue`` (their batch alone, or their share of one
+        already queued); and the delays outside the queues (hand-off, the loop's lag, the
+        learnt correction)."""
         busy = 0.0
         for at in free_at:
             if at > now:
@@ -338,17 +338,20 @@ class DeadlineBatcher:
                 own_variance = with_own[1] - batches_variance
         # The batches' errors are independent: their sum grows as the square root of their count.
         instances = max(1, len(free_at))
+        model_ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
+        own = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
+        own -= model_ahead
         # The loop's backlog is a queue ahead like the model's, and takes the same share: left
         # among the delays, it could fill the whole budget under overload (admitted requests
         # then spent 45 of churn's 50 ms inside the worker, and the kernel's queue before it
-        # took them past the SLO).
-        backlog = self.loop_backlog_s
-        ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances + backlog
-        queueing = (
-            busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)
-        ) / instances + backlog
+        # took them past the SLO). The two queues drain at once, the loop decoding and
+        # answering while the instances run, so the wait is the longer of them: their sum
+        # counted a request queued for the model twice, and where the model is the bottleneck
+        # (sentiment) it shrank the queue and the batches, and goodput under overload by a
+        # quarter.
+        ahead = max(model_ahead, self.loop_backlog_s)
         delays = self._learnt(now)[1] + self.loop_delay_s
-        return ahead, queueing, delays
+        return ahead, ahead + own, delays
 
     def _learnt(self, now: float) -> tuple[float, float]:
         """The delays admission learnt, faded: the hand-off overhead, and it plus the
