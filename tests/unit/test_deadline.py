@@ -426,6 +426,15 @@ def test_the_event_loops_backlog_counts_against_a_deadline() -> None:
     assert b.offer(Item(1, SHORT, 0.0, 0.200), 0.0, [0.0]) is None  # a looser one gets in
 
 
+def admits(b: DeadlineBatcher, deadline: float, free_at: float = 0.0) -> bool:
+    """Whether a one-row request judged at time 0 is let in, before it is read (shed) and
+    when it is offered; the two must agree."""
+    shed = b.shed(0.0, [free_at], deadline=deadline, priority=1)
+    offered = b.offer(Item(1, SHORT, 0.0, deadline), 0.0, [free_at])
+    assert (shed is None) == (offered is None)
+    return offered is None
+
+
 def test_under_overload_the_event_loops_backlog_takes_only_the_share() -> None:
     # The loop's backlog is a queue ahead like the model's. Counted among the fixed delays,
     # it could fill the whole budget under overload: admitted requests spent 45 of churn's
@@ -433,16 +442,14 @@ def test_under_overload_the_event_loops_backlog_takes_only_the_share() -> None:
     b = batcher()
     seeded(b, COST)
     b.loop_backlog_s = 0.030
-    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None  # nothing refused yet: all
+    assert admits(b, 0.050)  # nothing refused yet: the whole time left
     for _ in range(300):  # a flood of tighter deadlines refused: overload
-        assert b.offer(Item(1, SHORT, 0.0, 0.020), 0.0, [0.0]) is not None
+        assert not admits(b, 0.020)
     assert b.share() == pytest.approx(b.admission_target, abs=0.01)
     refused = b.shed(0.0, [0.0], deadline=0.050, priority=1)
     assert refused is not None and "the event loop's backlog, 30.0" in refused.message
-    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is not None
-    b.loop_backlog_s = 0.010  # within the share of the time left: admitted
-    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None
-    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is None
+    b.loop_backlog_s = 0.010  # within the share of the time left
+    assert admits(b, 0.050)
 
 
 def test_the_model_and_the_event_loop_drain_their_queues_at_once() -> None:
@@ -451,8 +458,8 @@ def test_the_model_and_the_event_loop_drain_their_queues_at_once() -> None:
     b = batcher()
     seeded(b, COST)
     b.loop_backlog_s = 0.030
-    assert b.shed(0.0, [0.030], deadline=0.050, priority=1) is None
-    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.030]) is None
-    b.loop_backlog_s = 0.055  # the longer one past the budget: refused
+    assert admits(b, 0.050, free_at=0.030)
+    b.loop_backlog_s = 0.055  # the longer one past the budget
     refused = b.shed(0.0, [0.030], deadline=0.050, priority=1)
     assert refused is not None and "backlog, 55.0" in refused.message
+    assert not admits(b, 0.050, free_at=0.030)
