@@ -338,9 +338,9 @@ class DeadlineBatcher:
                 own_variance = with_own[1] - batches_variance
         # The batches' errors are independent: their sum grows as the square root of their count.
         instances = max(1, len(free_at))
-        model_ahead = (busy + work + 2.0 * math.sqrt(variance)) / instances
-        own = (busy + work + own_work + 2.0 * math.sqrt(variance + own_variance)) / instances
-        own -= model_ahead
+        spread = math.sqrt(variance)
+        model_ahead = (busy + work + 2.0 * spread) / instances
+        own = (own_work + 2.0 * (math.sqrt(variance + own_variance) - spread)) / instances
         # The loop's backlog is a queue ahead like the model's, and takes the same share: left
         # among the delays, it could fill the whole budget under overload (admitted requests
         # then spent 45 of churn's 50 ms inside the worker, and the kernel's queue before it
