@@ -115,6 +115,12 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
 def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.ndarray[Any, Any]:
     """Decode a tensor's JSON ``data`` (flat or nested, row-major) into an array of ``shape``."""
     dtype = numpy_dtype(datatype)
+    if type(data) is list and len(shape) == 1 and len(data) == shape[0]:
+        # Most tensors: a flat list of a one-dimensional shape that counts it (so the shape
+        # is sound too), of a few plain values. The array is made in one call, already shaped.
+        array = _small_numbers(dtype, data) if dtype.kind != "O" else _small_texts(data)
+        if array is not None:
+            return array
     check_shape(name, shape)
     if data is None:
         raise InvalidInput(f"tensor {name!r}: 'data' is missing")
@@ -165,6 +171,19 @@ def _small_numbers(dtype: np.dtype[Any], data: list[Any]) -> np.ndarray[Any, Any
                 return None
         return np.array(data, dtype=dtype)
     return None
+
+
+def _small_texts(data: list[Any]) -> np.ndarray[Any, Any] | None:
+    """A short flat list of strings (or bytes) as a BYTES array; None for anything else."""
+    if len(data) > _SMALL:
+        return None
+    for value in data:
+        kind_of = type(value)
+        if kind_of is not str and kind_of is not bytes:
+            return None
+    array = np.empty(len(data), dtype=object)
+    array[:] = data
+    return array
 
 
 def _bytes_array(name: str, data: list[Any]) -> np.ndarray[Any, Any]:

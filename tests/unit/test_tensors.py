@@ -117,6 +117,30 @@ def test_a_short_list_decodes_as_the_general_path_decodes_it(
         assert short.tobytes() == general.tobytes()
 
 
+SHORT_TEXTS = [["a"], ["a", "bc"], [""], ["é", "x"], [5], ["a", None], [["a"]], [], ["a"] * 3]
+
+
+@pytest.mark.parametrize("values", SHORT_TEXTS, ids=str)
+def test_a_short_list_of_texts_decodes_as_the_general_path_decodes_it(values: list[object]) -> None:
+    # The same shortcut for BYTES: a flat list of strings of a one-dimensional shape. Given
+    # two-dimensional, the same values take the general path.
+    try:
+        general: np.ndarray | str = from_json("x", "BYTES", [1, len(values)], values)[0]
+    except InvalidInput as exc:
+        general = exc.message
+    try:
+        short: np.ndarray | str = from_json("x", "BYTES", [len(values)], values)
+    except InvalidInput as exc:
+        short = exc.message
+    if isinstance(general, str):
+        assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
+    else:
+        assert isinstance(short, np.ndarray), short
+        assert short.dtype == general.dtype == np.dtype(object)
+        assert short.shape == (len(values),)
+        assert short.tolist() == general.tolist()
+
+
 @pytest.mark.parametrize("value", [2**63, 2**64 - 1])
 def test_int64_values_past_its_range_are_refused_not_wrapped(value: int) -> None:
     # numpy reads them as uint64, and the cast to int64 would wrap them to negative numbers.

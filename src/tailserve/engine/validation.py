@@ -45,6 +45,7 @@ class _InputRule:
     high: float | None
     allowed: frozenset[Any] | None
     allowed_text: str
+    checks_values: bool  # a range or a set of values to check
 
 
 class InputPlan:
@@ -77,7 +78,8 @@ class InputPlan:
                     f"input {rule.name!r}: datatype {tensor.datatype} does not match "
                     f"the model's {rule.datatype}"
                 )
-            array = _shaped(rule, tensor.data)
+            given_array = tensor.data
+            array = _shaped(rule, given_array)
             if self.batched:
                 if rows == -1:
                     rows = len(array)
@@ -88,7 +90,8 @@ class InputPlan:
                 row_shapes.append(array.shape[1:])
             else:
                 row_shapes.append(array.shape)
-            _check_values(rule, array)
+            if rule.checks_values:
+                _check_values(rule, given_array)
             arrays[rule.name] = array
         if self.batched and not 1 <= rows <= self.max_rows:
             raise InvalidInput(
@@ -118,6 +121,7 @@ def _rule(config: ModelConfig, spec: TensorSpec) -> _InputRule:
         high=high,
         allowed=allowed,
         allowed_text=", ".join(spec.values or []),
+        checks_values=(low is not None and high is not None) or allowed is not None,
     )
 
 
@@ -140,11 +144,14 @@ def _shaped(rule: _InputRule, array: np.ndarray[Any, Any]) -> Any:
 
 
 def _check_values(rule: _InputRule, array: np.ndarray[Any, Any]) -> None:
-    if rule.low is not None and rule.high is not None and array.size:
+    size = array.size
+    small = size <= _SMALL
+    values = (array.tolist() if array.ndim == 1 else array.reshape(-1).tolist()) if small else []
+    if rule.low is not None and rule.high is not None and size:
         low, high = rule.low, rule.high
-        if array.size <= _SMALL:
+        if small:
             # `low <= v <= high` is False for NaN, so NaN is refused as out of range too.
-            for value in array.reshape(-1).tolist():
+            for value in values:
                 if not low <= value <= high:
                     _out_of_range(rule, value)
         else:
@@ -152,7 +159,7 @@ def _check_values(rule: _InputRule, array: np.ndarray[Any, Any]) -> None:
             if not inside.all():
                 _out_of_range(rule, array[~inside].reshape(-1)[0].item())
     if rule.allowed is not None:
-        for item in array.reshape(-1).tolist():
+        for item in values if small else array.reshape(-1).tolist():
             if item not in rule.allowed:
                 shown = item.decode("utf-8", "replace") if isinstance(item, bytes) else item
                 raise InvalidInput(

@@ -67,7 +67,8 @@ def decode_request(
     inputs = []
     offset = 0
     for item in raw.inputs:
-        size = (item.parameters or {}).get("binary_data_size")
+        parameters = item.parameters if item.parameters is not None else {}
+        size = parameters.get("binary_data_size") if parameters else None
         if size is None:
             data = from_json(item.name, item.datatype, item.shape, item.data)
         else:
@@ -82,7 +83,7 @@ def decode_request(
                 )
             data = from_binary(item.name, item.datatype, item.shape, binary[offset : offset + size])
             offset += size
-        inputs.append(Tensor(item.name, item.datatype, data, item.parameters or {}))
+        inputs.append(Tensor(item.name, item.datatype, data, parameters))
     if offset != len(binary):
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data follow the header that no input claims"
