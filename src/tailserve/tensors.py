@@ -115,12 +115,13 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
 def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.ndarray[Any, Any]:
     """Decode a tensor's JSON ``data`` (flat or nested, row-major) into an array of ``shape``."""
     dtype = numpy_dtype(datatype)
-    if type(data) is list and len(shape) == 1 and len(data) == shape[0]:
-        # Most tensors: a flat list of a one-dimensional shape that counts it (so the shape
-        # is sound too), of a few plain values. The array is made in one call, already shaped.
+    if type(data) is list and _counts(shape, len(data)):
+        # Most tensors: a flat list of a few plain values, of a shape of one dimension (or a
+        # row of them: [rows, n]) that counts it, so the shape is sound too. The array is made
+        # in one call.
         array = _small_numbers(dtype, data) if dtype.kind != "O" else _small_texts(data)
         if array is not None:
-            return array
+            return array if len(shape) == 1 else array.reshape(shape)
     check_shape(name, shape)
     if data is None:
         raise InvalidInput(f"tensor {name!r}: 'data' is missing")
@@ -138,6 +139,16 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
             f"tensor {name!r}: shape {list(shape)} needs {count} elements, data has {array.size}"
         )
     return array.reshape(shape)
+
+
+def _counts(shape: Sequence[int], size: int) -> bool:
+    """Whether ``shape`` has one or two dimensions, none negative, that hold ``size`` values."""
+    if len(shape) == 1:
+        return shape[0] == size
+    if len(shape) == 2:
+        rows, columns = shape
+        return rows >= 0 and columns >= 0 and rows * columns == size
+    return False
 
 
 # A short flat list of plain numbers (most requests' tensors: a field or a few per row) is

@@ -105,16 +105,38 @@ def test_a_short_list_decodes_as_the_general_path_decodes_it(
         general: np.ndarray | str = from_json("x", datatype, [len(many)], many)[: len(values)]
     except InvalidInput as exc:
         general = exc.message
+    # Flat, and as one row of a batch (what clients send for a model with rows).
+    for shape in ([len(values)], [1, len(values)]):
+        try:
+            short: np.ndarray | str = from_json("x", datatype, shape, values)
+        except InvalidInput as exc:
+            short = exc.message
+        if isinstance(general, str):
+            assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
+        else:
+            assert isinstance(short, np.ndarray), short
+            assert short.shape == tuple(shape)
+            assert short.dtype == general.dtype
+            assert short.tobytes() == general.tobytes()
+
+
+@pytest.mark.parametrize(
+    "shape", [[2, 1], [1, 2], [-1, -2], [-2, -1], [2, -1], [1, 1, 2], [2, 0], [0, 2]], ids=str
+)
+def test_a_short_list_of_a_shape_that_does_not_count_it_takes_the_general_path(
+    shape: list[int],
+) -> None:
+    # Two values fit [2, 1] and [1, 2]; negative dimensions whose product is 2 must still be
+    # refused, and a shape of more dimensions decodes as the general path decodes it.
+    values = [1.0, 2.0]
     try:
-        short: np.ndarray | str = from_json("x", datatype, [len(values)], values)
+        array = from_json("x", "FP32", shape, values)
     except InvalidInput as exc:
-        short = exc.message
-    if isinstance(general, str):
-        assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
+        assert any(d < 0 for d in shape) or 0 in shape or len(shape) > 2, exc.message
+        assert "x" in exc.message
     else:
-        assert isinstance(short, np.ndarray), short
-        assert short.dtype == general.dtype
-        assert short.tobytes() == general.tobytes()
+        assert array.shape == tuple(shape)
+        assert array.tolist() == np.array(values, dtype=np.float32).reshape(shape).tolist()
 
 
 SHORT_TEXTS = [["a"], ["a", "bc"], [""], ["é", "x"], [5], ["a", None], [["a"]], [], ["a"] * 3]
