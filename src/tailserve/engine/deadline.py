@@ -54,7 +54,6 @@ from tailserve.engine.cost import LinearCost
 # _RATE_MIN_S (one arrival is not a rate of thousands a second).
 _RATE_TAU_S = 0.5
 _RATE_MIN_S = 0.05
-_NOTHING = Bucket(None, "")
 
 # The share of recent requests refused (a moving average over about 1/_REFUSAL_RATE requests)
 # at which admission keeps its full headroom: the worker is overloaded.
@@ -249,7 +248,7 @@ class DeadlineBatcher:
         # a lone 500-row ranker request at 100 req/s once the share had fallen under overload,
         # and the refusals kept the share down: the worker never recovered.)
         # (What its own rows add: their batch alone, or their share of a batch already queued.)
-        ahead, queueing, delays = self._wait_estimate(item, queue, now, free_at)
+        ahead, queueing, delays = self._wait_estimate(item.priority, item.rows, queue, now, free_at)
         own = queueing - ahead
         if ahead > (budget - delays - own) * self.share():
             return self._unmeetable(budget, queueing, delays)
@@ -266,8 +265,7 @@ class DeadlineBatcher:
         if self._queued >= self.max_queue:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
-        empty = Item(0, _NOTHING, now, deadline, priority)
-        queueing, _, delays = self._wait_estimate(empty, None, now, free_at)
+        queueing, _, delays = self._wait_estimate(priority, 0, None, now, free_at)
         budget = deadline - now
         if queueing > (budget - delays) * self.share():
             return self._unmeetable(budget, queueing, delays)
@@ -302,7 +300,8 @@ class DeadlineBatcher:
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:
             error = done - item.estimate
-            self.correction_s = self._correction(done)
+            if self._corrected_at != done:  # (a batch's members are done at once: faded once)
+                self.correction_s = self._correction(done)
             self.correction_s += _CORRECTION_RATE * (error - self.correction_s)
             self._corrected_at = done
             self._learnt_at = -math.inf
@@ -311,29 +310,34 @@ class DeadlineBatcher:
         return _faded(self.correction_s, self._corrected_at, now)
 
     def _wait_estimate(
-        self, item: Item, queue: _Class | None, now: float, free_at: Sequence[float]
+        self,
+        priority: int,
+        own_rows: int,
+        queue: _Class | None,
+        now: float,
+        free_at: Sequence[float],
     ) -> tuple[float, float, float]:
         """How long until the request is answered, as a fluid estimate (the instances'
         remaining busy time and the work queued ahead, shared between instances, or the event
         loop's backlog where that is longer): the wait for what is ahead of it; the same with
         its own rows added to its class ``queue`` (their batch alone, or their share of one
         already queued); and the delays outside the queues (hand-off, the loop's lag, the
-        learnt correction)."""
+        learnt correction) (the request: of ``priority``, with ``own_rows`` rows)."""
         busy = 0.0
         for at in free_at:
             if at > now:
                 busy += at - now
         work = variance = own_work = own_variance = 0.0
         for other in self._classes.values():
-            rows = other.ahead(item.priority)
+            rows = other.rows if priority >= other.lowest else other.ahead(priority)
             if rows:
                 batches_work, batches_variance = self._batches(other.cost, rows)
                 work += batches_work
                 variance += batches_variance
             else:
                 batches_work = batches_variance = 0.0
-            if other is queue and item.rows:
-                with_own = self._batches(other.cost, rows + item.rows)
+            if other is queue and own_rows:
+                with_own = self._batches(other.cost, rows + own_rows)
                 own_work = with_own[0] - batches_work
                 own_variance = with_own[1] - batches_variance
         # The batches' errors are independent: their sum grows as the square root of their count.
