@@ -20,8 +20,8 @@ BIG = b"b" * (20 * 1024 * 1024)
 
 
 class App:
-    """``/now`` answers without a task, ``/echo`` echoes the body, ``/wait`` waits for
-    `release`, ``/boom`` raises."""
+    """``/now`` answers without a task, ``/refuse`` refuses without one, ``/echo`` echoes
+    the body, ``/wait`` waits for `release`, ``/boom`` raises."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -35,6 +35,8 @@ class App:
         self.seen.append(request)
         if request.path == "/now":
             return 200, [(b"x-how", b"now")], b"now"
+        if request.path == "/refuse":
+            return 429, [(b"retry-after", b"1")], b"busy"
         if request.path == "/hook":
             self.hook()
         return None
@@ -112,6 +114,26 @@ async def test_pipelined_requests_are_answered_in_order(
     assert all(_status(head) == 200 for head, _ in replies)
     assert b"connection: close" in replies[-1][0]
     assert b"date: " in replies[0][0]
+
+
+async def test_answers_count_what_was_served_with_or_without_a_task_but_not_refusals(
+    served: tuple[HttpServer, App],
+) -> None:
+    # The loop's backlog divides its CPU by the requests answered: a reply served at once (a
+    # kept reply) is one of them, a refusal is not (its cost is charged to those served).
+    server, _ = served
+    data = (
+        b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n"
+        b"GET /refuse HTTP/1.1\r\nhost: w\r\n\r\n"
+        b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: 1\r\nconnection: close\r\n\r\na"
+    )
+    replies = await _replies(server.port, data)
+    assert [_status(head) for head, _ in replies] == [200, 429, 200]
+    # The task's count lands in its done callback, a turn of the loop after its reply; the
+    # server is idle once it has run.
+    await asyncio.wait_for(server._idle.wait(), 5)
+    assert server.in_flight == 0
+    assert server.answered == 2
 
 
 async def test_a_head_request_gets_the_length_and_no_body(served: tuple[HttpServer, App]) -> None:

@@ -32,7 +32,8 @@ class LoopLag:
     ) -> None:
         self.interval_s = interval_s
         self.on_sample = on_sample
-        # The server's (requests in flight, requests answered so far), when it tells.
+        # The server's (requests in flight, requests answered so far), when it tells. Answered:
+        # served, by a task or at once (a reply kept in the reply memo); not refused.
         self.requests = requests
         # Moving average of the loop CPU an answered request costs (all the loop's work over
         # the requests answered meanwhile, refusals' and other models' included: they take

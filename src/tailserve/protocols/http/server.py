@@ -87,7 +87,9 @@ class HttpServer:
         self._servers: list[asyncio.Server] = []
         self._connections: set[_Connection] = set()
         self._busy = 0
-        # Requests answered by a task so far (the loop's backlog: observability.loop_lag).
+        # Requests answered so far: by a task, or at once with a success (a reply kept in the
+        # reply memo); not the refusals and errors answered at once (the loop's backlog:
+        # observability.loop_lag).
         self.answered = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -359,6 +361,8 @@ class _Connection(HeadReading, asyncio.Protocol):
             app = self._server.app
             reply = app.answer_now(request)
             if reply is not None:
+                if reply[0] < 400:
+                    self._server.answered += 1
                 self._write(request, *reply)
                 continue
             self._server._began()
