@@ -142,12 +142,14 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
 
 
 def _counts(shape: Sequence[int], size: int) -> bool:
-    """Whether ``shape`` has one or two dimensions, none negative, that hold ``size`` values."""
+    """Whether ``shape`` has one dimension, or two of at least one each, that hold ``size``
+    values. (An empty tensor of two dimensions takes the general path: one of them may be 0
+    and the other past what numpy can shape, which `check_shape` refuses.)"""
     if len(shape) == 1:
         return shape[0] == size
     if len(shape) == 2:
         rows, columns = shape
-        return rows >= 0 and columns >= 0 and rows * columns == size
+        return rows > 0 and columns > 0 and rows * columns == size
     return False
 
 

@@ -163,6 +163,19 @@ def test_a_short_list_of_texts_decodes_as_the_general_path_decodes_it(values: li
         assert short.tolist() == general.tolist()
 
 
+@pytest.mark.parametrize("shape", [[0, 2**62], [2**62, 0], [0, 0], [0]], ids=str)
+def test_an_empty_tensor_of_any_shape_is_checked_as_the_general_path_checks_it(
+    shape: list[int],
+) -> None:
+    # No values, and a shape that holds none: a dimension past what numpy can shape is
+    # refused by name, not left to fail inside numpy.
+    if max(shape, default=0) > 2**40:
+        with pytest.raises(InvalidInput, match="is too large"):
+            from_json("x", "FP32", shape, [])
+    else:
+        assert from_json("x", "FP32", shape, []).shape == tuple(shape)
+
+
 @pytest.mark.parametrize("value", [2**63, 2**64 - 1])
 def test_int64_values_past_its_range_are_refused_not_wrapped(value: int) -> None:
     # numpy reads them as uint64, and the cast to int64 would wrap them to negative numbers.
