@@ -101,23 +101,33 @@ def test_a_short_list_decodes_as_the_general_path_decodes_it(
     # Short flat lists of plain numbers take a shortcut; past 64 values the general path
     # decodes. The same values, repeated past 64, must give the same array or the same error.
     many = values * 70
-    try:
-        general: np.ndarray | str = from_json("x", datatype, [len(many)], many)[: len(values)]
-    except InvalidInput as exc:
-        general = exc.message
+    general = _decoded(datatype, [len(many)], many)
+    if isinstance(general, np.ndarray):
+        general = general[: len(values)]
     # Flat, and as one row of a batch (what clients send for a model with rows).
     for shape in ([len(values)], [1, len(values)]):
-        try:
-            short: np.ndarray | str = from_json("x", datatype, shape, values)
-        except InvalidInput as exc:
-            short = exc.message
-        if isinstance(general, str):
-            assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
-        else:
-            assert isinstance(short, np.ndarray), short
-            assert short.shape == tuple(shape)
-            assert short.dtype == general.dtype
-            assert short.tobytes() == general.tobytes()
+        _assert_same(_decoded(datatype, shape, values), general, tuple(shape))
+
+
+def _decoded(datatype: str, shape: list[int], values: object) -> np.ndarray | str:
+    """The array, or the message of the error."""
+    try:
+        return from_json("x", datatype, shape, values)
+    except InvalidInput as exc:
+        return exc.message
+
+
+def _assert_same(short: np.ndarray | str, general: np.ndarray | str, shape: tuple) -> None:
+    if isinstance(general, str):
+        assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
+        return
+    assert isinstance(short, np.ndarray), short
+    assert short.shape == shape
+    assert short.dtype == general.dtype
+    if short.dtype == np.dtype(object):
+        assert short.reshape(-1).tolist() == general.reshape(-1).tolist()
+    else:
+        assert short.tobytes() == general.tobytes()
 
 
 @pytest.mark.parametrize(
@@ -144,23 +154,13 @@ SHORT_TEXTS = [["a"], ["a", "bc"], [""], ["é", "x"], [5], ["a", None], [["a"]],
 
 @pytest.mark.parametrize("values", SHORT_TEXTS, ids=str)
 def test_a_short_list_of_texts_decodes_as_the_general_path_decodes_it(values: list[object]) -> None:
-    # The same shortcut for BYTES: a flat list of strings of a one-dimensional shape. Given
-    # two-dimensional, the same values take the general path.
-    try:
-        general: np.ndarray | str = from_json("x", "BYTES", [1, len(values)], values)[0]
-    except InvalidInput as exc:
-        general = exc.message
-    try:
-        short: np.ndarray | str = from_json("x", "BYTES", [len(values)], values)
-    except InvalidInput as exc:
-        short = exc.message
-    if isinstance(general, str):
-        assert isinstance(short, str) and short.split(":")[1] == general.split(":")[1]
-    else:
-        assert isinstance(short, np.ndarray), short
-        assert short.dtype == general.dtype == np.dtype(object)
-        assert short.shape == (len(values),)
-        assert short.tolist() == general.tolist()
+    # The same shortcut for BYTES, flat and as one row; given three dimensions, the same values
+    # take the general path.
+    general = _decoded("BYTES", [1, 1, len(values)], values)
+    if isinstance(general, np.ndarray):
+        general = general[0][0]
+    for shape in ([len(values)], [1, len(values)]):
+        _assert_same(_decoded("BYTES", shape, values), general, tuple(shape))
 
 
 @pytest.mark.parametrize("shape", [[0, 2**62], [2**62, 0], [0, 0], [0]], ids=str)
