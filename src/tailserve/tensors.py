@@ -194,9 +194,7 @@ def _small_texts(data: list[Any]) -> np.ndarray[Any, Any] | None:
         kind_of = type(value)
         if kind_of is not str and kind_of is not bytes:
             return None
-    array = np.empty(len(data), dtype=object)
-    array[:] = data
-    return array
+    return _object_array(data)
 
 
 def _bytes_array(name: str, data: list[Any]) -> np.ndarray[Any, Any]:
@@ -206,8 +204,14 @@ def _bytes_array(name: str, data: list[Any]) -> np.ndarray[Any, Any]:
             raise InvalidInput(
                 f"tensor {name!r}: BYTES data must be strings, got {type(item).__name__}"
             )
-    array = np.empty(len(flat), dtype=object)
-    array[:] = flat
+    return _object_array(flat)
+
+
+def _object_array(values: list[Any]) -> np.ndarray[Any, Any]:
+    """A flat list of strings or bytes as a one-dimensional object array, the items as they are
+    (np.array would make a fixed-width string array of them)."""
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
     return array
 
 

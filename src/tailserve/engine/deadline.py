@@ -329,7 +329,7 @@ class DeadlineBatcher:
                 busy += at - now
         work = variance = own_work = own_variance = 0.0
         for other in self._classes.values():
-            rows = other.rows if priority >= other.lowest else other.ahead(priority)
+            rows = other.ahead(priority)
             if rows:
                 batches_work, batches_variance = self._batches(other.cost, rows)
                 work += batches_work

@@ -146,7 +146,7 @@ def _shaped(rule: _InputRule, array: np.ndarray[Any, Any]) -> Any:
 def _check_values(rule: _InputRule, array: np.ndarray[Any, Any]) -> None:
     size = array.size
     small = size <= _SMALL
-    values = (array.tolist() if array.ndim == 1 else array.reshape(-1).tolist()) if small else []
+    values = array.ravel().tolist() if small or rule.allowed is not None else []
     if rule.low is not None and rule.high is not None and size:
         low, high = rule.low, rule.high
         if small:
@@ -159,7 +159,7 @@ def _check_values(rule: _InputRule, array: np.ndarray[Any, Any]) -> None:
             if not inside.all():
                 _out_of_range(rule, array[~inside].reshape(-1)[0].item())
     if rule.allowed is not None:
-        for item in values if small else array.reshape(-1).tolist():
+        for item in values:
             if item not in rule.allowed:
                 shown = item.decode("utf-8", "replace") if isinstance(item, bytes) else item
                 raise InvalidInput(

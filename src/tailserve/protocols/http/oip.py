@@ -67,8 +67,8 @@ def decode_request(
     inputs = []
     offset = 0
     for item in raw.inputs:
-        parameters = item.parameters if item.parameters is not None else {}
-        size = parameters.get("binary_data_size") if parameters else None
+        parameters = item.parameters or {}
+        size = parameters.get("binary_data_size")
         if size is None:
             data = from_json(item.name, item.datatype, item.shape, item.data)
         else:
