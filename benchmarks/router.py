@@ -84,13 +84,14 @@ def echo_repository(root: Path) -> Path:
     return root
 
 
-def steady_repository(root: Path, service_ms: float) -> Path:
+def steady_repository(root: Path, service_ms: float, instances: int = 1) -> Path:
     folder = root / "steady"
     (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "1" / "model.py").write_text(STEADY)
     config = {
         "runtime": "python",
         "max_batch_size": 8,
+        "instances": {"count": instances},
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
         "parameters": {"service_ms": service_ms},
@@ -170,7 +171,7 @@ TAIL_CONFIGS = {
 
 
 def tail(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    repository = steady_repository(work / "steady-repo", args.service_ms)
+    repository = steady_repository(work / "steady-repo", args.service_ms, args.tail_instances)
     results: dict[str, Any] = {}
     with workers(repository, 4, slow=3) as urls:
         for name, flags in TAIL_CONFIGS.items():
@@ -384,6 +385,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--service-ms", type=float, default=5.0)
     parser.add_argument("--tail-rate", type=float, default=200.0)
+    parser.add_argument("--tail-instances", type=int, default=1)
     parser.add_argument("--affinity-rate", type=float, default=400.0)
     parser.add_argument("--keyspace", type=int, default=20_000)
     parser.add_argument("--l1-entries", type=int, default=1_000)

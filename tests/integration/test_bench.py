@@ -4,6 +4,7 @@ the truth about a stalling server, its capacity search converges, and it replays
 from __future__ import annotations
 
 import base64
+import gc
 import statistics
 import time
 from html.parser import HTMLParser
@@ -53,6 +54,15 @@ def test_a_constant_rate_is_kept_in_count_and_spacing() -> None:
     # Most sends leave on time. (Not the p99 or the "behind" flag: one stall of the machine
     # delays a dozen of these 400 sends, and tests/unit/test_bench_stats.py covers the flag.)
     assert result["generator"]["lag_p50_ms"] < 1.0
+
+
+def test_the_plan_is_kept_out_of_full_collections_before_the_run() -> None:
+    # A full collection over the plan stalled the sender for 13 ms, counted as the server's.
+    gc.unfreeze()
+    with run_stub(StubApp()) as stub:
+        result = run_bench(workload(stub.url, duration_s=0.2), progress=None)
+    assert result["overall"]["count"] == 40
+    assert gc.get_freeze_count() > 0
 
 
 def test_a_stall_shows_in_the_tail_where_a_closed_loop_would_hide_it() -> None:
