@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         help="how long the event loop may keep the GIL from a model's thread (0.5; 0: Python's)",
     )  # fmt: skip
     serve.add_argument(
+        "--gc-full-interval-s", type=float,
+        help="seconds between full garbage collections, run by the event loop (30; 0: "
+             "Python's own schedule)",
+    )  # fmt: skip
+    serve.add_argument(
         "--fault-slow-fraction", type=float,
         help="TEST ONLY: this fraction of inference requests is made slow (0)",
     )  # fmt: skip
@@ -128,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
             "cache_l2_budget_ms", "redis_client", "reply_memo_mb", "worker_id", "admin_token",
             "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
             "trace_file", "trace_sample", "fault_slow_fraction", "fault_slow_factor",
-            "gil_switch_interval_ms",
+            "gil_switch_interval_ms", "gc_full_interval_s",
         )
     }  # fmt: skip
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

@@ -23,6 +23,7 @@ from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
+from tailserve.collector import FullCollections
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
 from tailserve.observability.loop_lag import LoopLag
@@ -50,6 +51,12 @@ class Worker:
         self.settings = settings
         self.metrics = Metrics()
         self.loop_lag = LoopLag(on_sample=self.metrics.loop_lag.child().observe)
+        self.collections = (
+            FullCollections(settings.gc_full_interval_s,
+                            on_pause=self.metrics.gc_full_pause.child().observe)
+            if settings.gc_full_interval_s > 0
+            else None
+        )  # fmt: skip
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.cache = ResultCache(
             redis=self._redis_tier(), worker_id=self.worker_id, observer=self.metrics
@@ -208,6 +215,8 @@ class Worker:
 
     async def _start(self) -> None:
         self.loop_lag.start()
+        if self.collections is not None:
+            self.collections.start(asyncio.get_running_loop())
         await self._start_grpc()
         if self.cache.redis is not None:
             await self.cache.redis.connect()
@@ -230,6 +239,8 @@ class Worker:
         if self.feature_store is not None:
             await self.feature_store.close()
         self.loop_lag.stop()
+        if self.collections is not None:
+            self.collections.stop()
         if self.recorder is not None:
             self.recorder.close()
 

@@ -61,6 +61,11 @@ class Settings:
     # up to the whole interval each time: churn's batch p99 was 6-7 ms for a 0.4 ms p50.
     # 0 keeps the interpreter's own.
     gil_switch_interval_ms: float = 0.5
+    # Full garbage collections (which stop the event loop while they walk everything the
+    # worker holds, a result cache most of all) run this often from the event loop, not when
+    # the interpreter's counters say (every few seconds under load; collector.py).
+    # 0 leaves them to the interpreter.
+    gc_full_interval_s: float = 30.0
     # A test-only fault (the router benchmark's slow replica): this fraction of the inference
     # requests take fault_slow_factor times as long. 0: off.
     fault_slow_fraction: float = 0.0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
+import re
 import sys
 import threading
 from pathlib import Path
@@ -158,3 +160,21 @@ def test_the_worker_sets_the_gil_switch_interval_unless_told_not_to(
             assert sys.getswitchinterval() == pytest.approx(expected_s)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_worker_runs_full_collections_on_its_schedule_and_reports_them(
+    tmp_path: Path,
+) -> None:
+    # The interpreter starts none while the worker serves; the worker's loop runs them.
+    write_model(tmp_path, "m", doubler_config())
+    before = gc.get_threshold()
+    with run_worker(Settings(repository=str(tmp_path), gc_full_interval_s=0.05)) as running:
+        assert gc.get_threshold()[2] > 10**6
+
+        def collections() -> float:
+            text = httpx.get(f"{running.url}/metrics").text
+            found = re.search(r"^tailserve_gc_full_pause_seconds_count (\S+)$", text, re.M)
+            return float(found.group(1)) if found else 0.0
+
+        wait_for(lambda: collections() >= 1, what="a scheduled full collection in the metrics")
+    assert gc.get_threshold() == before

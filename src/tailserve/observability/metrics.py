@@ -249,6 +249,13 @@ class Metrics:
             [],
             LATENCY_BUCKETS,
         )
+        self.gc_full_pause = LoopHistogram(
+            "tailserve_gc_full_pause_seconds",
+            "Full garbage collections the event loop ran (every --gc-full-interval-s), by how "
+            "long they stopped it.",
+            [],
+            LATENCY_BUCKETS,
+        )
         self.cache_lookups = LoopCounter(
             "tailserve_cache_lookups",
             "Result cache lookups by tier (l1, l2) and result (hit, stale; misses: cold = never "
@@ -291,9 +298,9 @@ class Metrics:
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.request_latency, self.requests, self.queue_time, self.compute_time,
             self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
-            self.deadline_misses, self.loop_lag, self.cache_lookups, self.cache_computations,
-            self.cache_coalesced, self.cache_evictions, self.cache_l2_latency,
-            self.cache_l2_skipped, self.feature_lookups,
+            self.deadline_misses, self.loop_lag, self.gc_full_pause, self.cache_lookups,
+            self.cache_computations, self.cache_coalesced, self.cache_evictions,
+            self.cache_l2_latency, self.cache_l2_skipped, self.feature_lookups,
         ]  # fmt: skip
         self.registry.register(_LoopCollector(loop_metrics))
         # Set by the worker: the cost model of each (model, version, cost class).
