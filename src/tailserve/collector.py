@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # the interpreter's count.
 _NEVER = 2**30
 
+_lock = threading.Lock()  # workers in threads of one process start and stop on their own
 _active = 0
 _saved: tuple[int, int, int] | None = None
 
@@ -56,11 +58,12 @@ class FullCollections:
         global _active, _saved
         if self._handle is not None:
             return
-        if _active == 0:
-            _saved = gc.get_threshold()
-            young, middle = _saved[0], _saved[1]
-            gc.set_threshold(young, middle, _NEVER)
-        _active += 1
+        with _lock:
+            if _active == 0:
+                _saved = gc.get_threshold()
+                young, middle = _saved[0], _saved[1]
+                gc.set_threshold(young, middle, _NEVER)
+            _active += 1
         self._loop = loop
         self._handle = loop.call_later(self.every_s, self._collect)
 
@@ -70,10 +73,11 @@ class FullCollections:
             return
         self._handle.cancel()
         self._handle = None
-        _active -= 1
-        if _active == 0 and _saved is not None:
-            gc.set_threshold(*_saved)
-            _saved = None
+        with _lock:
+            _active -= 1
+            if _active == 0 and _saved is not None:
+                gc.set_threshold(*_saved)
+                _saved = None
 
     def _collect(self) -> None:
         started = time.perf_counter()
