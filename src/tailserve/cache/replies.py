@@ -10,6 +10,11 @@ whole path again, and the memo's entry is dropped.
 
 Bounded by bytes, oldest stored first out (an entry lives no longer than its L1 entry, which
 has one TTL per model: the oldest has the least life left). Pure: no clock, no I/O.
+
+An entry is kept as a plain tuple of numbers and bytes, which the garbage collector stops
+tracking after its first young collection: a full collection then walks none of them. Kept as
+`Replay` objects with a headers list, 10,000 entries were two thirds of what a hit-path
+worker's full collection walked (26-34 ms under load, a bad second of the p99 each time).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -29,7 +33,7 @@ _OVERHEAD = 256
 class Replay:
     """A reply, and the L1 entry it was encoded from."""
 
-    view: Any  # the `ModelView` (one served version) that answered
+    view: int  # the serial of the `ModelView` (one served version) that answered
     key: str  # the result's cache key
     value: bytes  # the L1 entry's stored bytes, compared by identity
     status: int
@@ -53,11 +57,16 @@ def digest(*parts: bytes) -> bytes:
     return h.digest()
 
 
+# What the memo holds of a `Replay`: (view, key, value, status, headers, body, size), headers a
+# tuple of pairs.
+_Kept = tuple[int, str, bytes, int, tuple[tuple[bytes, bytes], ...], bytes, int]
+
+
 class ReplyMemo:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[bytes, Replay] = OrderedDict()
+        self._entries: OrderedDict[bytes, _Kept] = OrderedDict()
         self.hits = 0
         self.stale = 0  # found, but L1 no longer holds what it was made from
 
@@ -69,23 +78,28 @@ class ReplyMemo:
         return len(self._entries)
 
     def get(self, key: bytes) -> Replay | None:
-        return self._entries.get(key)
+        kept = self._entries.get(key)
+        if kept is None:
+            return None
+        view, cache_key, value, status, headers, body, _ = kept
+        return Replay(view, cache_key, value, status, list(headers), body)
 
     def put(self, key: bytes, replay: Replay) -> None:
         size = replay.size
         if size > self.max_bytes:
             return
         self.drop(key)
-        self._entries[key] = replay
+        self._entries[key] = (replay.view, replay.key, replay.value, replay.status,
+                              tuple(replay.headers), replay.body, size)  # fmt: skip
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, oldest = self._entries.popitem(last=False)
-            self.bytes -= oldest.size
+            self.bytes -= oldest[-1]
 
     def drop(self, key: bytes) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
-            self.bytes -= old.size
+            self.bytes -= old[-1]
 
     def clear(self) -> None:
         self._entries.clear()

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import orjson
@@ -75,6 +76,9 @@ class CachePolicy:
     feature_version: str = ""
 
 
+_SERIALS = itertools.count(1)
+
+
 @dataclass(slots=True)
 class ModelView:
     """One served version of one model, as the cache sees it."""
@@ -84,6 +88,8 @@ class ModelView:
     keys: KeyBuilder
     l1: MemoryCache
     policy: CachePolicy
+    # Tells this view from any other, now or later (the reply memo names views by it).
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
 
 @dataclass(slots=True)

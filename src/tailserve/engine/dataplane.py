@@ -203,7 +203,7 @@ class DataPlane:
         served = self.manager.get(request.model, request.version)
         _deadline_and_priority(served.config, request)
         view = served.cache
-        if self.cache is None or view is None or view is not replay.view:
+        if self.cache is None or view is None or view.serial != replay.view:
             return False
         lookup, found = view.l1.peek(replay.key)
         if found is None or lookup is not Lookup.HIT or found[0] is not replay.value:

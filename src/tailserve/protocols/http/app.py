@@ -306,7 +306,8 @@ class HttpApp:
         headers += _served_headers(response)
         if response.origin is not None and self._memo is not None and request.memo_key:
             view, key, value = response.origin
-            self._memo.put(request.memo_key, Replay(view, key, value, 200, headers, payload))
+            self._memo.put(request.memo_key,
+                           Replay(view.serial, key, value, 200, headers, payload))  # fmt: skip
         return 200, headers, payload
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
