@@ -39,6 +39,15 @@ _active = 0
 _saved: tuple[int, int, int] | None = None
 
 
+def freeze_held() -> None:
+    """Collect once, then move everything the process holds now out of the collector's
+    generations (`gc.freeze`): no later collection walks it. For what lives as long as the
+    process, once it is set up (the worker's models, the router's dispatcher, a benchmark's
+    plan); it is freed by reference counting as ever, only never walked."""
+    gc.collect()
+    gc.freeze()
+
+
 class FullCollections:
     def __init__(self, every_s: float, *, on_pause: Callable[[float], None] | None = None):
         if every_s <= 0:

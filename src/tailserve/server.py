@@ -8,7 +8,6 @@ timeout), close the models, exit 0.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -23,7 +22,7 @@ from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
-from tailserve.collector import FullCollections
+from tailserve.collector import FullCollections, freeze_held
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
 from tailserve.observability.loop_lag import LoopLag
@@ -156,7 +155,7 @@ class Worker:
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         """Serve until SIGTERM or SIGINT (or `request_exit`), then drain and stop."""
         if self.settings.gil_switch_interval_ms > 0:
-            # Process-wide, like gc.freeze below: a worker is its own process.
+            # Process-wide, like the freeze below: a worker is its own process.
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1e3)
         loop = self._loop = asyncio.get_running_loop()
         # Signals reach the main thread's loop only (tests run workers in threads of their own).
@@ -272,8 +271,7 @@ class Worker:
             log.error("models that failed to load: %s", ", ".join(failed))
         # Objects that live as long as the models (sessions, boosters, configs) leave the
         # collector's generations: full collections over them paused requests for 65-85 ms.
-        gc.collect()
-        gc.freeze()
+        freeze_held()
         self.dataplane.initial_load_done = True
         self.loaded.set()
         log.info("ready: %d model(s) serving", sum(s.ready for s in self.manager.states()))

@@ -12,7 +12,6 @@ sends every n-th request) that start on one shared instant; their samples are me
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import queue
 import sys
@@ -29,6 +28,7 @@ import msgspec
 import orjson
 import yaml
 
+from tailserve.collector import freeze_held
 from tailserve.errors import ConfigError
 from tailserve.loadgen.capacity import CapacitySearch, Step
 from tailserve.loadgen.plan import Plan, build_plan
@@ -148,7 +148,9 @@ def run_step(
         runner = Runner(plan, target.host, target.port,
                         connections=workload.connections, timeout_s=workload.options.timeout_s,
                         on_tick=printer.add if printer else None)  # fmt: skip
-        _settle()
+        # The plan leaves the collector's reach: a full collection over it (13 ms) stalled
+        # the sender, and counted against the server.
+        freeze_held()
         started = time.monotonic()
         samples = _run(runner)
         wall = time.monotonic() - started
@@ -163,14 +165,6 @@ def run_step(
         samples, slo_ms=slo, cpu_s=cpu_s, wall_s=wall, processes=workload.processes
     )
     return result
-
-
-def _settle() -> None:
-    """Before a run: the plan and everything else built so far leave the collector's
-    generations, so that no full collection over them (13 ms here) stalls the sender and
-    counts against the server."""
-    gc.collect()
-    gc.freeze()
 
 
 def _run(runner: Runner, start_at: float | None = None) -> Samples:
@@ -282,7 +276,7 @@ def _child(
 
         runner = Runner(plan, host, port, connections=workload.connections,
                         timeout_s=workload.options.timeout_s, on_tick=tick)  # fmt: skip
-        _settle()
+        freeze_held()
         messages.put(("ready", index, None))
         go.wait()
         samples = _run(runner, start_at=start_at.value)
