@@ -35,6 +35,7 @@ from tailserve.loadgen.plan import Plan, build_plan
 from tailserve.loadgen.progress import Progress
 from tailserve.loadgen.runner import Runner, Samples, Tick
 from tailserve.loadgen.stats import generator_account, summarize
+from tailserve.loadgen.timer import fine_timer_available
 from tailserve.loadgen.workload import Schedule, Workload, parse_workload
 from tailserve.loops import run as run_loop
 
@@ -147,7 +148,8 @@ def run_step(
         printer = Progress(plan, slo, progress) if progress is not None else None
         runner = Runner(plan, target.host, target.port,
                         connections=workload.connections, timeout_s=workload.options.timeout_s,
-                        on_tick=printer.add if printer else None)  # fmt: skip
+                        on_tick=printer.add if printer else None,
+                        fine_timer=workload.timer == "fine")  # fmt: skip
         # The plan leaves the collector's reach: a full collection over it (13 ms) stalled
         # the sender, and counted against the server.
         freeze_held()
@@ -164,6 +166,8 @@ def run_step(
     result["generator"] = generator_account(
         samples, slo_ms=slo, cpu_s=cpu_s, wall_s=wall, processes=workload.processes
     )
+    fine = workload.timer == "fine" and fine_timer_available()
+    result["generator"]["timer"] = "fine" if fine else "loop"
     return result
 
 
@@ -275,7 +279,8 @@ def _child(
             messages.put(("tick", index, report))
 
         runner = Runner(plan, host, port, connections=workload.connections,
-                        timeout_s=workload.options.timeout_s, on_tick=tick)  # fmt: skip
+                        timeout_s=workload.options.timeout_s, on_tick=tick,
+                        fine_timer=workload.timer == "fine")  # fmt: skip
         freeze_held()
         messages.put(("ready", index, None))
         go.wait()

@@ -31,6 +31,11 @@ def add_parser(commands: Any) -> None:
     bench.add_argument("--warmup", type=float, help="warm-up seconds, sent but not measured")
     bench.add_argument("--processes", type=int, help="generator processes")
     bench.add_argument("--connections", type=int, help="connections per generator process")
+    bench.add_argument(
+        "--timer",
+        choices=("fine", "loop"),
+        help="what times the sends: fine (default) or the event loop's 1 ms",
+    )
     bench.add_argument("--name", help="the run's name in reports and comparisons")
     bench.add_argument("--out", type=Path, help="write the JSON result here")
     bench.add_argument("--report", type=Path, help="write an HTML report with plots here")
@@ -59,6 +64,7 @@ def handle(args: argparse.Namespace) -> int:
     workload = workload.with_overrides(
         target=args.target, duration_s=args.duration, warmup_s=args.warmup,
         processes=args.processes, connections=args.connections, schedule=schedule,
+        timer=args.timer,
     )  # fmt: skip
     rates = _rates(args.rates)
     progress = None if args.quiet else sys.stderr

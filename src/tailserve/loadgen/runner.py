@@ -22,10 +22,8 @@ import numpy as np
 
 from tailserve.errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from tailserve.loadgen.plan import Plan
+from tailserve.loadgen.timer import timer
 from tailserve.transport.http1 import Pool, Response
-
-# A request may go this much before its time (see `_State.fire`).
-EARLY_S = 0.001
 
 # Negative status codes for requests that got no HTTP response.
 TIMEOUT, CONNECT, LOST = -1, -2, -3
@@ -110,6 +108,7 @@ class Runner:
         timeout_s: float,
         on_tick: Callable[[Tick], None] | None = None,
         tick_s: float = 1.0,
+        fine_timer: bool = True,
     ) -> None:
         self.plan = plan
         self.host, self.port = host, port
@@ -117,6 +116,7 @@ class Runner:
         self.timeout_s = timeout_s
         self.on_tick = on_tick
         self.tick_s = tick_s
+        self.fine_timer = fine_timer
         self.samples = Samples.empty(plan)
         self.cpu_s = 0.0
 
@@ -125,7 +125,7 @@ class Runner:
 
         The monotonic clock is one clock for every process of the machine, so several
         generator processes can share a start; the loop's own clock is coarser (uvloop's
-        counts milliseconds) and serves only to schedule.
+        counts milliseconds), so sends are timed by `tailserve.loadgen.timer`.
         """
         loop = asyncio.get_running_loop()
         pool = Pool(self.host, self.port, max_connections=self.connections, loop=loop)
@@ -143,6 +143,7 @@ class Runner:
                 state.ticker.cancel()
                 state.tick(final=True)
         finally:
+            state.timer.close()
             await pool.close()
         lost = np.isnan(self.samples.done)
         self.samples.status[lost & (self.samples.status == 0)] = LOST
@@ -168,6 +169,7 @@ class _State:
         self.lag_max = 0.0
         self.ticker: asyncio.TimerHandle | None = None
         self.finished: asyncio.Future[None] = loop.create_future()
+        self.timer = timer(loop, self.fire, fine=runner.fine_timer)
 
     def fire(self) -> None:
         """Hand over every request now due, then sleep until the next one is."""
@@ -176,10 +178,10 @@ class _State:
         i = self.next
         dispatched = self.samples.dispatched
         timeout = self.runner.timeout_s
-        # The loop's timers have millisecond resolution and may fire a little early; taking
-        # what is due within that resolution keeps the loop from spinning until then. Those
-        # requests leave early by less than EARLY_S, and their latency counts from the send.
-        horizon = now + EARLY_S
+        # A timer may fire a little early, and one wake-up per request costs more than it is
+        # worth at high rates: what is due within the timer's resolution goes now. Those
+        # requests leave early by less than that, and their latency counts from the send.
+        horizon = now + self.timer.resolution
         while i < n and due[i] <= horizon:
             dispatched[i] = now - self.start
             self.pool.submit(self.requests[i], self._callback(i), timeout)
@@ -191,7 +193,7 @@ class _State:
             self.schedule_fire()
 
     def schedule_fire(self) -> None:
-        self.loop.call_later(max(0.0, self.due[self.next] - time.monotonic()), self.fire)
+        self.timer.at(self.due[self.next])
 
     def _callback(self, i: int) -> Callable[[Response | UpstreamError], None]:
         return lambda result: self.complete(i, result)

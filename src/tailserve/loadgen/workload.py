@@ -18,6 +18,7 @@ slo: {p99_ms: 50}
 options: {deadline_ms: 100, priority: 1, cache: use, headers: {x-tenant: a}}
 processes: 1                 # generator processes sharing the schedule
 connections: 1024            # keep-alive connections a process may open
+timer: fine                  # fine (a timerfd, microseconds) | loop (the event loop's, 1 ms)
 model_config: churn/model.yaml   # where the inputs are described (default: the target's
                                  # GET /v2/models/{model}/config); a file or a URL
 ```
@@ -38,6 +39,7 @@ import yaml
 from tailserve.errors import ConfigError, field_message
 
 Protocol = Literal["v2-json", "v2-binary", "v1-records"]
+TimerKind = Literal["fine", "loop"]
 DEFAULT_DURATION_S = 20.0
 
 
@@ -101,6 +103,9 @@ class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # for a connection in the generator, where no server policy can see it.
     connections: int = 1024
     processes: int = 1
+    # What times the sends (tailserve.loadgen.timer): "loop", the event loop's millisecond
+    # timers, sends Poisson arrivals in clumps and counts its own lateness; kept to compare.
+    timer: TimerKind = "fine"
     model_config: str | None = None
 
     def with_overrides(self, **changes: Any) -> Workload:
