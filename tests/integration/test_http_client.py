@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
 from support.servers import async_wait_for, free_port
 from support.stub import StubApp, run_stub
 from tailserve.errors import ConnectFailed, UpstreamTimeout
-from tailserve.transport.http1 import Pool, Response, frame_request
+from tailserve.transport.http1 import Pool, Response, Ticket, frame_request
 
 
 def infer(port: int) -> bytes:
@@ -101,3 +103,47 @@ async def test_a_connection_idle_past_the_limit_is_not_reused() -> None:
             assert pool.open_connections == 1 and set(pool._open).isdisjoint(first)
         finally:
             await pool.close()
+
+
+async def test_a_ticket_that_waited_lets_go_of_its_deadline_timer_once_sent() -> None:
+    # Left to run out, the timer held the ticket and its connection until the deadline:
+    # tens of thousands at once in a generator past capacity, walked by every collection.
+    with run_stub(StubApp(service_s=0.01)) as stub:
+        pool = Pool("127.0.0.1", stub.port, max_connections=1)
+        try:
+            results: list[Response | Exception] = []
+            tickets: list[Ticket] = [pool.submit(infer(stub.port), results.append, 30.0)
+                                     for _ in range(3)]  # fmt: skip
+            assert all(t.expiry is not None for t in tickets)  # all wait: none is connected
+
+            async def answered() -> bool:
+                return len(results) == 3
+
+            await async_wait_for(answered, what="three replies")
+            assert all(isinstance(r, Response) and r.status == 200 for r in results)
+            assert all(t.expiry is None for t in tickets)
+        finally:
+            await pool.close()
+
+
+async def test_a_closed_connection_is_freed_at_once_not_by_a_full_collection() -> None:
+    # Its parser held the protocol's bound methods: a cycle that kept every closed connection
+    # (a hedge's loser closes one each time) until a full collection.
+    with run_stub(StubApp()) as stub:
+        pool = Pool("127.0.0.1", stub.port, max_connections=1)
+        gc.collect()
+        gc.disable()
+        try:
+            await pool.request(infer(stub.port))
+            connections = [weakref.ref(c) for c in pool._open]
+            assert len(connections) == 1
+            await pool.close()
+
+            async def lost() -> bool:  # (`closed` is set as it aborts, before it is lost)
+                connection = connections[0]()
+                return connection is None or connection._parser is None
+
+            await async_wait_for(lost, what="the connection lost")
+            assert connections[0]() is None
+        finally:
+            gc.enable()

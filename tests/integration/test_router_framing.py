@@ -225,3 +225,23 @@ async def _reading(router: Any) -> list[Any]:
             return reading
         await asyncio.sleep(0.01)
     raise AssertionError("no connection began reading a request")
+
+
+async def test_a_closed_client_connection_lets_go_of_its_parser() -> None:
+    # The parser holds the protocol's bound methods: kept, every closed connection would be
+    # a cycle for a full collection to find. (Its request's exchange is another, left alone.)
+    with run_stub(StubApp()) as backend:
+        async with running_router([backend.url], hedge=False) as router:
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            writer.write(INFER + b"\r\n" + BODY)
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            (connection,) = router._connections
+            assert connection._parser is not None
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(500):
+                if connection.closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert connection.closed
+            assert connection._parser is None

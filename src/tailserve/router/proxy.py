@@ -152,7 +152,9 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
     def __init__(self, router: Router) -> None:
         self._router = router
         self._loop = router.loop
-        self._parser = httptools.HttpRequestParser(self)
+        # Dropped when the connection is lost: it holds this protocol's bound methods, a cycle
+        # that kept every closed connection until a full collection found it.
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -196,11 +198,12 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
         self._router._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._ended:
+        parser = self._parser
+        if self._ended or parser is None:
             return
         self._heard = self._loop.time()
         head = self._heads if self._in_head else -1
-        feed(self._parser, data, self)
+        feed(parser, data, self)
         # A read counts against a head only when all of it went to that head (one read may
         # also end the head before it and hold bodies and pipelined requests).
         if head == self._heads and self._in_head and not self._ended:
@@ -210,6 +213,7 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._parser = None
         self._router._connections.discard(self)
         self._reply = None
         exchange = self._exchange
@@ -227,6 +231,11 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
             self._reply.resume()
 
     # --- httptools callbacks ------------------------------------------------------------
+
+    def _reading(self) -> httptools.HttpRequestParser:
+        """The parser, from within its callbacks (it is dropped only once nothing is read)."""
+        assert self._parser is not None
+        return self._parser
 
     def on_message_begin(self) -> None:
         self.in_message = True
@@ -246,7 +255,7 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
         if self._ended:
             return
         config = self._router.config
-        self._length, waits = head_of(self._headers, self._parser.get_http_version())
+        self._length, waits = head_of(self._headers, self._reading().get_http_version())
         if self._length is not None and self._length > config.max_body_bytes:
             # Refused by its declared length, before its body (it may never end): in its turn,
             # and nothing after it is read.
@@ -299,10 +308,10 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = _Request(
-            self._parser.get_method(), self._url, self._headers, body,
-            self._parser.should_keep_alive(), self._started,
+            self._reading().get_method(), self._url, self._headers, body,
+            self._reading().should_keep_alive(), self._started,
         )  # fmt: skip
-        request.http10 = self._parser.get_http_version() == "1.0"
+        request.http10 = self._reading().get_http_version() == "1.0"
         if self._too_large:
             limit = self._router.config.max_body_bytes
             request.body = b""
@@ -317,20 +326,20 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
     def _start_stream(self, *, chunked: bool) -> None:
         """Route the request now and let its body follow as it arrives: only when nothing
         is ahead of it on this connection (pipelined requests wait their turn whole)."""
-        method = self._parser.get_method()
+        method = self._reading().get_method()
         if self._busy or self._queue or self.closed or method in (b"GET", b"HEAD"):
             return
         path = self._url.split(b"?", 1)[0].decode("latin-1")
         if classify(method, path).broadcast:
             return
         request = _Request(
-            method, self._url, self._headers, b"", self._parser.should_keep_alive(),
+            method, self._url, self._headers, b"", self._reading().should_keep_alive(),
             self._started,
         )  # fmt: skip
         request.stream = True
         request.chunked = chunked
         request.length = self._length
-        request.http10 = self._parser.get_http_version() == "1.0"
+        request.http10 = self._reading().get_http_version() == "1.0"
         self._streaming = True
         self._busy = True
         held, self._body = self._body, []

@@ -94,7 +94,10 @@ class _Connection(asyncio.Protocol):
         self._pool = pool
         # When it last went idle (the pool's clock): past ``max_idle_s`` it is not reused.
         self.idle_since = 0.0
-        self._parser = httptools.HttpResponseParser(self)
+        # Dropped when the connection is lost: it holds this protocol's bound methods, a cycle
+        # that kept every closed connection until a full collection found it (a hedge's
+        # loser closes one each time).
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._callback: Callback | None = None
         self._ticket: Ticket | None = None
@@ -116,14 +119,18 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        if parser is None:
+            return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._finish(ConnectionLost(f"bad response from {self._pool.origin}: {exc}"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._parser = None
         self._pool._forget(self)
         why = f": {exc}" if exc is not None else ""
         self._finish(ConnectionLost(f"connection to {self._pool.origin} closed{why}"))
@@ -139,6 +146,11 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks ------------------------------------------------------------
 
+    def _reading(self) -> httptools.HttpResponseParser:
+        """The parser, from within its callbacks (it is dropped only once nothing is read)."""
+        assert self._parser is not None
+        return self._parser
+
     def on_message_begin(self) -> None:
         self._headers = []
         self._body = []
@@ -150,7 +162,7 @@ class _Connection(asyncio.Protocol):
         ticket = self._ticket
         if ticket is None or ticket.on_head is None:
             return
-        status = self._parser.get_status_code()
+        status = self._reading().get_status_code()
         if status < 200:  # an interim reply (100 Continue): the real one follows
             return
         length = None
@@ -172,17 +184,20 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._parser.get_status_code() < 200:
+        parser = self._reading()
+        status = parser.get_status_code()
+        if status < 200:
             return
+        keep_alive = parser.should_keep_alive()
         sink, self._sink = self._sink, None
         if sink is not None:
             body = b""
             sink.end()
         else:
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        response = Response(self._parser.get_status_code(), self._headers, body)
+        response = Response(status, self._headers, body)
         ticket = self._ticket
-        if not self._parser.should_keep_alive() or (ticket is not None and ticket.unsent):
+        if not keep_alive or (ticket is not None and ticket.unsent):
             # (A reply before the whole request body went out, a refusal say: the rest of
             # the body cannot follow on a connection the server is done with.)
             self.abort()
@@ -263,6 +278,13 @@ class _Connection(asyncio.Protocol):
         callback(result)
 
 
+def _dequeued(ticket: Ticket) -> None:
+    """A ticket has left the pool's queue: its wait's deadline timer is not needed."""
+    if ticket.expiry is not None:
+        ticket.expiry.cancel()
+        ticket.expiry = None
+
+
 class Ticket:
     """One submitted request: `cancel` withdraws it, from the queue or, once sent, by
     closing its connection (no callback follows either way).
@@ -272,7 +294,7 @@ class Ticket:
 
     __slots__ = (
         "callback", "cancelled", "chunked", "connection", "data", "deadline", "ended",
-        "on_drain", "on_head", "pending", "pending_bytes",
+        "expiry", "on_drain", "on_head", "pending", "pending_bytes",
     )  # fmt: skip
 
     def __init__(
@@ -288,6 +310,10 @@ class Ticket:
         self.data = data
         self.callback = callback
         self.deadline = deadline
+        # Its deadline's timer while it waits for a connection, cancelled once it leaves the
+        # queue: left to run out, it held the ticket (and the connection that sent it) until
+        # the deadline, tens of thousands of them at once in a generator past capacity.
+        self.expiry: asyncio.TimerHandle | None = None
         self.on_head = on_head
         self.connection: _Connection | None = None
         self.cancelled = False
@@ -431,7 +457,7 @@ class Pool:
         if deadline is not None:
             # Its deadline holds while it waits, too: a connection may not come free (every
             # one busy on a hung backend) nor connect (a host that does not answer) in time.
-            self.loop.call_at(deadline, self._expire_waiting, ticket)
+            ticket.expiry = self.loop.call_at(deadline, self._expire_waiting, ticket)
         self._pump()
         return ticket
 
@@ -453,6 +479,7 @@ class Pool:
         self._closed = True
         while self._waiting:
             item = self._waiting.popleft()
+            _dequeued(item)
             if not item.cancelled:
                 item.callback(ConnectionLost(f"the pool to {self.origin} closed"))
         for task in list(self._tasks):
@@ -466,6 +493,7 @@ class Pool:
     # --- internals ------------------------------------------------------------------------
 
     def _expire_waiting(self, ticket: Ticket) -> None:
+        ticket.expiry = None
         try:
             self._waiting.remove(ticket)  # still waiting: not sent, failed or closed since
         except ValueError:
@@ -478,16 +506,16 @@ class Pool:
         while self._waiting and self._idle:
             item = self._waiting[0]
             if item.cancelled:
-                self._waiting.popleft()
+                _dequeued(self._waiting.popleft())
                 continue
             if item.deadline is not None and now >= item.deadline:
-                self._waiting.popleft()
+                _dequeued(self._waiting.popleft())
                 item.callback(self._no_connection())
                 continue
             connection = self._take_idle()
             if connection is None:
                 break
-            self._waiting.popleft()
+            _dequeued(self._waiting.popleft())
             connection.send(item)
         wanted = len(self._waiting) - self._connecting
         room = self.max_connections - len(self._open) - self._connecting
@@ -511,12 +539,12 @@ class Pool:
             # The oldest waiting request pays for the failed attempt, so that a server that is
             # down fails requests instead of holding them until their timeout.
             while self._waiting and self._waiting[0].cancelled:
-                self._waiting.popleft()
+                _dequeued(self._waiting.popleft())
             if self._waiting:
                 reason = str(exc) or type(exc).__name__
-                self._waiting.popleft().callback(
-                    ConnectFailed(f"cannot connect to {self.origin}: {reason}")
-                )
+                first = self._waiting.popleft()
+                _dequeued(first)
+                first.callback(ConnectFailed(f"cannot connect to {self.origin}: {reason}"))
             self._pump()
             return
         self._connecting -= 1
