@@ -307,11 +307,12 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
                 self._exchange.end()
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        parser = self._reading()
         request = _Request(
-            self._reading().get_method(), self._url, self._headers, body,
-            self._reading().should_keep_alive(), self._started,
+            parser.get_method(), self._url, self._headers, body, parser.should_keep_alive(),
+            self._started,
         )  # fmt: skip
-        request.http10 = self._reading().get_http_version() == "1.0"
+        request.http10 = parser.get_http_version() == "1.0"
         if self._too_large:
             limit = self._router.config.max_body_bytes
             request.body = b""
@@ -326,20 +327,20 @@ class _ClientConnection(HeadReading, asyncio.Protocol):
     def _start_stream(self, *, chunked: bool) -> None:
         """Route the request now and let its body follow as it arrives: only when nothing
         is ahead of it on this connection (pipelined requests wait their turn whole)."""
-        method = self._reading().get_method()
+        parser = self._reading()
+        method = parser.get_method()
         if self._busy or self._queue or self.closed or method in (b"GET", b"HEAD"):
             return
         path = self._url.split(b"?", 1)[0].decode("latin-1")
         if classify(method, path).broadcast:
             return
         request = _Request(
-            method, self._url, self._headers, b"", self._reading().should_keep_alive(),
-            self._started,
+            method, self._url, self._headers, b"", parser.should_keep_alive(), self._started,
         )  # fmt: skip
         request.stream = True
         request.chunked = chunked
         request.length = self._length
-        request.http10 = self._reading().get_http_version() == "1.0"
+        request.http10 = parser.get_http_version() == "1.0"
         self._streaming = True
         self._busy = True
         held, self._body = self._body, []
