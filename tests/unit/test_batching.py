@@ -72,3 +72,19 @@ def test_no_batching_takes_one_request_at_a_time() -> None:
     assert rows_of(batcher.poll(0.0, FREE)) == [1]
     assert rows_of(batcher.poll(0.0, FREE)) == [2]
     assert batcher.poll(0.0, FREE) == Poll()
+
+
+def test_an_arrival_asks_for_a_poll_when_it_starts_or_may_complete_a_batch() -> None:
+    batcher = SizeOrTimeout(max_rows=4, max_delay_s=0.002, max_queue=10)
+    asked = []
+    for it in (item(1, 0.0), item(1, 0.0), item(1, 0.0), item(1, 0.0)):
+        assert batcher.offer(it, 0.0, FREE) is None
+        asked.append(batcher.poll_soon)
+    # The head (its wait starts), then nothing new until the fourth row fills the batch.
+    assert asked == [True, False, False, True]
+    assert rows_of(batcher.poll(0.0, FREE)) == [1, 1, 1, 1]
+    assert batcher.offer(item(1, 0.0), 0.0, FREE) is None and batcher.poll_soon
+    assert batcher.offer(item(1, 0.0, B), 0.0, FREE) is None
+    assert batcher.poll_soon  # another class: the head's batch is complete
+    none = NoBatching(10)
+    assert none.offer(item(1, 0.0), 0.0, FREE) is None and none.poll_soon

@@ -43,6 +43,8 @@ class Outcome:
     runs: list[Run] = field(default_factory=list)
     rejected: list[tuple[Item, str]] = field(default_factory=list)
     expired: list[Item] = field(default_factory=list)
+    # Polls made with the instance free (`simulate`).
+    polls: int = 0
 
     @property
     def served(self) -> list[tuple[Item, Run]]:
@@ -70,7 +72,12 @@ def simulate(
     arrivals: list[Arrival],
     cost: Callable[[Bucket, int], float],
     instances: int = 1,
+    *,
+    lazy: bool = True,
 ) -> Outcome:
+    """Polls as the scheduler does: when an instance comes free, at the time the last poll
+    gave, and after an arrival only where the batcher asks for it (``poll_soon``); or, not
+    ``lazy``, after every arrival."""
     outcome = Outcome()
     free_at = [0.0] * instances
     wake: float | None = None
@@ -86,18 +93,24 @@ def simulate(
                 return outcome
             events.append(now)
         now = max(now, min(events))
+        due = now in free_at or wake is None or now >= wake
         while i < len(arrivals) and arrivals[i].at <= now:
             a = arrivals[i]
             item = Item(a.rows, a.bucket, now, now + a.budget, a.priority)
             rejection = b.offer(item, now, [max(f, now) for f in free_at])
             if rejection is not None:
                 outcome.rejected.append((item, rejection.reason))
+            else:
+                due = due or b.poll_soon or not lazy
             i += 1
+        if not due and i < len(arrivals):
+            continue
         wake = None
         for k in range(instances):
             if free_at[k] > now:
                 continue
             poll = b.poll(now, [max(f, now) for f in free_at], draining=i == len(arrivals))
+            outcome.polls += 1
             outcome.expired += poll.expired
             if poll.batch:
                 rows = sum(item.rows for item in poll.batch)
@@ -133,8 +146,11 @@ def test_at_high_load_batches_fill() -> None:
     # Full batches serve 64 / 3.28 ms = 19,500 rows/s; offer 15,000 a second.
     b = batcher()
     seeded(b, COST)
-    outcome = simulate(b, poisson(15_000, 1.0, budget=0.100), COST)
+    arrivals = poisson(15_000, 1.0, budget=0.100)
+    outcome = simulate(b, arrivals, COST)
     assert not outcome.rejected and not outcome.expired
+    # Polled when a batch's worth has come or an instance is free, not after every arrival.
+    assert outcome.polls < 0.2 * len(arrivals)
     late = outcome.runs[len(outcome.runs) // 5 :]  # past the first fifth, the rate is known
     assert np.mean([sum(i.rows for i in run.items) for run in late]) >= 0.75 * MAX_ROWS
     # Batches grow with the load: just big enough to keep the instance 80% busy.
@@ -463,3 +479,62 @@ def test_the_model_and_the_event_loop_drain_their_queues_at_once() -> None:
     refused = b.shed(0.0, [0.030], deadline=0.050, priority=1)
     assert refused is not None and "backlog, 55.0" in refused.message
     assert not admits(b, 0.050, free_at=0.030)
+
+
+@pytest.mark.parametrize("rate", [300, 3_000, 15_000])
+def test_polling_only_when_asked_serves_as_polling_after_every_arrival(rate: int) -> None:
+    rng = np.random.default_rng(rate)
+    arrivals = [
+        Arrival(a.at, budget=float(rng.uniform(0.020, 0.100)), priority=int(rng.integers(1, 3)),
+                bucket=SHORT if rng.random() < 0.8 else LONG)
+        for a in poisson(rate, 0.5, budget=0.0, seed=rate)
+    ]  # fmt: skip
+    cost = linear(0.0005, 0.00002)
+    outcomes = []
+    for lazy in (False, True):
+        b = batcher()
+        seeded(b, cost, SHORT, LONG)
+        outcomes.append(simulate(b, arrivals, cost, lazy=lazy))
+    eager, lazy_ = outcomes
+    for outcome in outcomes:
+        assert not outcome.rejected and not outcome.expired
+        assert len(outcome.served) == len(arrivals)
+        assert [item for item, run in outcome.served if run.end > item.deadline + 1e-9] == []
+    # The same batching: as many batches (within a tenth) and the same wait, give or take.
+    assert abs(len(lazy_.runs) - len(eager.runs)) <= 0.1 * len(eager.runs) + 2
+    waits = [np.mean([run.start - item.enqueued_at for item, run in o.served]) for o in outcomes]
+    assert waits[1] <= waits[0] * 1.1 + 0.0002
+    assert lazy_.polls <= eager.polls
+
+
+def test_an_arrival_asks_for_a_poll_only_when_it_changes_what_a_poll_would_answer() -> None:
+    b = batcher()
+    seeded(b, COST)
+    for k in range(200):  # 10,000 rows a second: a batch of ~30 rows is the target
+        b.offer(Item(1, SHORT, k * 0.0001, k * 0.0001 + 1.0), k * 0.0001, [0.0])
+    while b.poll(0.02, [0.02], draining=True).batch:
+        pass
+    now = 0.02
+    assert b.offer(Item(1, SHORT, now, now + 1.0), now, [now]) is None
+    assert b.poll_soon  # the first of a new batch: its time to look again is not known yet
+    poll = b.poll(now, [now])
+    assert not poll.batch and poll.wait_until is not None
+    assert b.offer(Item(1, SHORT, now, now + 1.0), now, [now]) is None
+    assert not b.poll_soon  # one more row towards the batch: the poll's time stands
+    assert b.offer(Item(1, SHORT, now, now + 0.010), now, [now]) is None
+    assert b.poll_soon  # an earlier deadline: the batch may have to start sooner
+    poll = b.poll(now, [now])
+    assert not poll.batch
+    asked = []
+    while True:
+        assert b.offer(Item(1, SHORT, now, now + 1.0), now, [now]) is None
+        asked.append(b.poll_soon)
+        if b.poll_soon:
+            break
+    assert len(asked) > 5  # asked for once the rows made the poll's batch
+    poll = b.poll(now, [now])
+    # (All came at once, so the rate and with it the batch wanted grew meanwhile: the poll
+    # may ask for more, with a new time to look again.)
+    assert poll.batch or poll.wait_until is not None
+    assert b.offer(Item(1, SHORT, now, now + 1.0), now, [now]) is None
+    assert b.poll_soon  # taken from: the class starts over

@@ -262,8 +262,15 @@ async def test_the_next_batch_waits_in_the_instances_thread_not_on_the_loop() ->
     assert await asyncio.to_thread(runtime.entered.wait, 5)
     now[0] = 0.0099  # the running batch is due to end within the loop's hand-off time
     second = asyncio.create_task(s.infer(x(1.0), 1, ALL, deadline=10.0))
-    for _ in range(10):
+    # The busy instance's worker looks again when its timer says (set for ~9 ms, real time:
+    # the arrival does not wake it), and hands the batch over behind the running one.
+    for _ in range(3):
         await asyncio.sleep(0)
+    assert s.queue_depth == 1  # queued, not yet handed over
+    for _ in range(400):
+        if s.queue_depth == 0:
+            break
+        await asyncio.sleep(0.005)
     assert s.queue_depth == 0  # handed to the instance already, behind the running batch
     runtime.release.set()
     time.sleep(0.2)  # noqa: ASYNC251 - the loop is blocked on purpose: the thread goes on
@@ -369,3 +376,29 @@ async def test_a_failing_inline_batch_fails_its_members_and_the_next_one_runs() 
     outputs, _ = await s.infer(x(2.0), 1, ALL)
     await s.close()
     assert outputs["y"][0, 0] == 102.0 and s.inline_batches == 2
+
+
+class CountingPolls(SizeOrTimeout):
+    polls = 0
+
+    def poll(self, now: float, free_at: Any, *, draining: bool = False) -> Any:
+        self.polls += 1
+        return super().poll(now, free_at, draining=draining)
+
+
+async def test_an_arrival_wakes_the_instance_only_when_the_batcher_asks() -> None:
+    # A long delay: the batch goes when its eighth row comes. The first arrival starts its
+    # wait and the eighth fills it; the six between change nothing a poll would answer.
+    batcher = CountingPolls(max_rows=8, max_delay_s=30.0, max_queue=100)
+    s = scheduler(Recorder(), batcher=batcher)
+    calls = []
+    for i in range(8):
+        calls.append(asyncio.create_task(s.infer(x(float(i)), 1, ALL)))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the instance's worker runs, were it woken
+        if i < 7:
+            assert s.queue_depth == i + 1  # queued, the batch not gone
+    results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+    assert [out["y"][0, 0] for out, _ in results] == [100.0 + i for i in range(8)]
+    assert batcher.polls <= 4  # the start, the first arrival, the eighth, once after the batch
+    await s.close()

@@ -42,8 +42,8 @@ class Item:
     estimate: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Poll:
+@dataclass(slots=True)
+class Poll:  # (not frozen: a frozen dataclass takes twice as long to make, once a request)
     batch: list[Item] = field(default_factory=list)
     # Queued requests whose deadline can no longer be met even if they ran now.
     expired: list[Item] = field(default_factory=list)
@@ -65,6 +65,10 @@ class Batcher(Protocol):
     loop_busy: float
     # The loop's time the requests it holds still need, seconds (likewise).
     loop_backlog_s: float
+    # Set by `offer`: whether the request it queued may change what `poll` answers, so the
+    # scheduler must poll again; when False, the time to look again that the last poll gave
+    # still stands (an arrival that only adds to a batch still filling wakes no one).
+    poll_soon: bool
 
     def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
         """Queue the request, or say why not. ``free_at``: when each instance is free."""
@@ -118,14 +122,27 @@ class _Fifo:
         self.loop_delay_s = 0.0
         self.loop_busy = 0.0
         self.loop_backlog_s = 0.0
+        self.poll_soon = True
         self.queue: deque[Item] = deque()
+        # The rows queued.
+        self.rows = 0
         self._costs: dict[Any, tuple[str, LinearCost]] = {}
 
     def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
         if len(self.queue) >= self.max_queue:
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         self.queue.append(item)
+        self.rows += item.rows
+        self.poll_soon = self._poll_soon(item)
         return None
+
+    def _poll_soon(self, item: Item) -> bool:
+        return True
+
+    def _take(self, count: int) -> list[Item]:
+        batch = [self.queue.popleft() for _ in range(count)]
+        self.rows -= sum(item.rows for item in batch)
+        return batch
 
     def observe(
         self,
@@ -156,6 +173,7 @@ class _Fifo:
     def drain(self) -> list[Item]:
         items = list(self.queue)
         self.queue.clear()
+        self.rows = 0
         return items
 
     def __len__(self) -> int:
@@ -187,15 +205,23 @@ class SizeOrTimeout(_Fifo):
         take, full = _fill(self.queue, self.max_rows)
         due = self.queue[0].enqueued_at + self.max_delay_s
         if full or draining or now >= due:
-            return Poll(batch=[self.queue.popleft() for _ in range(take)])
+            return Poll(batch=self._take(take))
         return Poll(wait_until=due)
+
+    def _poll_soon(self, item: Item) -> bool:
+        # A new head (its time to wait starts), or a batch that may be complete: full, or
+        # ended by a request of another class. Otherwise the head's time still stands.
+        queue = self.queue
+        return (
+            len(queue) == 1 or item.bucket.key != queue[0].bucket.key or self.rows >= self.max_rows
+        )
 
 
 class NoBatching(_Fifo):
     """Every request runs alone, in arrival order, as soon as an instance is free."""
 
     def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
-        return Poll(batch=[self.queue.popleft()]) if self.queue else Poll()
+        return Poll(batch=self._take(1)) if self.queue else Poll()
 
 
 def _fill(queue: Sequence[Item], max_rows: int) -> tuple[int, bool]:

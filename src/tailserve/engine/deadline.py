@@ -60,6 +60,9 @@ _RATE_MIN_S = 0.05
 _REFUSAL_RATE = 0.01
 _OVERLOADED_AT = 0.05
 
+# A shed this soon after an offer may count the work queued as that offer did.
+_HINT_S = 0.005
+
 # From this share of its thread's time busy, the event loop counts as a bottleneck: a class
 # then waits for the rows arriving within up to _LOOP_WAIT_S (all of it at a saturated loop),
 # and for no longer than that since its most urgent member came, as every batch costs the
@@ -120,6 +123,12 @@ class _Class:
     # every queued row ahead of it.
     lowest: int = 0
     rate: _Rate = field(default_factory=_Rate)
+    # What the last poll waits for here, besides its time to look again: an arrival that
+    # brings the class to ``wake_rows`` (a batch's worth, or the company it waits for) or
+    # with an earlier deadline than ``wake_deadline`` (it must start sooner) asks for a new
+    # poll. 0: any arrival does (nothing was waited for: the class was empty, or taken from).
+    wake_rows: int = 0
+    wake_deadline: float = 0.0
 
     def push(self, item: Item, seq: int) -> None:
         heapq.heappush(self.order, (item.priority, item.deadline, seq, item))
@@ -134,6 +143,7 @@ class _Class:
 
     def remove(self, item: Item) -> None:
         item.taken = True
+        self.wake_rows = 0
         self.rows -= item.rows
         self.rows_by_priority[item.priority] -= item.rows
 
@@ -199,6 +209,10 @@ class DeadlineBatcher:
         self.target_utilization = target_utilization
         self._classes: dict[Hashable, _Class] = {}
         self._queued = 0
+        # Whether requests with a client-set deadline may be queued (only they can expire).
+        self._hard = False
+        # Whether the last request offered may change what `poll` answers (see `Batcher`).
+        self.poll_soon = True
         self._seq = itertools.count()
         # Exponentially weighted mean of a batch's hand-off overhead (seconds), and when it
         # was last learnt: admission uses it faded by the time since (`_overhead`).
@@ -218,8 +232,13 @@ class DeadlineBatcher:
         # with time too: were everything refused, nothing would be answered to correct it.
         self.correction_s = 0.0
         self._corrected_at = 0.0
-        # The share of recent requests refused (moving average).
+        # The share of recent requests refused (moving average), and the share of the time
+        # left it lets a request queue (`share`).
         self.refusals = 0.0
+        self._share = 1.0
+        # When the last offer counted the work queued, and that work with its own request's
+        # (if admitted): what a shed soon after may take for its own count (`shed`).
+        self._hint = (-math.inf, 0.0)
         # (The faded overhead, it plus the correction, and when they were worked out: `_learnt`.)
         self._learnt_s = (0.0, 0.0)
         self._learnt_at = -math.inf
@@ -233,8 +252,10 @@ class DeadlineBatcher:
         if self._queued >= self.max_queue:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
-        queue = self._class(item.bucket)
-        alone = queue.cost.predict(item.rows) + self._learnt(now)[0] + self.loop_delay_s
+        queue = self._classes.get(item.bucket.key) or self._class(item.bucket)
+        cost = queue.cost
+        learnt = self._learnt(now)
+        alone = cost.fixed_s + cost.per_row_s * item.rows + learnt[0] + self.loop_delay_s
         budget = item.deadline - now
         if budget < alone:
             return Rejection(
@@ -248,15 +269,30 @@ class DeadlineBatcher:
         # a lone 500-row ranker request at 100 req/s once the share had fallen under overload,
         # and the refusals kept the share down: the worker never recovered.)
         # (What its own rows add: their batch alone, or their share of a batch already queued.)
-        ahead, queueing, delays = self._wait_estimate(item.priority, item.rows, queue, now, free_at)
-        own = queueing - ahead
-        if ahead > (budget - delays - own) * self.share():
-            return self._unmeetable(budget, queueing, delays)
-        self._count(refused=False)
-        item.estimate = now + queueing + delays
+        work, own_work = self._queued_work(item.priority, item.rows, queue)
+        instances = len(free_at) or 1
+        busy = 0.0
+        for at in free_at:
+            if at > now:
+                busy += at - now
+        ahead = max((busy + work) / instances, self.loop_backlog_s)
+        own = own_work / instances
+        delays = learnt[1] + self.loop_delay_s
+        if ahead > (budget - delays - own) * self._share:
+            self._hint = (now, work)
+            return self._unmeetable(budget, ahead + own, delays)
+        # (Admitted: its own rows are queued ahead of the next request now.)
+        self._hint = (now, work + own_work)
+        self.refusals -= _REFUSAL_RATE * self.refusals  # (`_count`, written out)
+        self._share = 1.0 - (1.0 - self.admission_target) * min(1.0, self.refusals / _OVERLOADED_AT)
+        item.estimate = now + ahead + own + delays
         queue.push(item, next(self._seq))
         queue.rate.add(now, item.rows)
         self._queued += 1
+        if item.hard:
+            self._hard = True
+        # Whether what the last poll waits for has come (`_Class.wake_rows`).
+        self.poll_soon = queue.rows >= queue.wake_rows or item.deadline < queue.wake_deadline
         return None
 
     def shed(
@@ -265,9 +301,22 @@ class DeadlineBatcher:
         if self._queued >= self.max_queue:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
-        queueing, _, delays = self._wait_estimate(priority, 0, None, now, free_at)
         budget = deadline - now
-        if queueing > (budget - delays) * self.share():
+        # The last offer's count of the work queued, if recent, is a high one for this
+        # request: since then work has only been taken (or has expired), and that offer's
+        # priority let no more ahead of it than the highest does. When it admits, that is the
+        # answer, without counting the queue again (the offer will check the request itself).
+        at, work = self._hint
+        if 0.0 <= now - at < _HINT_S:
+            busy = 0.0
+            for due in free_at:
+                if due > now:
+                    busy += due - now
+            ahead = max((busy + work) / (len(free_at) or 1), self.loop_backlog_s)
+            if ahead <= (budget - self._learnt(now)[1] - self.loop_delay_s) * self._share:
+                return None
+        queueing, _, delays = self._wait_estimate(priority, 0, None, now, free_at)
+        if queueing > (budget - delays) * self._share:
             return self._unmeetable(budget, queueing, delays)
         return None
 
@@ -291,11 +340,15 @@ class DeadlineBatcher:
         refuses next to nothing (a burst that the estimate says will be served in time is
         served), down to ``admission_target`` as refusals near a steady share (overload: the
         rest is headroom for what the worker cannot see, the kernel's queue above all)."""
+        return self._share
+
+    def _share_now(self) -> float:
         pressure = min(1.0, self.refusals / _OVERLOADED_AT)
         return 1.0 - (1.0 - self.admission_target) * pressure
 
     def _count(self, *, refused: bool) -> None:
         self.refusals += _REFUSAL_RATE * (refused - self.refusals)
+        self._share = self._share_now()
 
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:
@@ -327,24 +380,8 @@ class DeadlineBatcher:
         for at in free_at:
             if at > now:
                 busy += at - now
-        work = variance = own_work = own_variance = 0.0
-        for other in self._classes.values():
-            rows = other.ahead(priority)
-            if rows:
-                batches_work, batches_variance = self._batches(other.cost, rows)
-                work += batches_work
-                variance += batches_variance
-            else:
-                batches_work = batches_variance = 0.0
-            if other is queue and own_rows:
-                with_own = self._batches(other.cost, rows + own_rows)
-                own_work = with_own[0] - batches_work
-                own_variance = with_own[1] - batches_variance
-        # The batches' errors are independent: their sum grows as the square root of their count.
-        instances = max(1, len(free_at))
-        spread = math.sqrt(variance)
-        model_ahead = (busy + work + 2.0 * spread) / instances
-        own = (own_work + 2.0 * (math.sqrt(variance + own_variance) - spread)) / instances
+        work, own_work = self._queued_work(priority, own_rows, queue)
+        instances = len(free_at) or 1
         # The loop's backlog is a queue ahead like the model's, and takes the same share: left
         # among the delays, it could fill the whole budget under overload (admitted requests
         # then spent 45 of churn's 50 ms inside the worker, and the kernel's queue before it
@@ -353,9 +390,40 @@ class DeadlineBatcher:
         # counted a request queued for the model twice, and where the model is the bottleneck
         # (sentiment) it shrank the queue and the batches, and goodput under overload by a
         # quarter.
-        ahead = max(model_ahead, self.loop_backlog_s)
+        ahead = max((busy + work) / instances, self.loop_backlog_s)
         delays = self._learnt(now)[1] + self.loop_delay_s
-        return ahead, ahead + own, delays
+        return ahead, ahead + own_work / instances, delays
+
+    def _queued_work(
+        self, priority: int, own_rows: int, queue: _Class | None
+    ) -> tuple[float, float]:
+        """The instance time of the work queued ahead of a request of ``priority`` (every
+        class, in batches, with a margin of twice their combined error), and what its own
+        ``own_rows`` add in their class ``queue`` (their batch alone, or their share of one
+        already queued)."""
+        work = variance = own_work = own_variance = 0.0
+        max_rows = self.max_rows
+        for other in self._classes.values():
+            rows = other.rows if priority >= other.lowest else other.ahead(priority)
+            cost = other.cost
+            if not rows:
+                batches_work = batches_variance = 0.0
+            elif rows < max_rows:  # (one batch: `_batches`'s common case, written out)
+                batches_work = cost.fixed_s + cost.per_row_s * rows
+                batches_variance = cost.error_s * cost.error_s
+            else:
+                batches_work, batches_variance = self._batches(cost, rows)
+            work += batches_work
+            variance += batches_variance
+            if other is queue and own_rows:
+                with_own = self._batches(cost, rows + own_rows)
+                own_work = with_own[0] - batches_work
+                own_variance = with_own[1] - batches_variance
+        # The batches' errors are independent: their sum grows as the square root of their count.
+        spread = math.sqrt(variance)
+        if own_work or own_variance:
+            own_work += 2.0 * (math.sqrt(variance + own_variance) - spread)
+        return work + 2.0 * spread, own_work
 
     def _learnt(self, now: float) -> tuple[float, float]:
         """The delays admission learnt, faded: the hand-off overhead, and it plus the
@@ -379,7 +447,7 @@ class DeadlineBatcher:
     # --- dispatch ---------------------------------------------------------------------------
 
     def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
-        expired = self._expire(now)
+        expired = self._expire(now) if self._hard else []
         if not self._queued or not free_at or min(free_at) > now:
             return Poll(expired=expired)
         chosen: tuple[int, float, _Class, int] | None = None
@@ -401,13 +469,17 @@ class DeadlineBatcher:
             short = min(target, limit) - queue.rows
             ready = short <= 0 and (now >= waited or queue.rows >= company)
             if draining or now >= latest or ready:
+                queue.wake_rows = 0
                 key = (queue.best_priority(), latest, queue, limit)
                 if chosen is None or key[:2] < chosen[:2]:
                     chosen = key
                 continue
+            queue.wake_deadline = urgent.deadline
             if short > 0:
+                queue.wake_rows = queue.rows + short
                 wake = min(wake, latest, now + short / rate if rate > 0 else latest)
             else:
+                queue.wake_rows = company
                 wake = min(wake, latest, waited)
         if chosen is not None:
             batch = chosen[2].take(chosen[3])
@@ -467,6 +539,7 @@ class DeadlineBatcher:
                 queue.remove(urgent)
                 expired.append(urgent)
         self._queued -= len(expired)
+        self._hard = any(queue.hard for queue in self._classes.values())
         return expired
 
     # --- cost models ----------------------------------------------------------------------

@@ -140,7 +140,11 @@ class Scheduler:
         self._clock = clock
         self._loop = loop
         self.stats = ModelStats()
+        # The instances' workers asleep: those idle (an arrival may give them a batch), and
+        # those busy (waiting for their batch to end, or for the time to hand over the next:
+        # an arrival changes nothing for them).
         self._waiters: set[asyncio.Future[None]] = set()
+        self._busy_waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
         self._instances = [_Instance(model, i, runtime) for i, runtime in enumerate(runtimes)]
         # How long the loop takes to pick a finished batch's results up (moving average).
@@ -221,7 +225,8 @@ class Scheduler:
         rejection = self._batcher.offer(item, now, self._free_times(now))
         if rejection is not None:
             self._refuse(rejection)
-        self._wake()
+        if self._batcher.poll_soon:  # (else the time the last poll gave still stands)
+            self._wake(arrival=True)
         try:
             result = await future
         except TailserveError:
@@ -265,10 +270,10 @@ class Scheduler:
                 # once would leave it nothing to gather.)
                 window = min(2 * self._handoff_s + _MIN_WINDOW_S, instance.predicted / 2)
                 if instance.outstanding >= _LOOKAHEAD or -ahead > window + instance.predicted:
-                    await self._sleep(None)
+                    await self._sleep(None, busy=True)
                     continue
                 if ahead > window:
-                    await self._sleep(instance.free_at - window)
+                    await self._sleep(instance.free_at - window, busy=True)
                     continue
             try:
                 poll = self._batcher.poll(
@@ -343,24 +348,29 @@ class Scheduler:
                 f"{'past it by ' + format(late, '.1f') + ' ms' if late > 0 else 'too close'})"
             ))  # fmt: skip
 
-    async def _sleep(self, until: float | None) -> None:
-        """Wait for a new arrival, a finished batch, or until the clock reaches ``until``."""
+    async def _sleep(self, until: float | None, *, busy: bool = False) -> None:
+        """Wait for a new arrival (not ``busy``), a finished batch, or until the clock reaches
+        ``until``."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        self._waiters.add(waiter)
+        waiters = self._busy_waiters if busy else self._waiters
+        waiters.add(waiter)
         timer = None
         if until is not None:
             timer = loop.call_later(max(0.0, until - self._clock()), _resolve, waiter)
         try:
             await waiter
         finally:
-            self._waiters.discard(waiter)
+            waiters.discard(waiter)
             if timer is not None:
                 timer.cancel()
 
-    def _wake(self) -> None:
+    def _wake(self, *, arrival: bool = False) -> None:
         for waiter in self._waiters:
             _resolve(waiter)
+        if not arrival:
+            for waiter in self._busy_waiters:
+                _resolve(waiter)
 
     async def _run(
         self, instance: _Instance, batch: list[Item], bucket: Bucket, rows: int, predicted: float
