@@ -29,11 +29,16 @@ _STATUS: tuple[tuple[type[TailserveError], int], ...] = (
 )
 
 
+# Each error class's status, once looked up (a refusal under overload is one of thousands).
+_BY_CLASS: dict[type[TailserveError], int] = {}
+
+
 def status_of(exc: TailserveError) -> int:
-    for kind, status in _STATUS:
-        if isinstance(exc, kind):
-            return status
-    return 500
+    status = _BY_CLASS.get(type(exc))
+    if status is None:
+        status = next((code for kind, code in _STATUS if isinstance(exc, kind)), 500)
+        _BY_CLASS[type(exc)] = status
+    return status
 
 
 def headers_of(exc: TailserveError) -> list[tuple[bytes, bytes]]:

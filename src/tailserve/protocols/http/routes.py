@@ -105,17 +105,30 @@ class Router:
         self._static = {(r.method, r.template): r for r in routes if r.static}
         self._dynamic = [r for r in routes if not r.static]
         self._paths = {r.template for r in routes if r.static}
+        # Paths with parameters matched before (a model's infer path, over and over): the
+        # route and its parameters, up to _SEEN entries (a client could send endless paths).
+        self._seen: dict[tuple[str, str], tuple[Route, dict[str, str]]] = {}
 
     def match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
-        """The route, its path parameters, and whether the path exists under another method."""
+        """The route, its path parameters (the caller's to read, not to change), and whether
+        the path exists under another method."""
         route = self._static.get((method, path))
         if route is not None:
             return route, {}, True
+        seen = self._seen.get((method, path))
+        if seen is not None:
+            return seen[0], seen[1], True
         path_known = path in self._paths
         for route in self._dynamic:
             found = route.pattern.match(path)
             if found is not None:
                 if route.method == method:
-                    return route, found.groupdict(), True
+                    params = found.groupdict()
+                    if len(self._seen) < _SEEN:
+                        self._seen[(method, path)] = (route, params)
+                    return route, params, True
                 path_known = True
         return None, {}, path_known
+
+
+_SEEN = 4096
