@@ -538,3 +538,25 @@ def test_an_arrival_asks_for_a_poll_only_when_it_changes_what_a_poll_would_answe
     assert poll.batch or poll.wait_until is not None
     assert b.offer(Item(1, SHORT, now, now + 1.0), now, [now]) is None
     assert b.poll_soon  # taken from: the class starts over
+
+
+def test_a_bursts_few_refusals_leave_the_share_well_above_its_floor() -> None:
+    # Refusals lower the share only as they near a steady fifth of requests (overload). A
+    # burst's handful took it to its floor once, and at the floor an ordinary queue went past
+    # it often enough to keep it there (the ranker, at two thirds of its capacity).
+    b = batcher(admission_target=0.3)
+    seeded(b, COST)
+    for _ in range(100):
+        assert admits(b, 0.050)
+    b.loop_backlog_s = 0.060  # a burst: more work ahead than the whole budget
+    for _ in range(8):  # (offered: `admits` would count each refusal twice, shed and offer)
+        assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is not None
+    assert b.share() > 0.6
+    b.loop_backlog_s = 0.020  # 40% of the budget ahead: in (the floor, 0.3, refused it)
+    assert admits(b, 0.050)
+    b.loop_backlog_s = 0.060
+    for _ in range(300):  # a flood refused: overload, and the floor
+        assert not admits(b, 0.050)
+    assert b.share() == pytest.approx(0.3, abs=0.01)
+    b.loop_backlog_s = 0.020
+    assert not admits(b, 0.050)
