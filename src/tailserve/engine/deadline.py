@@ -286,8 +286,7 @@ class DeadlineBatcher:
             return self._unmeetable(budget, ahead + own, delays)
         # (Admitted: its own rows are queued ahead of the next request now.)
         self._hint = (now, work + own_work)
-        self.refusals -= _REFUSAL_RATE * self.refusals  # (`_count`, written out)
-        self._share = 1.0 - (1.0 - self.admission_target) * min(1.0, self.refusals / _OVERLOADED_AT)
+        self._count(refused=False)
         item.estimate = now + ahead + own + delays
         queue.push(item, next(self._seq))
         queue.rate.add(now, item.rows)
