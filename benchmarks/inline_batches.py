@@ -92,14 +92,7 @@ def main() -> None:
                 rows[name].append(one(repos[name], args.out, name, args, index))
     print(f"\n{args.model}, deadline batcher, {args.rate:,.0f} req/s offered, {args.duration:g} s "
           f"a round, loop bound {args.bound_ms:g} ms; medians of {args.rounds} rounds")  # fmt: skip
-    head = f"{'config':8}" + "".join(f"{field:>14}" for field in FIELDS) + f"{'errors':>8}"
-    print(head + "\n" + "-" * len(head))
-    medians: dict[str, dict[str, float]] = {}
-    for name, results in rows.items():
-        medians[name] = {f: statistics.median(float(r[f]) for r in results) for f in FIELDS}
-        errors = sum(int(r["errors"]) for r in results)
-        print(f"{name:8}" + "".join(f"{medians[name][f]:>14.2f}" for f in FIELDS)
-              + f"{errors:>8}")  # fmt: skip
+    medians = table(rows)
     loop, thread = medians["loop"], medians["thread"]
     print(
         f"CPU a request, thread / loop: {thread['cpu_us'] / loop['cpu_us']:.2f}x; "
@@ -107,6 +100,21 @@ def main() -> None:
     )
     if any(r["behind"] for results in rows.values() for r in results):
         print("(the load generator fell behind in a round: rerun before reading the figures)")
+
+
+def table(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Print each configuration's medians over its rounds (and its errors, summed); return
+    the medians."""
+    width = max(8, *map(len, rows))
+    head = f"{'config':{width}}" + "".join(f"{field:>14}" for field in FIELDS) + f"{'errors':>8}"
+    print(head + "\n" + "-" * len(head))
+    medians: dict[str, dict[str, float]] = {}
+    for name, results in rows.items():
+        medians[name] = {f: statistics.median(float(r[f]) for r in results) for f in FIELDS}
+        errors = sum(int(r["errors"]) for r in results)
+        print(f"{name:{width}}" + "".join(f"{medians[name][f]:>14.2f}" for f in FIELDS)
+              + f"{errors:>8}")  # fmt: skip
+    return medians
 
 
 if __name__ == "__main__":
