@@ -85,11 +85,7 @@ def main() -> None:
             "loop": repository(examples, work / "loop", args.model, args.bound_ms),
             "thread": repository(examples, work / "thread", args.model, 0.0),
         }
-        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in repos}
-        for index in range(args.rounds):
-            order = list(repos) if index % 2 == 0 else list(reversed(repos))
-            for name in order:
-                rows[name].append(one(repos[name], args.out, name, args, index))
+        rows = alternate(repos, args)
     print(f"\n{args.model}, deadline batcher, {args.rate:,.0f} req/s offered, {args.duration:g} s "
           f"a round, loop bound {args.bound_ms:g} ms; medians of {args.rounds} rounds")  # fmt: skip
     medians = table(rows)
@@ -100,6 +96,17 @@ def main() -> None:
     )
     if any(r["behind"] for results in rows.values() for r in results):
         print("(the load generator fell behind in a round: rerun before reading the figures)")
+
+
+def alternate(repos: dict[str, Path], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """``args.rounds`` rounds of each repository's worker, in turn (the order reversed every
+    other round): each configuration's rows, by name."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in repos}
+    for index in range(args.rounds):
+        order = list(repos) if index % 2 == 0 else list(reversed(repos))
+        for name in order:
+            rows[name].append(one(repos[name], args.out, name, args, index))
+    return rows
 
 
 def table(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import _harness as h
 from batching_policies import POLICIES
-from inline_batches import MODELS, one, table
+from inline_batches import MODELS, alternate, table
 
 
 def main() -> None:
@@ -36,11 +36,7 @@ def main() -> None:
             name: h.one_model(examples / args.model, work / name, POLICIES[name], cache={})
             for name in policies
         }
-        rows: dict[str, list[dict[str, object]]] = {name: [] for name in repos}
-        for index in range(args.rounds):
-            order = list(repos) if index % 2 == 0 else list(reversed(repos))
-            for name in order:
-                rows[name].append(one(repos[name], args.out, name, args, index))
+        rows = alternate(repos, args)
     print(f"\n{args.model}, {args.rate:,.0f} req/s offered, {args.duration:g} s a round; "
           f"medians of {args.rounds} rounds")  # fmt: skip
     medians = table(rows)
