@@ -63,7 +63,22 @@ class Overloaded(Unavailable):
 
 
 class DeadlineUnmeetable(Unavailable):
-    pass
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        deadline: float = 0.0,
+        least_budget_s: float = 0.0,
+        reusable_until: float = 0.0,
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        # A refusal before the request was read, under overload: until ``reusable_until``
+        # (monotonic clock), a request of the same kind with under ``least_budget_s`` left
+        # may be refused the same way. ``deadline``: the refused request's.
+        self.deadline = deadline
+        self.least_budget_s = least_budget_s
+        self.reusable_until = reusable_until
 
 
 class DeadlineExceeded(Unavailable):

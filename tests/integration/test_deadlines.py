@@ -322,3 +322,55 @@ def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningW
             head, answer = _exchange(conn, post(30_000) + payload)
             assert head.startswith(b"HTTP/1.1 200"), head
             assert orjson.loads(answer)["outputs"][0]["data"] == [3.0]  # (slow: 2x + 1)
+
+
+def _replies(conn: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """Read ``count`` responses (heads and Content-Length bodies) from a connection."""
+    data, replies = b"", []
+    while len(replies) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            assert chunk, f"connection closed after {len(replies)} replies"
+            data += chunk
+        head, data = data.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        while len(data) < length:
+            data += conn.recv(65536)
+        replies.append((head, data[:length]))
+        data = data[length:]
+    return replies
+
+
+def test_an_overloaded_model_answers_a_burst_with_the_refusal_of_a_moment_ago(
+    tmp_path: Path,
+) -> None:
+    # A worker of its own: the refusals take this model's admission share to its floor.
+    write_model(tmp_path, "flooded", doubler_config(
+        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 1000},
+        batching={"max_queue_size": 64}, warmup={"batch_sizes": [1, 4], "repeat": 3},
+    ))  # fmt: skip
+    count = 60
+    refused = (b"POST /v2/models/flooded/infer HTTP/1.1\r\nhost: t\r\nx-deadline-ms: 100\r\n"
+               b"content-length: 9\r\n\r\n{not json")  # fmt: skip
+    # (The backlog's own requests carry a 30 s timeout: let in whatever the share.)
+    with (
+        run_worker(Settings(repository=str(tmp_path))) as running,
+        backlog(running, "flooded", timeout=30_000_000) as url,
+    ):
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(refused * count)  # pipelined: answered in one stretch of the loop
+            replies = _replies(conn, count)
+        stats = httpx.get(f"{running.url}/v2/models/flooded/stats").json()
+        batching = stats["model_stats"][0]["batching"]
+        # Another kind of request (a looser deadline) is judged afresh, and let in.
+        loose = httpx.post(url, json=body([1.0]), headers={"X-Deadline-Ms": "30000"}, timeout=30)
+        assert loose.status_code == 200, loose.text
+    # Every one refused before its body was read (it is no JSON), with why.
+    assert all(head.startswith(b"HTTP/1.1 429") for head, _ in replies)
+    assert all(b"queued ahead" in answer for _, answer in replies)
+    # Past a fifth refused, the share at its floor: the later ones were answered with the
+    # refusal of a moment ago, and counted as the model's refusals all the same.
+    assert batching["admission_share"] == pytest.approx(0.3, abs=0.01)
+    assert batching["refusals_reused"] >= 1
+    assert batching["rejected"]["deadline"] == count

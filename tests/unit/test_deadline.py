@@ -560,3 +560,22 @@ def test_a_bursts_few_refusals_leave_the_share_well_above_its_floor() -> None:
     assert b.share() == pytest.approx(0.3, abs=0.01)
     b.loop_backlog_s = 0.020
     assert not admits(b, 0.050)
+
+
+def test_under_overload_a_shed_says_how_long_its_refusal_stands_and_for_what() -> None:
+    b = batcher(admission_target=0.3)
+    seeded(b, COST)
+    b.loop_backlog_s = 0.030
+    calm = b.shed(0.0, [0.0], deadline=0.020, priority=1)
+    assert calm is not None and calm.reusable_s == 0.0  # the share not at its floor: ask again
+    for _ in range(300):  # a flood refused: overload
+        assert b.offer(Item(1, SHORT, 0.0, 0.020), 0.0, [0.0]) is not None
+    refused = b.shed(0.0, [0.0], deadline=0.050, priority=1)
+    assert refused is not None and 0.0 < refused.reusable_s <= 0.005
+    # The least budget it names is the one the same count lets through, and no less.
+    least = refused.least_budget_s
+    assert b.shed(0.0, [0.0], deadline=least * 0.99, priority=1) is not None
+    assert b.shed(0.0, [0.0], deadline=least * 1.01, priority=1) is None
+    refusals = b.refusals
+    b.refused()  # a refusal made on its word counts as one
+    assert b.refusals > refusals

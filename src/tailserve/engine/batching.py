@@ -56,6 +56,10 @@ class Rejection:
     reason: str  # "queue_full" | "deadline"
     message: str
     retry_after_s: float
+    # A refusal before the request is read, under overload: for this long (seconds) any
+    # request with under ``least_budget_s`` left may be refused on its word (0: not at all).
+    reusable_s: float = 0.0
+    least_budget_s: float = 0.0
 
 
 class Batcher(Protocol):
@@ -101,6 +105,10 @@ class Batcher(Protocol):
 
     def completed(self, item: Item, done: float) -> None:
         """The request was answered at ``done`` (to check the admission's estimate)."""
+        ...
+
+    def refused(self) -> None:
+        """A request was refused on the word of an earlier `shed` (`Rejection.reusable_s`)."""
         ...
 
     def costs(self) -> dict[str, LinearCost]:
@@ -158,6 +166,9 @@ class _Fifo:
         return self._cost(bucket).predict(rows)
 
     def completed(self, item: Item, done: float) -> None:
+        pass
+
+    def refused(self) -> None:
         pass
 
     def shed(

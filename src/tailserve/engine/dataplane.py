@@ -121,6 +121,11 @@ class DataPlane:
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
         served.scheduler.shed(deadline=received_at + budget, priority=1)
 
+    def refused(self, name: str, version: str | None) -> None:
+        """Count a request refused on an earlier shed's word (`DeadlineUnmeetable.
+        reusable_until`) against the model that refused it."""
+        self.manager.get(name, version).scheduler.refused()
+
     async def infer(self, request: InferRequest) -> InferResponse:
         served = self.manager.get(request.model, request.version)
         config = served.config
@@ -255,6 +260,7 @@ class DataPlane:
                 # Batches run on the event loop's thread (cheap ones: instances.inline_below_ms).
                 "inline_batches": scheduler.inline_batches,
                 "rejected": dict(scheduler.stats.rejected),
+                "refusals_reused": scheduler.stats.refusals_reused,
                 "recent_rejections": list(scheduler.stats.recent_rejections),
                 "admission_share": _share(scheduler.batcher),
                 "delays_ms": _delays(scheduler.batcher),

@@ -40,6 +40,7 @@ A request whose deadline is only the model's SLO is never expired: it runs late.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -65,6 +66,10 @@ _OVERLOADED_AT = 0.2
 
 # A shed this soon after an offer may count the work queued as that offer did.
 _HINT_S = 0.005
+# Under overload, a shed's refusal stands for this long for any request with less time left
+# (the server answers those without asking again: a refusal costs the event loop about a
+# third of a served request, and under overload refusals are most of what it does).
+_REUSE_S = 0.001
 
 # From this share of its thread's time busy, the event loop counts as a bottleneck: a class
 # then waits for the rows arriving within up to _LOOP_WAIT_S (all of it at a saturated loop),
@@ -319,7 +324,13 @@ class DeadlineBatcher:
                 return None
         queueing, _, delays = self._wait_estimate(priority, 0, None, now, free_at)
         if queueing > (budget - delays) * self._share:
-            return self._unmeetable(budget, queueing, delays)
+            rejection = self._unmeetable(budget, queueing, delays)
+            if self._share > self.admission_target + 1e-9:
+                return rejection
+            # Overloaded (the share at its floor): for a moment, a request with less time left
+            # than this one's least would be refused too, and may be without asking again.
+            least = queueing / self._share + delays
+            return dataclasses.replace(rejection, reusable_s=_REUSE_S, least_budget_s=least)
         return None
 
     def _unmeetable(self, budget: float, queueing: float, delays: float) -> Rejection:
@@ -351,6 +362,9 @@ class DeadlineBatcher:
     def _count(self, *, refused: bool) -> None:
         self.refusals += _REFUSAL_RATE * (refused - self.refusals)
         self._share = self._share_now()
+
+    def refused(self) -> None:
+        self._count(refused=True)
 
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:

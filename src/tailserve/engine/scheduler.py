@@ -184,7 +184,16 @@ class Scheduler:
             now, self._free_times(now), deadline=deadline, priority=priority
         )
         if rejection is not None:
-            self._refuse(rejection)
+            self._refuse(rejection, deadline=deadline, now=now)
+
+    def refused(self, reason: str = "deadline") -> None:
+        """Count a request refused on the word of an earlier shed (`DeadlineUnmeetable.
+        reusable_until`): in the statistics, the metrics and the batcher's share of refusals."""
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        self.stats.refusals_reused += 1
+        if self._observer is not None:
+            self._observer.on_reject(self._model, reason)
+        self._batcher.refused()
 
     def _read_loop(self) -> None:
         """Tell the batcher how late and how busy the event loop is now."""
@@ -193,7 +202,7 @@ class Scheduler:
             self._batcher.loop_busy = self._loop.busy
             self._batcher.loop_backlog_s = self._loop.backlog_s
 
-    def _refuse(self, rejection: Rejection) -> NoReturn:
+    def _refuse(self, rejection: Rejection, *, deadline: float = 0.0, now: float = 0.0) -> NoReturn:
         self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1
         if self._observer is not None:
             self._observer.on_reject(self._model, rejection.reason)
@@ -201,7 +210,13 @@ class Scheduler:
         self.stats.recent_rejections.append(f"{rejection.reason}: {rejection.message}")
         if rejection.reason == "queue_full":
             raise Overloaded(message, retry_after_s=rejection.retry_after_s)
-        raise DeadlineUnmeetable(message, retry_after_s=rejection.retry_after_s)
+        raise DeadlineUnmeetable(
+            message,
+            retry_after_s=rejection.retry_after_s,
+            deadline=deadline,
+            least_budget_s=rejection.least_budget_s,
+            reusable_until=now + rejection.reusable_s if rejection.reusable_s else 0.0,
+        )
 
     async def infer(
         self,

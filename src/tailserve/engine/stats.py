@@ -37,6 +37,8 @@ class ModelStats:
     deadline_misses: int = 0
     # The last few refusals' messages, newest last: why requests are being turned away.
     recent_rejections: deque[str] = field(default_factory=lambda: deque(maxlen=8))
+    # Of the refusals (in ``rejected``), those made on an earlier shed's word (overload).
+    refusals_reused: int = 0
 
     def on_success(self, seconds: float, queue_s: float) -> None:
         self.success.add(seconds)

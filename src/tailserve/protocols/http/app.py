@@ -24,7 +24,7 @@ import orjson
 from tailserve.cache.replies import Replay, ReplyMemo, digest
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.errors import InvalidInput, TailserveError, Unauthorized
+from tailserve.errors import DeadlineUnmeetable, InvalidInput, TailserveError, Unauthorized
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
 from tailserve.observability.trace_log import TraceRecorder
@@ -35,6 +35,9 @@ from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.routes import Route, Router
 
 log = logging.getLogger(__name__)
+
+# A kept refusal: until when it stands, the least budget, the budget refused, the reply.
+_Kept = tuple[float, float, float, "Reply"]
 
 Headers = list[tuple[bytes, bytes]]
 Reply = tuple[int, Headers, bytes]
@@ -47,6 +50,8 @@ _PEEK_BYTES = 64 * 1024
 _TIMEOUT = b'"timeout"'
 # Bodies up to this size are looked up in the reply memo (a digest costs ~1 ms a MiB).
 _MEMO_BODY_BYTES = 1024 * 1024
+# The most overloaded models' refusals kept at once (`HttpApp._keep_refusal`).
+_KEPT_REFUSALS = 256
 # A body past this size, or a compressed one (40 KB of gzip can hold 40 MiB), is decompressed
 # and decoded on a thread (`_decode`): zlib lets go of the GIL while it inflates, and the
 # Python parts of a decode yield to the event loop at the switch interval (0.5 ms), so the
@@ -98,6 +103,10 @@ class HttpApp:
         self._router = Router()
         self._openapi_body = orjson.dumps(openapi_document())
         self._handlers: dict[str, Callable[[HttpRequest], Awaitable[Reply]]] = {}
+        # Overloaded models' refusals of a moment ago, by (model, version, deadline header):
+        # until when each stands, the least budget it let through, the budget it refused,
+        # and its reply (`_keep_refusal`).
+        self._refusals: dict[tuple[str, str | None, bytes | None], _Kept] = {}
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
         """The reply when it needs no waiting: no such route, a kept reply, or an inference
@@ -116,10 +125,26 @@ class HttpApp:
             if kept is not None:
                 return self._counted(request, route, *kept)
         try:
-            self._shed(request, params["model"], params.get("version"))
+            reused = self._shed(request, params["model"], params.get("version"))
         except TailserveError as exc:
-            return self._counted(request, route, *_refusal(exc))
+            reply = _refusal(exc)
+            if isinstance(exc, DeadlineUnmeetable) and exc.reusable_until:
+                self._keep_refusal(request, exc, reply)
+            return self._counted(request, route, *reply)
+        if reused is not None:
+            return self._counted(request, route, *reused)
         return None
+
+    def _keep_refusal(self, request: HttpRequest, exc: DeadlineUnmeetable, reply: Reply) -> None:
+        """Keep an overloaded model's refusal, to answer the requests of the same kind (model,
+        version, deadline header) that come in the next moment with less time left: each
+        would be refused on the same count of the same queue (`_shed`)."""
+        if len(self._refusals) >= _KEPT_REFUSALS:  # (the header is the client's to vary)
+            self._refusals.clear()
+        params = request.params
+        key = (params["model"], params.get("version"), request.header(b"x-deadline-ms"))
+        budget = exc.deadline - request.received_at
+        self._refusals[key] = (exc.reusable_until, exc.least_budget_s, budget, reply)
 
     async def answer(self, request: HttpRequest) -> Reply:
         route: Route = request.route
@@ -200,31 +225,47 @@ class HttpApp:
         if not hmac.compare_digest(given, self._admin):
             raise Unauthorized("this admin route needs 'Authorization: Bearer <token>'")
 
-    def _shed(self, request: HttpRequest, model: str, version: str | None) -> None:
+    def _shed(self, request: HttpRequest, model: str, version: str | None) -> Reply | None:
         """Refuse before decoding when the model is too busy for the request's deadline: the
         header's, else the model's SLO. A ``timeout`` parameter in the body may be looser
         than the SLO (the tighter of it and the header wins): a small body with no header
         that names one is left to admission, which sees its real deadline; so is a compressed
-        one with no header (what it names is not known until it is decompressed)."""
+        one with no header (what it names is not known until it is decompressed).
+
+        Raises the refusal; returns a kept one that answers this request too (overload), or
+        None: the request goes on."""
         deadline = request.header(b"x-deadline-ms")
         deadline_ms = None
         if deadline is not None:
             try:
                 deadline_ms = float(deadline)
             except ValueError:
-                return  # reading the request will say what is wrong with it
+                return None  # reading the request will say what is wrong with it
             if not deadline_ms > 0:
-                return
+                return None
         elif request.route.handler == "infer":
             encoding = request.header(b"content-encoding")
             if encoding not in (None, b"", b"identity"):
-                return
+                return None
             body = request.raw_body
             if len(body) <= _PEEK_BYTES:
                 header = _header_length(request.header(b"inference-header-content-length"))
                 if _TIMEOUT in (body if header is None else body[:header]):
-                    return
+                    return None
+        # Under overload, a refusal of a moment ago answers a request of the same kind with
+        # less time left (the model counts it as its own refusal).
+        kept = self._refusals.get((model, version, deadline)) if self._refusals else None
+        if kept is not None:
+            until, least, budget, reply = kept
+            now = time.monotonic()
+            if now < until:
+                if request.received_at + budget - now < least:
+                    self.dataplane.refused(model, version)
+                    return reply
+            else:
+                del self._refusals[(model, version, deadline)]
         self.dataplane.shed(model, version, request.received_at, deadline_ms)
+        return None
 
     # --- health and metadata ----------------------------------------------------------------
 
