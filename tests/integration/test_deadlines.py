@@ -291,16 +291,24 @@ def test_a_body_timeout_looser_than_the_slo_is_left_to_admission(worker: Running
 def _exchange(conn: socket.socket, request: bytes) -> tuple[bytes, bytes]:
     """Send one request; read one response (head and a Content-Length body)."""
     conn.sendall(request)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        assert chunk, f"connection closed mid-response: {data!r}"
-        data += chunk
-    head, rest = data.split(b"\r\n\r\n", 1)
-    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
-    while len(rest) < length:
-        rest += conn.recv(65536)
-    return head, rest[:length]
+    return _replies(conn, 1)[0]
+
+
+def _replies(conn: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """Read ``count`` responses (heads and Content-Length bodies) from a connection."""
+    data, replies = b"", []
+    while len(replies) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            assert chunk, f"connection closed after {len(replies)} replies"
+            data += chunk
+        head, data = data.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        while len(data) < length:
+            data += conn.recv(65536)
+        replies.append((head, data[:length]))
+        data = data[length:]
+    return replies
 
 
 def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningWorker) -> None:
@@ -322,23 +330,6 @@ def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningW
             head, answer = _exchange(conn, post(30_000) + payload)
             assert head.startswith(b"HTTP/1.1 200"), head
             assert orjson.loads(answer)["outputs"][0]["data"] == [3.0]  # (slow: 2x + 1)
-
-
-def _replies(conn: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
-    """Read ``count`` responses (heads and Content-Length bodies) from a connection."""
-    data, replies = b"", []
-    while len(replies) < count:
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            assert chunk, f"connection closed after {len(replies)} replies"
-            data += chunk
-        head, data = data.split(b"\r\n\r\n", 1)
-        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
-        while len(data) < length:
-            data += conn.recv(65536)
-        replies.append((head, data[:length]))
-        data = data[length:]
-    return replies
 
 
 def test_an_overloaded_model_answers_a_burst_with_the_refusal_of_a_moment_ago(
