@@ -278,13 +278,8 @@ class DeadlineBatcher:
         # and the refusals kept the share down: the worker never recovered.)
         # (What its own rows add: their batch alone, or their share of a batch already queued.)
         work, own_work = self._queued_work(item.priority, item.rows, queue)
-        instances = len(free_at) or 1
-        busy = 0.0
-        for at in free_at:
-            if at > now:
-                busy += at - now
-        ahead = max((busy + work) / instances, self.loop_backlog_s)
-        own = own_work / instances
+        ahead = self._ahead(work, now, free_at)
+        own = own_work / (len(free_at) or 1)
         delays = learnt[1] + self.loop_delay_s
         if ahead > (budget - delays - own) * self._share:
             self._hint = (now, work)
@@ -315,11 +310,7 @@ class DeadlineBatcher:
         # answer, without counting the queue again (the offer will check the request itself).
         at, work = self._hint
         if 0.0 <= now - at < _HINT_S:
-            busy = 0.0
-            for due in free_at:
-                if due > now:
-                    busy += due - now
-            ahead = max((busy + work) / (len(free_at) or 1), self.loop_backlog_s)
+            ahead = self._ahead(work, now, free_at)
             if ahead <= (budget - self._learnt(now)[1] - self.loop_delay_s) * self._share:
                 return None
         queueing, _, delays = self._wait_estimate(priority, 0, None, now, free_at)
@@ -355,13 +346,10 @@ class DeadlineBatcher:
         rest is headroom for what the worker cannot see, the kernel's queue above all)."""
         return self._share
 
-    def _share_now(self) -> float:
-        pressure = min(1.0, self.refusals / _OVERLOADED_AT)
-        return 1.0 - (1.0 - self.admission_target) * pressure
-
     def _count(self, *, refused: bool) -> None:
         self.refusals += _REFUSAL_RATE * (refused - self.refusals)
-        self._share = self._share_now()
+        pressure = min(1.0, self.refusals / _OVERLOADED_AT)
+        self._share = 1.0 - (1.0 - self.admission_target) * pressure
 
     def refused(self) -> None:
         self._count(refused=True)
@@ -392,12 +380,18 @@ class DeadlineBatcher:
         its own rows added to its class ``queue`` (their batch alone, or their share of one
         already queued); and the delays outside the queues (hand-off, the loop's lag, the
         learnt correction) (the request: of ``priority``, with ``own_rows`` rows)."""
+        work, own_work = self._queued_work(priority, own_rows, queue)
+        ahead = self._ahead(work, now, free_at)
+        delays = self._learnt(now)[1] + self.loop_delay_s
+        return ahead, ahead + own_work / (len(free_at) or 1), delays
+
+    def _ahead(self, work: float, now: float, free_at: Sequence[float]) -> float:
+        """The wait for what is ahead: the instances' remaining busy time and the ``work``
+        queued, shared between the instances, or the event loop's backlog where longer."""
         busy = 0.0
         for at in free_at:
             if at > now:
                 busy += at - now
-        work, own_work = self._queued_work(priority, own_rows, queue)
-        instances = len(free_at) or 1
         # The loop's backlog is a queue ahead like the model's, and takes the same share: left
         # among the delays, it could fill the whole budget under overload (admitted requests
         # then spent 45 of churn's 50 ms inside the worker, and the kernel's queue before it
@@ -406,9 +400,7 @@ class DeadlineBatcher:
         # counted a request queued for the model twice, and where the model is the bottleneck
         # (sentiment) it shrank the queue and the batches, and goodput under overload by a
         # quarter.
-        ahead = max((busy + work) / instances, self.loop_backlog_s)
-        delays = self._learnt(now)[1] + self.loop_delay_s
-        return ahead, ahead + own_work / instances, delays
+        return max((busy + work) / (len(free_at) or 1), self.loop_backlog_s)
 
     def _queued_work(
         self, priority: int, own_rows: int, queue: _Class | None

@@ -50,7 +50,7 @@ _PEEK_BYTES = 64 * 1024
 _TIMEOUT = b'"timeout"'
 # Bodies up to this size are looked up in the reply memo (a digest costs ~1 ms a MiB).
 _MEMO_BODY_BYTES = 1024 * 1024
-# The most overloaded models' refusals kept at once (`HttpApp._keep_refusal`).
+# The most overloaded models' refusals kept at once (`HttpApp._shed`).
 _KEPT_REFUSALS = 256
 # A body past this size, or a compressed one (40 KB of gzip can hold 40 MiB), is decompressed
 # and decoded on a thread (`_decode`): zlib lets go of the GIL while it inflates, and the
@@ -105,7 +105,7 @@ class HttpApp:
         self._handlers: dict[str, Callable[[HttpRequest], Awaitable[Reply]]] = {}
         # Overloaded models' refusals of a moment ago, by (model, version, deadline header):
         # until when each stands, the least budget it let through, the budget it refused,
-        # and its reply (`_keep_refusal`).
+        # and its reply (`_shed`).
         self._refusals: dict[tuple[str, str | None, bytes | None], _Kept] = {}
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
@@ -125,26 +125,12 @@ class HttpApp:
             if kept is not None:
                 return self._counted(request, route, *kept)
         try:
-            reused = self._shed(request, params["model"], params.get("version"))
+            refused = self._shed(request, params["model"], params.get("version"))
         except TailserveError as exc:
-            reply = _refusal(exc)
-            if isinstance(exc, DeadlineUnmeetable) and exc.reusable_until:
-                self._keep_refusal(request, exc, reply)
-            return self._counted(request, route, *reply)
-        if reused is not None:
-            return self._counted(request, route, *reused)
+            return self._counted(request, route, *_refusal(exc))
+        if refused is not None:
+            return self._counted(request, route, *refused)
         return None
-
-    def _keep_refusal(self, request: HttpRequest, exc: DeadlineUnmeetable, reply: Reply) -> None:
-        """Keep an overloaded model's refusal, to answer the requests of the same kind (model,
-        version, deadline header) that come in the next moment with less time left: each
-        would be refused on the same count of the same queue (`_shed`)."""
-        if len(self._refusals) >= _KEPT_REFUSALS:  # (the header is the client's to vary)
-            self._refusals.clear()
-        params = request.params
-        key = (params["model"], params.get("version"), request.header(b"x-deadline-ms"))
-        budget = exc.deadline - request.received_at
-        self._refusals[key] = (exc.reusable_until, exc.least_budget_s, budget, reply)
 
     async def answer(self, request: HttpRequest) -> Reply:
         route: Route = request.route
@@ -232,8 +218,10 @@ class HttpApp:
         that names one is left to admission, which sees its real deadline; so is a compressed
         one with no header (what it names is not known until it is decompressed).
 
-        Raises the refusal; returns a kept one that answers this request too (overload), or
-        None: the request goes on."""
+        Raises the refusal, or returns it where it may be kept (overload: it answers the
+        requests of the same kind, model, version and deadline header, that come in the next
+        moment with less time left, each refused on the same count of the same queue), or a
+        kept one that answers this request too; None: the request goes on."""
         deadline = request.header(b"x-deadline-ms")
         deadline_ms = None
         if deadline is not None:
@@ -254,7 +242,8 @@ class HttpApp:
                     return None
         # Under overload, a refusal of a moment ago answers a request of the same kind with
         # less time left (the model counts it as its own refusal).
-        kept = self._refusals.get((model, version, deadline)) if self._refusals else None
+        key = (model, version, deadline)
+        kept = self._refusals.get(key) if self._refusals else None
         if kept is not None:
             until, least, budget, reply = kept
             now = time.monotonic()
@@ -263,8 +252,18 @@ class HttpApp:
                     self.dataplane.refused(model, version)
                     return reply
             else:
-                del self._refusals[(model, version, deadline)]
-        self.dataplane.shed(model, version, request.received_at, deadline_ms)
+                del self._refusals[key]
+        try:
+            self.dataplane.shed(model, version, request.received_at, deadline_ms)
+        except DeadlineUnmeetable as exc:
+            if not exc.reusable_until:
+                raise
+            reply = _refusal(exc)
+            if len(self._refusals) >= _KEPT_REFUSALS:  # (the header is the client's to vary)
+                self._refusals.clear()
+            budget = exc.deadline - request.received_at
+            self._refusals[key] = (exc.reusable_until, exc.least_budget_s, budget, reply)
+            return reply
         return None
 
     # --- health and metadata ----------------------------------------------------------------
