@@ -365,3 +365,53 @@ def test_an_overloaded_model_answers_a_burst_with_the_refusal_of_a_moment_ago(
     assert batching["admission_share"] == pytest.approx(0.3, abs=0.01)
     assert batching["refusals_reused"] >= 1
     assert batching["rejected"]["deadline"] == count
+
+
+def test_under_overload_a_request_let_in_before_it_was_read_keeps_its_whole_time(
+    tmp_path: Path,
+) -> None:
+    # A worker of its own: a flood takes this model's admission share to its floor (0.3).
+    write_model(tmp_path, "crowded", doubler_config(
+        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 5000},
+        batching={"priority_levels": 2, "max_queue_size": 64},
+        warmup={"batch_sizes": [1, 4], "repeat": 3},
+    ))  # fmt: skip
+    flood = (b"POST /v2/models/crowded/infer HTTP/1.1\r\nhost: t\r\nx-deadline-ms: 1\r\n"
+             b"content-length: 9\r\n\r\n{not json")  # fmt: skip
+    with run_worker(Settings(repository=str(tmp_path))) as running:
+        url = f"{running.url}/v2/models/crowded/infer"
+
+        def stats() -> dict[str, Any]:
+            document = httpx.get(f"{running.url}/v2/models/crowded/stats").json()
+            batching: dict[str, Any] = document["model_stats"][0]["batching"]
+            return batching
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            # 16 batches of ~50 ms at the lower priority: at least 500 ms queued ahead.
+            low = body([1.0] * 4, priority=2, timeout=30_000_000)
+            waiting = [pool.submit(httpx.post, url, json=low, timeout=30) for _ in range(16)]
+            wait_for(lambda: stats()["queued"] >= 10, what="a backlog to build")
+            host, port = running.url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=30) as conn:
+                conn.sendall(flood * 60)  # refused before they are read: no time at all
+                assert all(head.startswith(b"HTTP/1.1 429") for head, _ in _replies(conn, 60))
+            assert stats()["admission_share"] == pytest.approx(0.3, abs=0.01)
+            # At the door it is judged at the highest priority, with nothing queued ahead: let
+            # in. Offered at its own priority, the backlog is ahead of it: more than the
+            # share's 30% of its 1.5 s, less than all of it. Read and decoded, it keeps all.
+            late = httpx.post(url, json=body([2.0], priority=2),
+                              headers={"X-Deadline-Ms": "1500"}, timeout=30)  # fmt: skip
+            assert late.status_code == 200, late.text
+            assert late.json()["outputs"][0]["data"] == [5.0]  # 2x + 1
+            assert all(f.result().status_code == 200 for f in waiting)
+        # A request the shed did not see (its deadline in the body: it is looked at only once
+        # read) still has only the share of its time to queue.
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            waiting = [pool.submit(httpx.post, url, json=low, timeout=30) for _ in range(16)]
+            wait_for(lambda: stats()["queued"] >= 10, what="a backlog to build")
+            with socket.create_connection((host, int(port)), timeout=30) as conn:
+                conn.sendall(flood * 60)
+                _replies(conn, 60)
+            unseen = httpx.post(url, json=body([2.0], priority=2, timeout=1_500_000), timeout=30)
+            assert unseen.status_code == 429, unseen.text
+            assert all(f.result().status_code == 200 for f in waiting)

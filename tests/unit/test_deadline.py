@@ -579,3 +579,24 @@ def test_under_overload_a_shed_says_how_long_its_refusal_stands_and_for_what() -
     refusals = b.refusals
     b.refused()  # a refusal made on its word counts as one
     assert b.refusals > refusals
+
+
+def test_a_request_the_shed_let_in_may_queue_for_all_of_its_time_left() -> None:
+    # Under overload the shed lets a request in on the share of its time left; by its offer
+    # (read, decoded) the wait ahead may have grown past the share. Refused then, the worker
+    # would have spent most of a request's cost for nothing: it is let in while the wait fits
+    # in the whole of its time left.
+    b = batcher(admission_target=0.3)
+    seeded(b, COST)
+    b.loop_backlog_s = 0.060
+    for _ in range(300):  # a flood refused: overload, and the floor
+        assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is not None
+    assert b.share() == pytest.approx(0.3, abs=0.01)
+    b.loop_backlog_s = 0.010
+    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is None
+    b.loop_backlog_s = 0.025  # a burst read meanwhile: half its time left ahead of it
+    assert b.offer(Item(1, SHORT, 0.0, 0.050), 0.0, [0.0]) is not None  # not screened
+    assert b.offer(Item(1, SHORT, 0.0, 0.050, screened=True), 0.0, [0.0]) is None
+    b.loop_backlog_s = 0.052  # more than all of its time: refused, screened or not
+    refused = b.offer(Item(1, SHORT, 0.0, 0.050, screened=True), 0.0, [0.0])
+    assert refused is not None and refused.reason == "deadline"

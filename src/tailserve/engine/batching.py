@@ -40,6 +40,8 @@ class Item:
     hard: bool = False
     # When the batcher expected it to be answered, as it admitted it.
     estimate: float = 0.0
+    # Admitted by the shed before it was read (`Batcher.shed`), on the deadline it has now.
+    screened: bool = False
 
 
 @dataclass(slots=True)

@@ -105,7 +105,7 @@ class DataPlane:
 
     def shed(
         self, name: str, version: str | None, received_at: float, deadline_ms: float | None
-    ) -> None:
+    ) -> bool:
         """Before reading a request: refuse it at once if its model is already too busy for
         any request of its deadline (the header's, else the SLO). A priority or timeout in
         the body is not known yet: the request is taken to have the highest priority.
@@ -113,13 +113,17 @@ class DataPlane:
         A model with a result cache is not refused here: its request may be a hit, answered
         without the model (refused for the model's queue, hits were lost under load while
         misses filled it). A miss meets the same test when it is offered to the scheduler.
+
+        Returns whether the shed looked at it (and admitted it): the request is *screened*,
+        and its offer to the batcher may give it more of its time left (`Item.screened`).
         """
         served = self.manager.get(name, version)
         if served.cache is not None and self.cache is not None:
-            return
+            return False
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
         served.scheduler.shed(deadline=received_at + budget, priority=1)
+        return True
 
     def refused(self, name: str, version: str | None) -> None:
         """Count a request refused on an earlier shed's word (`DeadlineUnmeetable.
@@ -149,6 +153,7 @@ class DataPlane:
             return await served.scheduler.infer(
                 plan.arrays, plan.rows, bucket,
                 deadline=deadline, priority=priority, hard_deadline=hard,
+                screened=request.screened,
             )  # fmt: skip
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}

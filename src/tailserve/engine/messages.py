@@ -30,6 +30,9 @@ class InferRequest:
     priority: int | None = None
     # use | bypass | refresh, from the X-Cache-Mode header (the `cache` parameter wins).
     cache_mode: str | None = None
+    # The model's shed admitted it before it was read, for the deadline of its header (or the
+    # SLO) and the highest priority (`DataPlane.shed`).
+    screened: bool = False
 
 
 @dataclass(slots=True)

@@ -227,6 +227,7 @@ class Scheduler:
         deadline: float = math.inf,
         priority: int = 1,
         hard_deadline: bool = False,
+        screened: bool = False,
     ) -> tuple[Arrays, BatchStats]:
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
@@ -235,7 +236,7 @@ class Scheduler:
             asyncio.get_running_loop().create_future()
         )
         item = Item(rows, bucket, now, deadline, priority, _Pending(inputs, future),
-                    hard=hard_deadline)  # fmt: skip
+                    hard=hard_deadline, screened=screened)  # fmt: skip
         self._read_loop()
         rejection = self._batcher.offer(item, now, self._free_times(now))
         if rejection is not None:

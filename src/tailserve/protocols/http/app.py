@@ -254,7 +254,8 @@ class HttpApp:
             else:
                 del self._refusals[key]
         try:
-            self.dataplane.shed(model, version, request.received_at, deadline_ms)
+            request.screened = self.dataplane.shed(model, version, request.received_at,
+                                                   deadline_ms)  # fmt: skip
         except DeadlineUnmeetable as exc:
             if not exc.reusable_until:
                 raise
@@ -409,6 +410,7 @@ class HttpApp:
 def _request_options(request: HttpRequest, infer: InferRequest) -> None:
     """Arrival time, and the deadline and priority headers, onto the engine's request."""
     infer.received_at = request.received_at
+    infer.screened = request.screened
     deadline = request.header(b"x-deadline-ms")
     if deadline is not None:
         try:

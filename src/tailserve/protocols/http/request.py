@@ -16,7 +16,7 @@ from tailserve.errors import InvalidInput, PayloadTooLarge
 class HttpRequest:
     __slots__ = (
         "disconnected", "error", "headers", "keep_alive", "max_body_bytes", "memo_key",
-        "method", "params", "path", "raw_body", "received_at", "route", "version",
+        "method", "params", "path", "raw_body", "received_at", "route", "screened", "version",
     )  # fmt: skip
 
     def __init__(
@@ -53,6 +53,8 @@ class HttpRequest:
         self.memo_key: bytes | None = None
         # The client hung up before its reply: the work for it was cancelled.
         self.disconnected = False
+        # Its model's shed admitted it before it was decoded (`DataPlane.shed`).
+        self.screened = False
         # Refused before the application saw it (status, message): a body over the limit.
         self.error: tuple[int, str] | None = None
 
