@@ -40,7 +40,8 @@ class Item:
     hard: bool = False
     # When the batcher expected it to be answered, as it admitted it.
     estimate: float = 0.0
-    # Admitted by the shed before it was read (`Batcher.shed`), on the deadline it has now.
+    # The shed let it in before it was read (`Batcher.shed`, at the highest priority): its
+    # offer may let it queue for all of its time left (engine/deadline.py, "Admission").
     screened: bool = False
 
 
@@ -88,7 +89,8 @@ class Batcher(Protocol):
         self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
     ) -> Rejection | None:
         """Before a request is even read: would the least request of that priority and
-        deadline be refused? (Refusing then costs a fraction of refusing after decoding.)"""
+        deadline be refused? (Refusing then costs a fraction of refusing after decoding.) The
+        request it lets in is offered later marked `Item.screened`."""
         ...
 
     def observe(
