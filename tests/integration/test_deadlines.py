@@ -311,6 +311,15 @@ def _replies(conn: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
     return replies
 
 
+def _pipelined(worker: RunningWorker, request: bytes, count: int) -> list[tuple[bytes, bytes]]:
+    """``count`` copies of ``request`` sent at once on one connection (answered in one stretch
+    of the worker's loop); their replies."""
+    host, port = worker.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(request * count)
+        return _replies(conn, count)
+
+
 def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningWorker) -> None:
     payload = orjson.dumps(body([1.0]))
 
@@ -348,10 +357,7 @@ def test_an_overloaded_model_answers_a_burst_with_the_refusal_of_a_moment_ago(
         run_worker(Settings(repository=str(tmp_path))) as running,
         backlog(running, "flooded", timeout=30_000_000) as url,
     ):
-        host, port = running.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=30) as conn:
-            conn.sendall(refused * count)  # pipelined: answered in one stretch of the loop
-            replies = _replies(conn, count)
+        replies = _pipelined(running, refused, count)
         stats = httpx.get(f"{running.url}/v2/models/flooded/stats").json()
         batching = stats["model_stats"][0]["batching"]
         # Another kind of request (a looser deadline) is judged afresh, and let in.
@@ -391,10 +397,8 @@ def test_under_overload_a_request_let_in_before_it_was_read_keeps_its_whole_time
             low = body([1.0] * 4, priority=2, timeout=30_000_000)
             waiting = [pool.submit(httpx.post, url, json=low, timeout=30) for _ in range(16)]
             wait_for(lambda: stats()["queued"] >= 10, what="a backlog to build")
-            host, port = running.url.removeprefix("http://").split(":")
-            with socket.create_connection((host, int(port)), timeout=30) as conn:
-                conn.sendall(flood * 60)  # refused before they are read: no time at all
-                assert all(head.startswith(b"HTTP/1.1 429") for head, _ in _replies(conn, 60))
+            replies = _pipelined(running, flood, 60)  # refused before they are read: no time
+            assert all(head.startswith(b"HTTP/1.1 429") for head, _ in replies)
             assert stats()["admission_share"] == pytest.approx(0.3, abs=0.01)
             # At the door it is judged at the highest priority, with nothing queued ahead: let
             # in. Offered at its own priority, the backlog is ahead of it: more than the
@@ -409,9 +413,7 @@ def test_under_overload_a_request_let_in_before_it_was_read_keeps_its_whole_time
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             waiting = [pool.submit(httpx.post, url, json=low, timeout=30) for _ in range(16)]
             wait_for(lambda: stats()["queued"] >= 10, what="a backlog to build")
-            with socket.create_connection((host, int(port)), timeout=30) as conn:
-                conn.sendall(flood * 60)
-                _replies(conn, 60)
+            _pipelined(running, flood, 60)
             unseen = httpx.post(url, json=body([2.0], priority=2, timeout=1_500_000), timeout=30)
             assert unseen.status_code == 429, unseen.text
             assert all(f.result().status_code == 200 for f in waiting)

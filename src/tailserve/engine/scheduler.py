@@ -186,14 +186,17 @@ class Scheduler:
         if rejection is not None:
             self._refuse(rejection, deadline=deadline, now=now)
 
-    def refused(self, reason: str = "deadline") -> None:
+    def refused(self) -> None:
         """Count a request refused on the word of an earlier shed (`DeadlineUnmeetable.
         reusable_until`): in the statistics, the metrics and the batcher's share of refusals."""
-        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        self._count_rejection("deadline")
         self.stats.refusals_reused += 1
+        self._batcher.refused()
+
+    def _count_rejection(self, reason: str) -> None:
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
         if self._observer is not None:
             self._observer.on_reject(self._model, reason)
-        self._batcher.refused()
 
     def _read_loop(self) -> None:
         """Tell the batcher how late and how busy the event loop is now."""
@@ -203,9 +206,7 @@ class Scheduler:
             self._batcher.loop_backlog_s = self._loop.backlog_s
 
     def _refuse(self, rejection: Rejection, *, deadline: float = 0.0, now: float = 0.0) -> NoReturn:
-        self.stats.rejected[rejection.reason] = self.stats.rejected.get(rejection.reason, 0) + 1
-        if self._observer is not None:
-            self._observer.on_reject(self._model, rejection.reason)
+        self._count_rejection(rejection.reason)
         message = f"model {self._model!r}: {rejection.message}"
         self.stats.recent_rejections.append(f"{rejection.reason}: {rejection.message}")
         if rejection.reason == "queue_full":
