@@ -12,7 +12,8 @@ import pytest
 
 from tailserve.engine.batching import Item
 from tailserve.engine.buckets import Bucket
-from tailserve.engine.deadline import _LOOP_WAIT_S, DeadlineBatcher
+from tailserve.engine.cost import LinearCost
+from tailserve.engine.deadline import _LOOP_WAIT_S, DeadlineBatcher, _Class
 
 SHORT, LONG = Bucket("short", "len<=16"), Bucket("long", "len<=512")
 MAX_ROWS = 64
@@ -221,6 +222,51 @@ def test_infeasible_requests_are_refused_at_once() -> None:
     for _ in range(20):
         assert b2.offer(Item(MAX_ROWS, SHORT, 0.0, 1.0, priority=2), 0.0, [0.0]) is None
     assert b2.offer(urgent, 0.0, [0.0]) is None
+
+
+def test_a_class_keeps_deadline_and_priority_order_as_priorities_mix_and_part() -> None:
+    # One heap serves both orders while one priority level is queued; a second level gives
+    # deadline order a heap of its own until the class empties. Checked against a plain scan.
+    rng = np.random.default_rng(11)
+    queue = _Class(SHORT, LinearCost())
+    queued: list[tuple[int, Item]] = []
+    for step in range(3000):
+        phase = (step // 500) % 2  # mixed priorities, then a single level, and so on
+        if rng.random() < 0.55:
+            level = int(rng.integers(1, 4)) if phase == 0 else 2
+            item = Item(1, SHORT, 0.0, float(rng.uniform(0.0, 1.0)), level)
+            queue.push(item, step)
+            queued.append((step, item))
+        elif queued:
+            for item in queue.take(int(rng.integers(1, 4))):
+                queued.remove(next(entry for entry in queued if entry[1] is item))
+        urgent = min(queued, key=lambda e: (e[1].deadline, e[0]), default=(0, None))[1]
+        assert queue.most_urgent() is urgent
+        assert queue.best_priority() == min((i.priority for _, i in queued), default=0)
+        assert queue.rows == len(queued)
+    assert not queue.mixed or queued  # (an empty class went back to its single heap)
+
+
+def test_the_one_class_count_of_the_work_ahead_agrees_with_the_many_class_one() -> None:
+    # With one class the batcher counts the work queued ahead a shorter way; a second class,
+    # empty, must change nothing of what admission estimates.
+    rng = np.random.default_rng(5)
+    one, two = batcher(), batcher()
+    seeded(one, COST)
+    seeded(two, COST, SHORT, LONG)
+    one.observe(SHORT, 1, COST(SHORT, 1) * 1.5, 0.0)  # a non-zero error margin
+    two.observe(SHORT, 1, COST(SHORT, 1) * 1.5, 0.0)
+    for k in range(300):
+        now = k * 0.0001
+        rows, level = int(rng.integers(1, 9)), int(rng.integers(1, 3))
+        items = [Item(rows, SHORT, now, now + 1.0, level) for _ in range(2)]
+        answers = [b.offer(item, now, [now]) for b, item in zip((one, two), items, strict=True)]
+        assert answers == [None, None]
+        assert items[0].estimate == pytest.approx(items[1].estimate, rel=1e-9, abs=1e-12)
+        if k % 7 == 6:  # batches leave now and then: the queue passes a batch's worth and back
+            took = [len(b.poll(now, [now], draining=True).batch) for b in (one, two)]
+            assert took[0] == took[1]
+    assert len(one) == len(two) > 0
 
 
 def test_higher_priority_goes_first_within_a_class() -> None:
