@@ -174,7 +174,7 @@ class Worker:
             await self._http.start(self.settings.host, self.settings.http_port, sockets=sockets,
                                    backlog=self.settings.backlog)  # fmt: skip
             http = self._http
-            self.loop_lag.requests = lambda: (http.in_flight, http.answered)
+            self.loop_lag.requests = lambda: (http.in_flight, http.answered, http.refused)
             log.info("HTTP on %s:%d", self.settings.host, self._http.port)
             await self._exit.wait()
             # No new requests; those in flight finish (up to the drain timeout), then the

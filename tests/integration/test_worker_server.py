@@ -118,11 +118,11 @@ async def test_pipelined_requests_are_answered_in_order(
     assert b"date: " in replies[0][0]
 
 
-async def test_answers_count_what_was_served_with_or_without_a_task_but_not_refusals(
+async def test_answers_count_what_was_served_with_or_without_a_task_apart_from_refusals(
     served: tuple[HttpServer, App],
 ) -> None:
-    # The loop's backlog divides its CPU by the requests answered: a reply served at once (a
-    # kept reply) is one of them, a refusal is not (its cost is charged to those served).
+    # The loop's backlog divides its CPU by the requests answered, a refusal at once counted
+    # apart (at a fraction of one): a reply served at once (a kept reply) is answered.
     server, _ = served
     data = (
         b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n"
@@ -136,6 +136,7 @@ async def test_answers_count_what_was_served_with_or_without_a_task_but_not_refu
     await asyncio.wait_for(server._idle.wait(), 5)
     assert server.in_flight == 0
     assert server.answered == 2
+    assert server.refused == 1
 
 
 async def test_a_head_request_gets_the_length_and_no_body(served: tuple[HttpServer, App]) -> None:

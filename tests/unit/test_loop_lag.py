@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tailserve.observability.loop_lag import LoopLag
+from tailserve.observability.loop_lag import REFUSAL_WEIGHT, LoopLag
 
 
 def burn(seconds: float) -> None:
@@ -41,7 +41,7 @@ def test_a_saturated_loop_reads_busy_and_late_and_an_idle_one_does_not() -> None
 
 async def backlog(in_flight: int) -> tuple[float, float]:
     answered = 0
-    lag = LoopLag(requests=lambda: (in_flight, answered))
+    lag = LoopLag(requests=lambda: (in_flight, answered, 0))
     lag.start()
     try:
         for _ in range(40):  # 2 ms of the loop's CPU for each request answered
@@ -65,7 +65,7 @@ def test_the_backlog_is_the_requests_held_times_the_loop_cpu_each_costs() -> Non
 async def live_backlog() -> tuple[float, float, float]:
     held = [0]
     answered = 0
-    lag = LoopLag(requests=lambda: (held[0], answered))
+    lag = LoopLag(requests=lambda: (held[0], answered, 0))
     lag.start()
     try:
         while not lag.per_request_s:  # a tick has learnt what a request costs the loop
@@ -84,3 +84,32 @@ def test_the_backlog_follows_the_requests_held_between_ticks() -> None:
     per_request, before, after = asyncio.run(live_backlog())
     assert before == 0.0
     assert after == pytest.approx(300 * per_request)
+
+
+async def refusing(in_flight: int) -> tuple[float, float]:
+    counts = [0, 0]
+    lag = LoopLag(requests=lambda: (in_flight, counts[0], counts[1]))
+    lag.start()
+    try:
+        for _ in range(25):
+            # One request answered (2 ms of the loop) and sixteen refused at a quarter of that
+            # each (8 ms), then 20 ms idle: the loop is a third busy, refusals most of it.
+            burn(0.002)
+            counts[0] += 1
+            burn(16 * REFUSAL_WEIGHT * 0.002)
+            counts[1] += 16
+            await asyncio.sleep(0.020)
+        return lag.per_request_s, lag.backlog_s
+    finally:
+        lag.stop()
+
+
+def test_refusals_cost_the_loop_their_share_and_not_the_answered_requests_whole_time() -> None:
+    per_request, held = asyncio.run(refusing(in_flight=10))
+    # Charged to the one answered request, the loop's 10 ms would read as 10 ms a request,
+    # and ten in flight as a 100 ms backlog: so it read, and a worker that refused most of
+    # what came refused ever more (the backlog grew with each refusal).
+    assert 0.001 < per_request < 0.003
+    # The requests held wait for their own 2 ms each, stretched by the refusals' share of the
+    # loop's time (about a quarter here): far under the 10 ms a request charged the old way.
+    assert 10 * per_request < held < 10 * per_request / (1 - 0.5)

@@ -91,6 +91,8 @@ class HttpServer:
         # reply memo); not the refusals and errors answered at once (the loop's backlog:
         # observability.loop_lag).
         self.answered = 0
+        # Requests refused at once (an error answered without a task: an overload's 429s).
+        self.refused = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._gone = asyncio.Event()  # no connection left
@@ -362,6 +364,7 @@ class _Connection(HeadReading, asyncio.Protocol):
             self._queued_bytes -= len(request.raw_body)
             if request.error is not None:
                 status, message = request.error
+                self._server.refused += 1
                 self._write(request, status, _JSON, orjson.dumps({"error": message}))
                 continue
             app = self._server.app
@@ -369,6 +372,8 @@ class _Connection(HeadReading, asyncio.Protocol):
             if reply is not None:
                 if reply[0] < 400:
                     self._server.answered += 1
+                else:
+                    self._server.refused += 1
                 self._write(request, *reply)
                 continue
             self._server._began()
