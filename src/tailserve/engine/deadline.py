@@ -120,7 +120,7 @@ class _Rate:
         if self.since is None:
             self.since = now
         elif 0.0 <= now - self.at < _RATE_GRANULE_S:
-            # (Counted as come at ``at``: a ~0.2% error, where an exp a request cost ~0.3 µs.)
+            # (Counted as come at ``at``: at most a 0.2% error, and no exp for each request.)
             self.count += rows
             return
         self.count = self.count * math.exp(-max(0.0, now - self.at) / _RATE_TAU_S) + rows

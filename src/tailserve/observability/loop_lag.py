@@ -100,7 +100,7 @@ class LoopLag:
         if now > self._wall:
             share = min(1.0, (cpu - self._cpu) / (now - self._wall))
             self.busy += 0.05 * (share - self.busy)
-        if self.requests is not None and now > self._wall:
+        if self.requests is not None and now > self._wall:  # (the server's counts)
             _, answered, refused = self.requests()
             done, self._answered = answered - self._answered, answered
             turned, self._refused = refused - self._refused, refused
