@@ -39,15 +39,22 @@ def test_a_saturated_loop_reads_busy_and_late_and_an_idle_one_does_not() -> None
     assert idle < 0.5 * busy
 
 
-async def backlog(in_flight: int) -> tuple[float, float]:
-    answered = 0
-    lag = LoopLag(requests=lambda: (in_flight, answered, 0))
+async def backlog(
+    in_flight: int, *, rounds: int = 40, refused: int = 0, idle_s: float = 0.0
+) -> tuple[float, float]:
+    """Each round: one request answered (2 ms of the loop's CPU), ``refused`` refused at once
+    (a quarter of that each), then ``idle_s`` with nothing to do."""
+    counts = [0, 0]
+    lag = LoopLag(requests=lambda: (in_flight, counts[0], counts[1]))
     lag.start()
     try:
-        for _ in range(40):  # 2 ms of the loop's CPU for each request answered
+        for _ in range(rounds):
             burn(0.002)
-            answered += 1
-            await asyncio.sleep(0)
+            counts[0] += 1
+            if refused:
+                burn(refused * REFUSAL_WEIGHT * 0.002)
+                counts[1] += refused
+            await asyncio.sleep(idle_s)
         return lag.per_request_s, lag.backlog_s
     finally:
         lag.stop()
@@ -86,26 +93,10 @@ def test_the_backlog_follows_the_requests_held_between_ticks() -> None:
     assert after == pytest.approx(300 * per_request)
 
 
-async def refusing(in_flight: int) -> tuple[float, float]:
-    counts = [0, 0]
-    lag = LoopLag(requests=lambda: (in_flight, counts[0], counts[1]))
-    lag.start()
-    try:
-        for _ in range(25):
-            # One request answered (2 ms of the loop) and sixteen refused at a quarter of that
-            # each (8 ms), then 20 ms idle: the loop is a third busy, refusals most of it.
-            burn(0.002)
-            counts[0] += 1
-            burn(16 * REFUSAL_WEIGHT * 0.002)
-            counts[1] += 16
-            await asyncio.sleep(0.020)
-        return lag.per_request_s, lag.backlog_s
-    finally:
-        lag.stop()
-
-
 def test_refusals_cost_the_loop_their_share_and_not_the_answered_requests_whole_time() -> None:
-    per_request, held = asyncio.run(refusing(in_flight=10))
+    # Each round one request answered (2 ms of the loop) and sixteen refused (8 ms), then
+    # 20 ms idle: the loop is a third busy, refusals most of it.
+    per_request, held = asyncio.run(backlog(10, rounds=25, refused=16, idle_s=0.020))
     # Charged to the one answered request, the loop's 10 ms would read as 10 ms a request,
     # and ten in flight as a 100 ms backlog: so it read, and a worker that refused most of
     # what came refused ever more (the backlog grew with each refusal).
