@@ -332,10 +332,7 @@ class DeadlineBatcher:
             return self._unmeetable(budget, ahead + own, delays)
         # (Admitted: its own rows are queued ahead of the next request now.)
         self._hint = (now, work + own_work)
-        if self.refusals > _REFUSALS_NONE:
-            self._count(refused=False)
-        elif self.refusals:  # (faded to nothing: the share is whole again)
-            self.refusals, self._share = 0.0, 1.0
+        self._count(refused=False)
         item.estimate = now + ahead + own + delays
         queue.push(item, next(self._seq))
         queue.rate.add(now, item.rows)
@@ -396,6 +393,10 @@ class DeadlineBatcher:
         return self._share
 
     def _count(self, *, refused: bool) -> None:
+        if not refused and self.refusals <= _REFUSALS_NONE:
+            if self.refusals:  # (faded to nothing: the share is whole again)
+                self.refusals, self._share = 0.0, 1.0
+            return
         refusals = self.refusals = self.refusals + _REFUSAL_RATE * (refused - self.refusals)
         if refusals >= _OVERLOADED_AT:
             self._share = self.admission_target

@@ -88,6 +88,18 @@ class LoopLag:
             self._handle.cancel()
             self._handle = None
 
+    def _count_requests(self, counts: tuple[int, int, int], used: float, wall: float) -> None:
+        """Learn the loop CPU a request costs and the share of the loop refusals take, from
+        the server's ``counts`` and the loop's CPU ``used`` over ``wall`` seconds."""
+        _, answered, refused = counts
+        done, self._answered = answered - self._answered, answered
+        turned, self._refused = refused - self._refused, refused
+        handled = done + REFUSAL_WEIGHT * turned
+        if handled > 0:
+            self.per_request_s += 0.05 * (used / handled - self.per_request_s)
+        refusing = REFUSAL_WEIGHT * turned * self.per_request_s / wall
+        self.refusing += 0.05 * (min(_MAX_REFUSING, refusing) - self.refusing)
+
     def _schedule(self) -> None:
         self._due = time.monotonic() + self.interval_s
         self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
@@ -98,17 +110,10 @@ class LoopLag:
         self.lag_s += 0.1 * (late - self.lag_s)
         cpu = time.thread_time()
         if now > self._wall:
-            share = min(1.0, (cpu - self._cpu) / (now - self._wall))
-            self.busy += 0.05 * (share - self.busy)
-        if self.requests is not None and now > self._wall:  # (the server's counts)
-            _, answered, refused = self.requests()
-            done, self._answered = answered - self._answered, answered
-            turned, self._refused = refused - self._refused, refused
-            handled = done + REFUSAL_WEIGHT * turned
-            if handled > 0:
-                self.per_request_s += 0.05 * ((cpu - self._cpu) / handled - self.per_request_s)
-            refusing = REFUSAL_WEIGHT * turned * self.per_request_s / (now - self._wall)
-            self.refusing += 0.05 * (min(_MAX_REFUSING, refusing) - self.refusing)
+            used, wall = cpu - self._cpu, now - self._wall
+            self.busy += 0.05 * (min(1.0, used / wall) - self.busy)
+            if self.requests is not None:
+                self._count_requests(self.requests(), used, wall)
         self._cpu, self._wall = cpu, now
         if self.on_sample is not None:
             self.on_sample(late)
