@@ -5,12 +5,20 @@ be met), size-or-timeout at 2 ms and at 50 ms max delay (with padding to the lon
 in the batch, where the model pads), and no batching. Models: ``churn`` with unique inputs
 (benchmarks/workloads/churn-unique.yaml, SLO 50 ms) and ``sentiment``, whose cost grows with a
 review's length, lengths skewed (sentiment-skewed.yaml, SLO 100 ms). Each policy serves one
-model in its own worker, one at a time (they would share the two cores).
+model in its own worker.
 
 For each: the SLO capacity (p99 under the SLO, no errors); p99, batch efficiency (rows per
 batch over the maximum) and SLO misses at one equal offered load (70% of the deadline
 batcher's capacity); then overload at 3x the policy's own SLO capacity (or the deadline
 batcher's, where a policy has none): goodput, the requests answered within the SLO a second.
+
+The policies take turns, one step each: every policy's worker runs from the start, and the
+capacity searches (`loadgen.capacity.CapacitySearch`, as `tailserve bench --find-capacity`
+runs it) advance one step at a time in rotation, then the equal loads, then the overloads.
+Only one worker has load at a time (they would share the two cores), and before each step
+the last one's queue is let drain. Run one policy after the other, as this once did, a
+search took minutes and the machine's speed moved in between: churn's capacity moved from
+8,250 to 5,750 req/s within an hour, so the ratios measured the clock as much as the policies.
 
     python benchmarks/batching_policies.py [--models churn,sentiment] [--duration 5]
 """
@@ -18,13 +26,17 @@ batcher's, where a policy has none): goodput, the requests answered within the S
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 import _harness as h
+from tailserve.loadgen.capacity import CapacitySearch, Step
 
 POLICIES: dict[str, dict[str, Any]] = {
     "deadline": {"policy": "deadline"},
@@ -33,50 +45,115 @@ POLICIES: dict[str, dict[str, Any]] = {
     "no-batching": {"policy": "none"},
 }
 MODELS = {
-    "churn": ("churn-unique.yaml", 1000.0, 256),
-    "sentiment": ("sentiment-skewed.yaml", 500.0, 64),
+    "churn": ("churn-unique.yaml", 1000.0, 256, 50.0),
+    "sentiment": ("sentiment-skewed.yaml", 500.0, 64, 100.0),
 }
+# A step's arrivals: the workload's seed plus this times the step's number (as `tailserve
+# bench` varies them between the steps of a search).
+STEP_SEED = 1000
 
 
-def measure(model: str, policy: str, examples: Path, work: Path, out: Path,
-            args: argparse.Namespace, reference: float | None) -> dict[str, Any]:  # fmt: skip
-    """One policy's figures; ``reference``: the deadline batcher's capacity, once known."""
-    workload_file, start_rps, max_rows = MODELS[model]
-    # No result cache: this compares batchers on work that must be computed.
-    repo = h.one_model(examples / model, work / f"{model}-{policy}", POLICIES[policy], cache={})
-    port = h.free_port()
-    name = f"{model}-{policy}"
-    spec = h.workload(workload_file, out, name=name, target=f"http://127.0.0.1:{port}",
-                      schedule={"kind": "poisson", "rate": start_rps})  # fmt: skip
-    timing = ["--duration", str(args.duration), "--warmup", str(args.warmup)]
-    print(f"\n=== {model}: {policy} ===", flush=True)
-    with h.serving(h.worker(repo, port), port):
-        capacity = h.bench(spec, out / f"{name}.json", "--find-capacity", "--name", policy,
-                           "--report", str(out / f"{name}.html"), *timing)  # fmt: skip
-        own = (capacity["capacity"] or {}).get("rps")
-        anchor = reference or own or start_rps
-        equal_rate = 0.7 * anchor
-        equal = h.bench(spec, out / f"{name}-equal.json", "--rate", f"{equal_rate:.0f}",
-                        "--name", policy, *timing, echo=False)  # fmt: skip
-        overload_rate = min(3 * (own or anchor), args.max_rate)
-        overload = h.bench(spec, out / f"{name}-overload.json", "--rate",
-                           f"{overload_rate:.0f}", "--name", policy, *timing,
-                           echo=False)  # fmt: skip
-    served = equal.get("server") or {}
-    return {
-        "capacity": own,
-        "equal_rps": equal_rate,
-        "equal": equal["overall"],
-        "efficiency": (served.get("batch_size_mean") or 0.0) / max_rows,
-        "overload_rps": overload_rate,
-        "overload": overload["overall"],
-        "generator_behind": overload["generator"]["behind"] or overload["generator"]["cpu_bound"],
-    }
+class Policy:
+    """One policy's worker serving one model, and its runs of `tailserve bench`."""
+
+    def __init__(self, model: str, policy: str, examples: Path, work: Path, out: Path,
+                 args: argparse.Namespace) -> None:  # fmt: skip
+        self.model, self.policy, self.out, self.args = model, policy, out, args
+        workload_file, start_rps, _, slo_ms = MODELS[model]
+        # No result cache: this compares batchers on work that must be computed.
+        self.repo = h.one_model(examples / model, work / f"{model}-{policy}", POLICIES[policy],
+                                cache={})  # fmt: skip
+        self.port = h.free_port()
+        self.name = f"{model}-{policy}"
+        self.workload_file = workload_file
+        self.search = CapacitySearch(slo_ms=slo_ms, start_rps=start_rps, precision=0.05)
+        self.steps = 0
+
+    def run(self, rate: float, result: Path) -> dict[str, Any]:
+        """One run at ``rate`` req/s, new arrivals each time; its result document."""
+        self.steps += 1
+        spec = h.workload(self.workload_file, self.out, name=self.name,
+                          target=f"http://127.0.0.1:{self.port}",
+                          schedule={"kind": "poisson", "rate": rate},
+                          seed=1 + STEP_SEED * self.steps)  # fmt: skip
+        timing = ["--duration", str(self.args.duration), "--warmup", str(self.args.warmup)]
+        document = h.bench(spec, result, "--rate", f"{rate:.0f}", "--name", self.policy,
+                           *timing, echo=False)  # fmt: skip
+        self.drain()
+        return document
+
+    def search_step(self) -> bool:
+        """The capacity search's next step; False once it has converged."""
+        rate = self.search.next_rate()
+        if rate is None:
+            return False
+        document = self.run(rate, self.out / f"{self.name}-step.json")
+        overall = document["overall"]
+        step = Step(rate, overall["achieved_rps"], overall["p99_ms"] or 0.0, overall["errors"],
+                    behind=bool(document["generator"]["behind"]))  # fmt: skip
+        self.search.record(step)
+        verdict = "pass" if step.passes(self.search.slo_ms, self.search.min_achieved) else "fail"
+        p99 = f"{step.p99_ms:,.1f}" if overall["p99_ms"] is not None else "-"
+        print(f"{self.policy:22}{rate:>9,.0f}{step.achieved_rps:>10,.0f}{p99:>10}"
+              f"{step.errors:>9,}  {verdict}", flush=True)  # fmt: skip
+        return True
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Until nothing is queued for the model or running (what an overloaded step left
+        behind would take the next policy's CPU)."""
+        url = f"http://127.0.0.1:{self.port}/v2/models/{self.model}/stats"
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            batching = h.get_json(url)["model_stats"][0]["batching"]
+            if not batching["queued"] and not batching["busy_instances"]:
+                return
+            time.sleep(0.1)
+
+
+def measure(model: str, policies: list[str], examples: Path, work: Path, out: Path,
+            args: argparse.Namespace) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every policy's figures for one model, the policies taking turns (module doc)."""
+    _, start_rps, max_rows, _ = MODELS[model]
+    runs = [Policy(model, p, examples, work, out, args) for p in policies]
+    with contextlib.ExitStack() as stack:
+        for run in runs:
+            stack.enter_context(h.serving(h.worker(run.repo, run.port), run.port))
+        print(f"\n=== {model}: capacity searches, one step each in turn ===", flush=True)
+        print(f"{'policy':22}{'offered':>9}{'achieved':>10}{'p99 ms':>10}{'errors':>9}")
+        searching = list(runs)
+        while searching:
+            searching = [run for run in searching if run.search_step()]
+        capacity = {run.policy: run.search.capacity_rps for run in runs}
+        reference = capacity.get("deadline")
+        for policy, rps in capacity.items():
+            print(f"{policy}: SLO capacity {f'{rps:,.0f} req/s' if rps else 'none'}")
+        equal: dict[str, dict[str, Any]] = {}
+        overload: dict[str, dict[str, Any]] = {}
+        anchor = {run.policy: reference or capacity[run.policy] or start_rps for run in runs}
+        for run in runs:  # (the same equal load for all, then each its own overload)
+            equal[run.policy] = run.run(0.7 * anchor[run.policy], out / f"{run.name}.json")
+        for run in runs:
+            rate = min(3 * (capacity[run.policy] or anchor[run.policy]), args.max_rate)
+            overload[run.policy] = run.run(rate, out / f"{run.name}-overload.json")
+    results = {}
+    for run in runs:
+        served = equal[run.policy].get("server") or {}
+        over = overload[run.policy]
+        results[run.policy] = {
+            "capacity": capacity[run.policy],
+            "equal_rps": 0.7 * anchor[run.policy],
+            "equal": equal[run.policy]["overall"],
+            "efficiency": (served.get("batch_size_mean") or 0.0) / max_rows,
+            "overload_rps": over["overall"]["offered_rps"],
+            "overload": over["overall"],
+            "generator_behind": over["generator"]["behind"] or over["generator"]["cpu_bound"],
+            "steps": [dataclasses.asdict(step) for step in run.search.steps],
+        }
+    return results
 
 
 def report(model: str, results: dict[str, dict[str, Any]]) -> None:
-    slo = {"churn": 50, "sentiment": 100}[model]
-    print(f"\n{model}: SLO p99 <= {slo} ms")
+    print(f"\n{model}: SLO p99 <= {MODELS[model][3]:g} ms")
     head = (
         f"{'policy':22}{'capacity':>10}{'vs deadline':>12}{'p99@equal':>11}"
         f"{'rows/max':>9}{'SLO miss':>9}{'overload':>10}{'goodput':>9}{'/capacity':>10}"
@@ -119,10 +196,8 @@ def main() -> None:
     examples = h.examples(work / "examples")
     summary = {}
     for model in args.models.split(","):
-        results: dict[str, dict[str, Any]] = {}
-        for policy in args.policies.split(","):
-            reference = results["deadline"]["capacity"] if "deadline" in results else None
-            results[policy] = measure(model, policy, examples, work, args.out, args, reference)
+        policies = args.policies.split(",")
+        results = measure(model, policies, examples, work, args.out, args)
         summary[model] = results
         if len(results) > 1:
             h.compare([args.out / f"{model}-{p}.json" for p in results],
