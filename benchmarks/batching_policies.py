@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 
 import _harness as h
 from tailserve.loadgen.capacity import CapacitySearch, Step
@@ -45,8 +46,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     "no-batching": {"policy": "none"},
 }
 MODELS = {
-    "churn": ("churn-unique.yaml", 1000.0, 256, 50.0),
-    "sentiment": ("sentiment-skewed.yaml", 500.0, 64, 100.0),
+    "churn": ("churn-unique.yaml", 1000.0, 256),
+    "sentiment": ("sentiment-skewed.yaml", 500.0, 64),
 }
 # A step's arrivals: the workload's seed plus this times the step's number (as `tailserve
 # bench` varies them between the steps of a search).
@@ -59,14 +60,18 @@ class Policy:
     def __init__(self, model: str, policy: str, examples: Path, work: Path, out: Path,
                  args: argparse.Namespace) -> None:  # fmt: skip
         self.model, self.policy, self.out, self.args = model, policy, out, args
-        workload_file, start_rps, _, slo_ms = MODELS[model]
+        workload_file, start_rps, _ = MODELS[model]
+        # The SLO the workload states (its p99 is what the searches hold the policies to).
+        self.slo_ms = float(
+            yaml.safe_load((h.WORKLOADS / workload_file).read_text())["slo"]["p99_ms"]
+        )
         # No result cache: this compares batchers on work that must be computed.
         self.repo = h.one_model(examples / model, work / f"{model}-{policy}", POLICIES[policy],
                                 cache={})  # fmt: skip
         self.port = h.free_port()
         self.name = f"{model}-{policy}"
         self.workload_file = workload_file
-        self.search = CapacitySearch(slo_ms=slo_ms, start_rps=start_rps, precision=0.05)
+        self.search = CapacitySearch(slo_ms=self.slo_ms, start_rps=start_rps, precision=0.05)
         self.steps = 0
 
     def run(self, rate: float, result: Path) -> dict[str, Any]:
@@ -88,12 +93,10 @@ class Policy:
         if rate is None:
             return False
         document = self.run(rate, self.out / f"{self.name}-step.json")
-        overall = document["overall"]
-        step = Step(rate, overall["achieved_rps"], overall["p99_ms"] or 0.0, overall["errors"],
-                    behind=bool(document["generator"]["behind"]))  # fmt: skip
+        step = Step.of(rate, document)
         self.search.record(step)
         verdict = "pass" if step.passes(self.search.slo_ms, self.search.min_achieved) else "fail"
-        p99 = f"{step.p99_ms:,.1f}" if overall["p99_ms"] is not None else "-"
+        p99 = f"{step.p99_ms:,.1f}" if document["overall"]["p99_ms"] is not None else "-"
         print(f"{self.policy:22}{rate:>9,.0f}{step.achieved_rps:>10,.0f}{p99:>10}"
               f"{step.errors:>9,}  {verdict}", flush=True)  # fmt: skip
         return True
@@ -113,7 +116,7 @@ class Policy:
 def measure(model: str, policies: list[str], examples: Path, work: Path, out: Path,
             args: argparse.Namespace) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Every policy's figures for one model, the policies taking turns (module doc)."""
-    _, start_rps, max_rows, _ = MODELS[model]
+    _, start_rps, max_rows = MODELS[model]
     runs = [Policy(model, p, examples, work, out, args) for p in policies]
     with contextlib.ExitStack() as stack:
         for run in runs:
@@ -140,6 +143,7 @@ def measure(model: str, policies: list[str], examples: Path, work: Path, out: Pa
         served = equal[run.policy].get("server") or {}
         over = overload[run.policy]
         results[run.policy] = {
+            "slo_ms": run.slo_ms,
             "capacity": capacity[run.policy],
             "equal_rps": 0.7 * anchor[run.policy],
             "equal": equal[run.policy]["overall"],
@@ -153,7 +157,7 @@ def measure(model: str, policies: list[str], examples: Path, work: Path, out: Pa
 
 
 def report(model: str, results: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{model}: SLO p99 <= {MODELS[model][3]:g} ms")
+    print(f"\n{model}: SLO p99 <= {results['deadline']['slo_ms']:g} ms")
     head = (
         f"{'policy':22}{'capacity':>10}{'vs deadline':>12}{'p99@equal':>11}"
         f"{'rows/max':>9}{'SLO miss':>9}{'overload':>10}{'goodput':>9}{'/capacity':>10}"

@@ -105,14 +105,11 @@ def run_bench(
         if progress is not None:
             print(f"step {index + 1}: {rate:g} req/s", file=progress)
         result = run_step(step_workload, model_config, target, progress)
-        overall = result["overall"]
-        behind = bool(result["generator"]["behind"])
-        step = Step(rate, overall["achieved_rps"], overall["p99_ms"] or 0.0, overall["errors"],
-                    behind=behind)  # fmt: skip
+        step = Step.of(rate, result)
         search.record(step)
         passed = step.passes(slo, search.min_achieved)
-        document["steps"].append({**overall, "rate": rate, "passes": passed,
-                                  "behind": behind})  # fmt: skip
+        document["steps"].append({**result["overall"], "rate": rate, "passes": passed,
+                                  "behind": step.behind})  # fmt: skip
         results.append((rate, result))
         index += 1
     passing = [(rate, r) for (rate, r), s in zip(results, document["steps"], strict=True)

@@ -18,6 +18,7 @@ of the offered rate completed) and a generator behind its schedule are not tried
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,13 @@ class Step:
     p99_ms: float
     errors: int
     behind: bool = False  # the generator fell behind its schedule
+
+    @classmethod
+    def of(cls, rate: float, result: dict[str, Any]) -> Step:
+        """The step a run at ``rate`` made: from its result document (`loadgen.bench`)."""
+        overall = result["overall"]
+        return cls(rate, overall["achieved_rps"], overall["p99_ms"] or 0.0, overall["errors"],
+                   behind=bool(result["generator"]["behind"]))  # fmt: skip
 
     def passes(self, slo_ms: float, min_achieved: float) -> bool:
         return (
