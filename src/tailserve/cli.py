@@ -30,7 +30,11 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="one worker: load, warm and serve a repository")
     serve.add_argument("--repository", help="model repository folder")
-    serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument(
+        "--host",
+        help="address to listen on (default 127.0.0.1; beyond loopback, such as 0.0.0.0, the "
+        "admin routes need --admin-token)",
+    )
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: no gRPC)")
     serve.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
@@ -50,7 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the cache's MGET/SET path on a single Redis (lean)",
     )  # fmt: skip
     serve.add_argument("--worker-id", help="name in cache lineage (default host:pid)")
-    serve.add_argument("--admin-token", help="bearer token the admin routes require")
+    serve.add_argument(
+        "--admin-token",
+        help="bearer token the admin routes require (without one they are open on loopback "
+        "and closed beyond it)",
+    )
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     serve.add_argument(
         "--reply-memo-mb",

@@ -4,6 +4,7 @@
     ├── InvalidInput          bad request data: JSON, shapes, datatypes, values (a field is named)
     │   └── PayloadTooLarge   the body is over the configured limit
     ├── Unauthorized          an admin route without the configured bearer token
+    ├── Forbidden             an admin route that no token opens (beyond loopback, none set)
     ├── ModelNotFound         no such model, or no such version of it
     ├── Unavailable           the model or server cannot take the request now
     │   ├── ModelNotReady     known, but not loaded or not warm yet
@@ -41,6 +42,10 @@ class PayloadTooLarge(InvalidInput):
 
 
 class Unauthorized(TailserveError):
+    pass
+
+
+class Forbidden(TailserveError):
     pass
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tailserve.admin import AdminAccess, admin_access
 from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
@@ -81,10 +82,12 @@ class Worker:
         self.recorder = None
         if settings.trace_file:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
+        self.admin_access = admin_access(settings.host, settings.admin_token)
         self.app = HttpApp(
             self.dataplane,
             self.metrics,
             admin_token=settings.admin_token,
+            admin_access=self.admin_access,
             recorder=self.recorder,
             reply_memo=self.metrics.reply_memo,
             slow_fault=(
@@ -176,6 +179,10 @@ class Worker:
             http = self._http
             self.loop_lag.requests = lambda: (http.in_flight, http.answered, http.refused)
             log.info("HTTP on %s:%d", self.settings.host, self._http.port)
+            if self.admin_access is AdminAccess.CLOSED:
+                log.warning("admin routes closed: listening on %s, beyond loopback, with no "
+                            "admin token (set --admin-token or TAILSERVE_ADMIN_TOKEN to use "
+                            "them)", self.settings.host)  # fmt: skip
             await self._exit.wait()
             # No new requests; those in flight finish (up to the drain timeout), then the
             # connections close.

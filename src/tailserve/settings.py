@@ -22,7 +22,9 @@ ENV_PREFIX = "TAILSERVE_"
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     repository: str | None = None
-    host: str = "0.0.0.0"
+    # Loopback unless asked for another address; beyond it the admin routes need a token
+    # (admin.py).
+    host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
     redis_url: str | None = None

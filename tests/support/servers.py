@@ -49,15 +49,19 @@ class RunningWorker:
 
 
 @contextlib.contextmanager
-def run_worker(settings: Settings, *, wait_ready: bool = True) -> Iterator[RunningWorker]:
-    """A worker on an unused loopback port, in a thread with its own event loop."""
+def run_worker(
+    settings: Settings, *, wait_ready: bool = True, host: str = "127.0.0.1"
+) -> Iterator[RunningWorker]:
+    """A worker on an unused port, in a thread with its own event loop. It listens on
+    ``host`` (an IPv4 address: loopback, or 0.0.0.0 for a worker reached beyond it); the
+    test reaches it on 127.0.0.1."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     port = sock.getsockname()[1]
     # gRPC only where a test asks for it on a port of its own (the default 8001 is shared).
     grpc_port = 0 if settings.grpc_port == Settings().grpc_port else settings.grpc_port
-    worker = Worker(settings.replace(host="127.0.0.1", http_port=port, grpc_port=grpc_port))
+    worker = Worker(settings.replace(host=host, http_port=port, grpc_port=grpc_port))
     failure: list[BaseException] = []
 
     def target() -> None:

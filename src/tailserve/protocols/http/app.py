@@ -21,10 +21,17 @@ from typing import TypeVar
 
 import orjson
 
+from tailserve.admin import CLOSED_MESSAGE, AdminAccess
 from tailserve.cache.replies import Replay, ReplyMemo, digest
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.errors import DeadlineUnmeetable, InvalidInput, TailserveError, Unauthorized
+from tailserve.errors import (
+    DeadlineUnmeetable,
+    Forbidden,
+    InvalidInput,
+    TailserveError,
+    Unauthorized,
+)
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
 from tailserve.observability.trace_log import TraceRecorder
@@ -89,6 +96,7 @@ class HttpApp:
         metrics: Metrics,
         *,
         admin_token: str | None = None,
+        admin_access: AdminAccess = AdminAccess.OPEN,
         recorder: TraceRecorder | None = None,
         slow_fault: SlowFault | None = None,
         reply_memo: ReplyMemo | None = None,
@@ -99,6 +107,7 @@ class HttpApp:
         self._slow_fault = slow_fault
         self.metrics = metrics
         self._admin = f"Bearer {admin_token}".encode() if admin_token else None
+        self._admin_closed = admin_access is AdminAccess.CLOSED
         self._recorder = recorder
         self._router = Router()
         self._openapi_body = orjson.dumps(openapi_document())
@@ -205,6 +214,8 @@ class HttpApp:
         return replay.status, replay.headers, replay.body
 
     def _authorize(self, request: HttpRequest) -> None:
+        if self._admin_closed:
+            raise Forbidden(CLOSED_MESSAGE)
         if self._admin is None:
             return
         given = request.header(b"authorization") or b""

@@ -7,6 +7,7 @@ import math
 from tailserve.errors import (
     DeadlineExceeded,
     DeadlineUnmeetable,
+    Forbidden,
     InvalidInput,
     ModelExecutionError,
     ModelNotFound,
@@ -20,6 +21,7 @@ _STATUS: tuple[tuple[type[TailserveError], int], ...] = (
     (PayloadTooLarge, 413),
     (InvalidInput, 400),
     (Unauthorized, 401),
+    (Forbidden, 403),
     (ModelNotFound, 404),
     # 429: refused now, try later or elsewhere (a router sends it to another replica).
     (DeadlineUnmeetable, 429),

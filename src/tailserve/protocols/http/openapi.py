@@ -95,6 +95,7 @@ _BODIES = {"infer": "InferenceRequest", "records": "Records", "index": "IndexReq
 _STATUS_TEXT = {
     "400": "Bad input; the message names the field or tensor.",
     "401": "Missing or wrong bearer token.",
+    "403": "Admin routes of a worker listening beyond loopback with no admin token set.",
     "404": "Unknown model or version.",
     "413": "Body over the configured limit.",
     "503": "Not ready or overloaded (Retry-After).",
@@ -130,7 +131,7 @@ def _operation(route: Route) -> dict[str, Any]:
         }
     responses: dict[str, Any] = {"200": ok}
     for code, text in _STATUS_TEXT.items():
-        if code == "401" and not route.admin:
+        if code in ("401", "403") and not route.admin:
             continue
         responses[code] = {
             "description": text,
