@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         "--strict-readiness",
         action="store_true",
         default=None,
-        help="unready while any model failed to load",
+        help="unready while any model failed to load (one left out for want of --redis-url "
+        "did not fail)",
     )
     serve.add_argument("--log-level", help="debug, info, warning, error")
     serve.add_argument("--access-log", action="store_true", default=None)

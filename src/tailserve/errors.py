@@ -18,6 +18,7 @@
     │   └── UpstreamTimeout   no complete response within the request's time limit
     └── ConfigError           a model.yaml or setting is invalid (names the file and field)
         └── ModelLoadError    a model's artifact could not be loaded or warmed
+            └── ModelNotServed  the model needs what this worker was not given (Redis)
 
 No web framework appears here: adapters map these to status codes (see `protocols/http/errors.py`).
 """
@@ -116,6 +117,11 @@ class ConfigError(TailserveError):
 
 class ModelLoadError(ConfigError):
     pass
+
+
+class ModelNotServed(ModelLoadError):
+    """Not a fault of the model: the worker was started without a service it needs (a
+    feature store with no --redis-url). Reported, but no failure for readiness."""
 
 
 def field_message(message: str) -> str:

@@ -49,7 +49,8 @@ class Settings:
     read_timeout_s: float = 30.0
     # SIGTERM: stop accepting, let requests in flight finish for up to this long, exit 0.
     drain_timeout_s: float = 30.0
-    # Strict: a model that failed to load keeps the whole server unready.
+    # Strict: a model that failed to load keeps the whole server unready (one the worker is
+    # not set up to serve, a feature store with no Redis, did not fail).
     strict_readiness: bool = False
     log_level: str = "info"
     access_log: bool = False

@@ -1,12 +1,20 @@
-"""The command line: examples, and serve's errors for what it cannot start with."""
+"""The command line: examples, serve's errors for what it cannot start with, and a default
+start of the examples that logs no error."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import yaml
+
+from support.servers import worker_process
+
+# A line of the worker's log: "2026-11-25 23:20:51,259 INFO tailserve.server: HTTP on ..."
+LOG_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<message>.*)$")
 
 
 def tailserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -59,3 +67,23 @@ def test_bench_errors_name_the_file_field_or_server(tmp_path: Path) -> None:
     done = tailserve("bench", "compare", str(tmp_path / "a.json"))
     assert done.returncode == 2
     assert "two or more result files" in done.stderr
+
+
+def test_a_default_start_of_the_examples_logs_no_error(
+    example_repository: Path, tmp_path: Path
+) -> None:
+    # No --redis-url: the ranker, which reads its inputs from the feature store, is left out.
+    with worker_process(example_repository, tmp_path) as running:
+        assert httpx.get(f"{running.url}/v2/health/ready").status_code == 200
+        churn = httpx.get(f"{running.url}/v2/models/churn/ready")
+        assert churn.status_code == 200
+        assert running.terminate() == 0
+    log = running.log()
+    records = [m for m in map(LOG_LINE.match, log.splitlines()) if m is not None]
+    assert records, log
+    assert [m.group(0) for m in records if m["level"] in ("ERROR", "CRITICAL")] == []
+    assert "Traceback" not in log
+    left_out = [m for m in records if "'ranker'" in m["message"]]
+    assert len(left_out) == 1, log
+    assert left_out[0]["level"] == "INFO"
+    assert "not served" in left_out[0]["message"] and "--redis-url" in left_out[0]["message"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import logging
 import re
 import sys
 import threading
@@ -178,3 +179,39 @@ def test_the_worker_runs_full_collections_on_its_schedule_and_reports_them(
 
         wait_for(lambda: collections() >= 1, what="a scheduled full collection in the metrics")
     assert gc.get_threshold() == before
+
+
+def features_config() -> dict[str, object]:
+    """The doubler, its input filled from the feature store by a user id."""
+    user = {"input": "x", "key": "user_id", "entity": "user", "fields": ["f0"]}
+    return doubler_config(features={"inputs": [user]})
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_model_that_needs_redis_is_left_out_without_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, strict: bool
+) -> None:
+    # No --redis-url: the worker cannot serve a model that reads the feature store. That is
+    # said once at INFO and reported; it is no failure, so even strict readiness is met.
+    write_model(tmp_path, "plain", doubler_config())
+    write_model(tmp_path, "ranked", features_config())
+    caplog.set_level("INFO")
+    with run_worker(Settings(repository=str(tmp_path), strict_readiness=strict)) as running:
+        assert httpx.get(f"{running.url}/v2/health/ready").status_code == 200
+        assert httpx.post(f"{running.url}/v2/models/plain/infer", json=body(1.0)).status_code == 200
+        assert httpx.get(f"{running.url}/v2/models/ranked/ready").status_code == 400
+        index = httpx.post(f"{running.url}/v2/repository/index").json()
+        ranked = next(entry for entry in index if entry["name"] == "ranked")
+        assert ranked["state"] == "UNAVAILABLE" and "--redis-url" in ranked["reason"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    said = [r for r in caplog.records if "'ranked'" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"]
+    assert "not served" in said[0].getMessage() and "--redis-url" in said[0].getMessage()
+    assert all(r.exc_info is None for r in caplog.records)
+
+
+def test_strict_readiness_still_counts_a_model_that_failed(tmp_path: Path) -> None:
+    write_model(tmp_path, "ranked", features_config())
+    write_model(tmp_path, "broken", doubler_config(parameters={"fail_load": True}))
+    with run_worker(Settings(repository=str(tmp_path), strict_readiness=True)) as running:
+        assert httpx.get(f"{running.url}/v2/health/ready").status_code == 503

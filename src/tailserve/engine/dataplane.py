@@ -66,13 +66,15 @@ class DataPlane:
         """Ready once the first load of every model has finished, and not shutting down.
 
         A model that failed to load keeps the server unready only with strict readiness; by
-        default it is reported (model ready = false, repository index) and the rest serve.
+        default it is reported (model ready = false, repository index) and the rest serve. A
+        model the worker was not set up to serve (a feature store, no Redis) did not fail: it
+        is reported the same way and keeps no server unready.
         """
         if self.draining or not self.initial_load_done:
             return False
         states = self.manager.states()
         if self._strict:
-            return all(state.ready for state in states)
+            return all(state.ready or state.not_served for state in states)
         return all(state.ready or state.status is not ModelStatus.LOADING for state in states)
 
     def server_metadata(self) -> dict[str, Any]:

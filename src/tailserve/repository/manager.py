@@ -31,6 +31,7 @@ from tailserve.errors import (
     ModelLoadError,
     ModelNotFound,
     ModelNotReady,
+    ModelNotServed,
     TailserveError,
 )
 from tailserve.repository.config import FeaturesConfig, ModelConfig, load_model_config
@@ -71,6 +72,8 @@ class ModelState:
     name: str
     status: ModelStatus = ModelStatus.UNAVAILABLE
     reason: str = ""
+    # Left out for want of a service the worker was not given (ModelNotServed): no failure.
+    not_served: bool = False
     config: ModelConfig | None = None
     versions: dict[int, ServedVersion] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -149,13 +152,16 @@ class ModelManager:
     # --- changes ----------------------------------------------------------------------------
 
     async def load_all(self) -> list[str]:
-        """Load every model in the repository; return the names that failed (logged)."""
+        """Load every model in the repository; return the names that failed (logged). A model
+        the worker is not set up to serve is left out with an INFO line: it did not fail."""
         failed = []
         for name in self.known_on_disk():
             self._models.setdefault(name, ModelState(name, status=ModelStatus.LOADING))
         for name in self.known_on_disk():
             try:
                 await self.load(name)
+            except ModelNotServed as exc:
+                log.info("%s", exc.message)
             except TailserveError as exc:
                 log.error("model %r failed to load: %s", name, exc.message)
                 failed.append(name)
@@ -189,12 +195,13 @@ class ModelManager:
                     raise
             except TailserveError as exc:
                 state.reason = exc.message
+                state.not_served = isinstance(exc, ModelNotServed)
                 state.status = ModelStatus.READY if state.versions else ModelStatus.UNAVAILABLE
                 self._notify(state)
                 raise
             old = state.versions
             state.config, state.versions = config, fresh
-            state.status, state.reason = ModelStatus.READY, ""
+            state.status, state.reason, state.not_served = ModelStatus.READY, "", False
             self._notify(state)
             log.info("model %r serving versions %s", name, sorted(fresh))
             await asyncio.gather(*(self._retire(v) for v in old.values()))
@@ -224,9 +231,9 @@ class ModelManager:
 
             check_features(config)
         if config.features is not None and self._feature_resolver is None:
-            raise ModelLoadError(
-                f"model {config.name!r} reads inputs from the feature store, which needs "
-                "Redis: start the worker with --redis-url"
+            raise ModelNotServed(
+                f"model {config.name!r} is not served: it reads its inputs from the feature "
+                "store, which needs Redis (start the worker with --redis-url)"
             )
         loop = asyncio.get_running_loop()
         context = RuntimeContext(config=config, version=version, version_dir=version_dir)
