@@ -1,5 +1,5 @@
-"""`tailserve up`: the router answers for its workers, a killed worker comes back on its port,
-and SIGTERM drains the whole stack and exits 0."""
+"""`tailserve up`: the front door answers for its workers, a killed worker comes back on its
+port, and SIGTERM (to the process or its group) drains the whole stack and exits 0."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.restarts import Backoff
 from tailserve.fleet.supervisor import FleetConfig, ManagedWorker, Supervisor
-from tailserve.router.config import RouterConfig
+from tailserve.router.frontdoor import FrontDoorPolicy
 
 STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
+FRONT_DOOR = re.compile(r"front door \(HAProxy pid (\d+)\) started")
 
 
 def churn_request(rows: int = 2, seed: int = 5) -> dict[str, Any]:
@@ -57,17 +58,25 @@ class UpProcess(WorkerProcess):
     def worker_urls(self) -> set[str]:
         return {url for _, _, url in STARTED.findall(self.log())}
 
+    def front_door_pids(self) -> list[int]:
+        return [int(pid) for pid in FRONT_DOOR.findall(self.log())]
+
 
 @contextlib.contextmanager
-def tailserve_up(repository: Path, log_dir: Path, *extra: str) -> Iterator[UpProcess]:
-    """``tailserve up`` as a real process, once it says every worker is ready."""
+def tailserve_up(
+    repository: Path, log_dir: Path, *extra: str, session: bool = False
+) -> Iterator[UpProcess]:
+    """``tailserve up`` as a real process, once it says every worker is ready (``session``: in
+    a process group of its own, as a shell's job)."""
     port = free_port()
     log_path = log_dir / f"up-{port}.log"
     grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
     command = [sys.executable, "-m", "tailserve.cli", "up", "--repository", str(repository),
                "--host", "127.0.0.1", "--port", str(port), *grpc, *extra]  # fmt: skip
     with log_path.open("wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
+        )
     running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_for(
@@ -79,11 +88,11 @@ def tailserve_up(repository: Path, log_dir: Path, *extra: str) -> Iterator[UpPro
         yield running
     finally:
         if process.poll() is None:
-            process.kill()  # its workers are in sessions of their own: kill them too
+            process.kill()  # its workers and HAProxy are in sessions of their own: them too
             process.wait(timeout=10)
-            for pid in running.worker_pids().values():
+            for pid in [*running.worker_pids().values(), *running.front_door_pids()]:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.killpg(pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:
@@ -94,14 +103,14 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_up_serves_inference_through_the_router_from_every_worker(
+def test_up_serves_inference_through_the_front_door_from_every_worker(
     example_repository: Path, tmp_path: Path
 ) -> None:
     grpc_port = free_port()
     options = ("--workers", "2", "--balance", "round-robin", "--drain-timeout", "5",
                "--grpc-port", str(grpc_port))  # fmt: skip
     with tailserve_up(example_repository, tmp_path, *options) as up:
-        ready = f"tailserve up: router on {up.url} (gRPC on port {grpc_port}), 2 workers ready"
+        ready = f"tailserve up: front door on {up.url} (gRPC on port {grpc_port}), 2 workers ready"
         assert ready in up.log()
         assert httpx.get(f"{up.url}/v2/health/ready").status_code == 200
         replicas: set[str] = set()
@@ -113,10 +122,10 @@ def test_up_serves_inference_through_the_router_from_every_worker(
                 replicas.add(reply.headers["x-tailserve-replica"])
                 return len(replicas) == 2
 
-            # The router may not have seen the second worker ready yet: it checks each second.
+            # The front door may not have seen the second worker ready yet: it checks each second.
             wait_for(both_have_answered, timeout=10, what="both workers to answer")
-        assert replicas == up.worker_urls()
-        # gRPC clients reach the same workers through the router's gRPC port.
+        assert replicas == set(up.worker_pids())
+        # gRPC clients reach the same workers through the front door's gRPC port.
         sample = sample_rows(2, 5)
         inputs = []
         for f in FIELDS:
@@ -129,20 +138,28 @@ def test_up_serves_inference_through_the_router_from_every_worker(
             scores = client.infer("churn", inputs).as_numpy("churn_probability")
         http_scores = httpx.post(f"{up.url}/v2/models/churn/infer", json=churn_request()).json()
         assert scores.ravel().tolist() == pytest.approx(http_scores["outputs"][0]["data"])
-        # No worker listens for gRPC itself: the router's port is the one gRPC address.
-        assert "gRPC (OIP v2) on" not in up.log()
+        # Each worker serves gRPC itself, on loopback, behind the front door.
+        assert up.log().count("gRPC (OIP v2) on 127.0.0.1:") == 2
 
 
-def test_sigterm_drains_the_stack_and_exits_0(example_repository: Path, tmp_path: Path) -> None:
-    with tailserve_up(example_repository, tmp_path, "--workers", "2") as up:
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-the-process", "to-its-group"])
+def test_sigterm_drains_the_stack_and_exits_0(
+    example_repository: Path, tmp_path: Path, to_group: bool
+) -> None:
+    with tailserve_up(example_repository, tmp_path, "--workers", "2", session=to_group) as up:
         pids = up.worker_pids()
+        (door,) = up.front_door_pids()
         assert len(pids) == 2
-        assert all(alive(pid) for pid in pids.values())
-        up.process.send_signal(signal.SIGTERM)
+        assert all(alive(pid) for pid in [*pids.values(), door])
+        if to_group:  # as a supervisor or `make` passes it on: every process of the group
+            os.killpg(up.process.pid, signal.SIGTERM)
+        else:
+            up.process.send_signal(signal.SIGTERM)
         assert up.process.wait(timeout=60) == 0, up.log()
-        assert not [pid for pid in pids.values() if alive(pid)]
+        assert not [pid for pid in [*pids.values(), door] if alive(pid)]
         log = up.log()
         assert all(f"{name} (pid {pid}) exited with 0" in log for name, pid in pids.items())
+        assert "killed" not in log
 
 
 def test_up_without_a_repository_folder_says_so(tmp_path: Path) -> None:
@@ -161,7 +178,8 @@ def test_up_on_a_taken_port_says_so(tmp_path: Path) -> None:
                    "--port", str(port), "--repository", str(tmp_path)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
-    assert f"the router cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert f"the front door cannot start on 127.0.0.1:{port}" in done.stderr
+    assert "cannot bind socket" in done.stderr
     assert "started (pid" not in done.stderr
 
 
@@ -169,11 +187,9 @@ async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) 
     config = FleetConfig(
         repository=str(example_repository), host="127.0.0.1", port=0, workers=2,
         drain_timeout_s=5.0, backoff=Backoff(first_s=0.1),
-        # Round-robin and no hedging, so that the last check sees the router send to it again
-        # whatever its latency: under power of two choices, one request at a time keeps going
-        # to whichever worker answered faster lately, and a hedge sent to the other worker
-        # wins the race (and names that replica) while the restarted one is still cold.
-        router=RouterConfig(balance="round-robin", hedge=False),
+        # Round-robin, so that the last check sees the front door send to it again whatever
+        # its latency.
+        policy=FrontDoorPolicy(balance="round-robin"),
     )  # fmt: skip
     supervisor = Supervisor(config)
     await supervisor.start()
@@ -182,14 +198,13 @@ async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) 
         victim = supervisor.workers[0]
         pid, port = victim.pid, victim.port
         assert pid is not None
-        async with httpx.AsyncClient(base_url=supervisor.router_url) as client:
+        async with httpx.AsyncClient(base_url=supervisor.url) as client:
 
             async def infer() -> httpx.Response:
                 return await client.post("/v2/models/churn/infer", json=churn_request())
 
-            # Traffic a live fleet would have had: the router retries a failed connect within a
-            # budget that requests earn (a tenth of them), and it must have found both workers
-            # ready (it checks each second) for one to take over from the other.
+            # The front door must have found both workers ready (it checks each second) for one
+            # to take over from the other.
             replicas: set[str] = set()
 
             async def both_answer() -> bool:
@@ -198,7 +213,7 @@ async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) 
                 replicas.add(reply.headers["x-tailserve-replica"])
                 return len(replicas) == 2
 
-            await async_wait_for(both_answer, what="both workers to answer through the router")
+            await async_wait_for(both_answer, what="both workers to answer through the front door")
             for _ in range(100):
                 assert_scored(await infer())
             os.kill(pid, signal.SIGKILL)
@@ -219,14 +234,14 @@ async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) 
             async def routed_to_it_again() -> bool:
                 reply = await infer()
                 assert_scored(reply)
-                return reply.headers["x-tailserve-replica"] == victim.url
+                return reply.headers["x-tailserve-replica"] == victim.name
 
-            # The router ejected it when its connections failed, and takes it back after.
+            # The front door's checks marked it down when it died, and up again after.
             try:
                 await async_wait_for(routed_to_it_again, timeout_s=30, what="traffic to it again")
             except AssertionError as timed_out:
-                state = (await client.get("/router/backends")).text
-                raise AssertionError(f"{timed_out}; the router's view: {state}") from None
+                state = (await client.get("/v2/fleet")).text
+                raise AssertionError(f"{timed_out}; the fleet: {state}") from None
     finally:
         await supervisor.stop()
     assert not any(worker.running for worker in supervisor.workers)

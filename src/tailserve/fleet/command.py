@@ -2,9 +2,9 @@
 
 tailserve up [--repository DIR] [--port 8080] [--grpc-port 8081] [--workers N] [--redis-url URL]
 
-Starts N workers (default: one per core) on loopback ports and the router on the public ports
-(HTTP, and gRPC sent on to the workers over HTTP),
-restarts a worker that dies, and on SIGTERM or Ctrl-C drains the router, then the workers.
+Starts N workers (default: one per core) on loopback ports and the front door (HAProxy) on the
+public ports, HTTP and gRPC; restarts a worker that dies, and on SIGTERM or Ctrl-C drains the
+front door, then the workers. It listens on 127.0.0.1 unless --host says otherwise.
 With no --repository it serves the example repository, building it in var/repository first.
 """
 
@@ -19,27 +19,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailserve.errors import ConfigError
-from tailserve.router.command import add_policy_arguments, config_from
+from tailserve.router.config import parse_model_balance
+from tailserve.router.frontdoor import BALANCE, FrontDoorPolicy
+from tailserve.settings import LOG_LEVELS
 
 if TYPE_CHECKING:
     from tailserve.fleet.supervisor import FleetConfig
 
 EXAMPLES = Path("var/repository")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_parser(commands: Any) -> None:
     up = commands.add_parser(
         "up",
-        help="the whole stack on one machine: router, workers, and a supervisor over them",
+        help="the whole stack on one machine: front door, workers, and a supervisor over them",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--repository", help=f"model repository (default: the examples, {EXAMPLES})")
-    up.add_argument("--host", default="0.0.0.0", help="the router's address (0.0.0.0)")
-    up.add_argument("--port", type=int, default=8080, help="the router's port (8080)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="the front door's address (127.0.0.1; 0.0.0.0: all)")  # fmt: skip
+    up.add_argument("--port", type=int, default=8080, help="the front door's port (8080)")
     up.add_argument("--grpc-port", type=int, default=8081,
-                    help="the router's gRPC port (8081; 0: none)")  # fmt: skip
+                    help="the front door's gRPC port (8081; 0: none)")  # fmt: skip
     up.add_argument("--workers", type=int, default=usable_cores(),
                     help="worker processes (default: one per core)")  # fmt: skip
     up.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
@@ -47,11 +49,28 @@ def add_parser(commands: Any) -> None:
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
     )
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
-    add_policy_arguments(up)  # the router's, as `tailserve route` takes them
+    add_front_door_arguments(up)
     up.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                     help="seconds SIGTERM waits for requests in flight (30)")  # fmt: skip
     up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     up.set_defaults(handler=handle)
+
+
+def add_front_door_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = FrontDoorPolicy()
+    parser.add_argument("--balance", choices=tuple(BALANCE), default=defaults.balance,
+                        help="how a worker is chosen (p2c: power of two choices)")  # fmt: skip
+    parser.add_argument("--model-balance", action="append", default=[], metavar="MODEL=POLICY",
+                        help="another policy for one model (repeat)")  # fmt: skip
+    parser.add_argument("--max-conn", type=int, default=defaults.max_conn,
+                        help="requests in flight per worker and model; more wait in a queue "
+                             f"({defaults.max_conn})")  # fmt: skip
+    parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                        help="requests queued per worker and model before a 503 "
+                             f"({defaults.max_queue})")  # fmt: skip
+    parser.add_argument("--queue-share", type=float, default=defaults.queue_share,
+                        help="the longest wait in the queue, as a share of the model's SLO "
+                             f"({defaults.queue_share})")  # fmt: skip
 
 
 def usable_cores() -> int:
@@ -66,10 +85,6 @@ def handle(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # The supervisor serves the router's gRPC in-process and starts (and restarts) workers as
-    # child processes that exec at once: grpcio's fork handlers have nothing to do there, and
-    # with its threads running they only log that they skip themselves, at every start.
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from tailserve.fleet.supervisor import Supervisor
     from tailserve.loops import run
 
@@ -89,7 +104,11 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
     return FleetConfig(
         repository=repository, host=args.host, port=args.port, grpc_port=args.grpc_port,
         workers=args.workers,
-        router=config_from(args), admin_token=admin_token,
+        policy=FrontDoorPolicy(
+            balance=args.balance, model_balance=parse_model_balance(args.model_balance),
+            max_conn=args.max_conn, max_queue=args.max_queue, queue_share=args.queue_share,
+        ),
+        admin_token=admin_token,
         drain_timeout_s=args.drain_timeout_s, worker_args=tuple(worker_args(args)),
     )  # fmt: skip
 

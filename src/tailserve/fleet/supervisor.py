@@ -1,38 +1,51 @@
-"""The supervisor of `tailserve up`: worker processes on loopback ports, the router in front.
+"""The supervisor of `tailserve up`: worker processes on loopback ports, the front door in front.
 
-Start: choose a free loopback port per worker, start the router with the workers' URLs as its
-backends, then start each worker (`tailserve serve`, HTTP only: gRPC clients call the
-router's gRPC port, which sends their calls on over HTTP). Nothing waits for
-models to load: the router checks each worker's readiness itself and sends only to ready ones.
-The supervisor watches readiness too, only to log it and to say once that the fleet is ready.
+Start: choose free loopback ports for each worker (HTTP, and gRPC when the stack serves it),
+start the admin lane (the fleet's own routes, `fleet.admin`), write the front door's config
+(`router.frontdoor`) and start HAProxy on it (`fleet.haproxy`), then start each worker
+(`tailserve serve`). Nothing waits for models to load: HAProxy checks each model's readiness on
+each worker and sends a model's requests only where it is ready. The supervisor watches
+readiness too, to report it (`/v2/fleet`) and to say once that the fleet is ready.
 
-A worker that exits is started again on the same port (its URL is the router's backend), after
-a delay that doubles while it keeps dying (`RestartPolicy`).
+A worker that exits is started again on the same ports (the front door's config names them),
+after a delay that doubles while it keeps dying (`RestartPolicy`); so does the front door.
+When the repository's models change (a load through the admin lane), the front door is
+reloaded with one backend a model, without dropping a connection.
 
-SIGTERM, SIGINT or SIGHUP: the router drains first (no new requests, those in flight finish),
-then every worker gets SIGTERM and drains itself; a worker still running after the drain
-timeout is killed, and so is every worker at a second signal. Workers run in sessions of their
-own, so a Ctrl-C in the terminal reaches only the supervisor, which keeps that order; the price
-is that a supervisor killed with SIGKILL leaves them running.
+SIGTERM, SIGINT or SIGHUP, to the supervisor alone or to its whole process group: the front
+door drains first (it stops listening; requests in flight finish), then every worker gets
+SIGTERM and drains itself; a worker still running after the drain timeout is killed, and so is
+every worker at a second signal. The front door and the workers run in sessions of their own,
+so a signal to the group reaches only the supervisor, which keeps that order; the price is
+that a supervisor killed with SIGKILL leaves them running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tailserve.errors import ConfigError, UpstreamError
+from tailserve.fleet.admin import AdminLane, Slot
+from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.restarts import Backoff, RestartPolicy
-from tailserve.router.config import RouterConfig, backend_url, parse_backend
-from tailserve.router.proxy import Router
+from tailserve.protocols.http.server import HttpServer
+from tailserve.repository.config import load_model_config
+from tailserve.repository.discovery import model_dirs
+from tailserve.router.config import backend_url
+from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
 from tailserve.transport.http1 import Pool, frame_request
 
 log = logging.getLogger(__name__)
@@ -43,21 +56,22 @@ LOOPBACK = "127.0.0.1"
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Beyond the drain timeout, the time a drained worker has to close its models and exit.
 EXIT_GRACE_S = 5.0
+# A model whose config cannot be read is routed with this SLO (its workers say what is wrong).
+DEFAULT_SLO_MS = 1000.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FleetConfig:
     repository: str
-    host: str = "0.0.0.0"
+    host: str = LOOPBACK
     port: int = 8080
-    # The router's gRPC port (the Open Inference Protocol's gRPC service; 0: none, as
-    # here; `tailserve up` listens on 8081).
+    # The front door's gRPC port (the Open Inference Protocol's gRPC service, spread over the
+    # workers' own gRPC ports; 0: none, as here; `tailserve up` listens on 8081).
     grpc_port: int = 0
     workers: int = 1
-    # The router's policy (balancing, hedging, ejection, limits); its address, backends,
-    # admin token and drain timeout come from the fields here.
-    router: RouterConfig = field(default_factory=RouterConfig)
-    # Both the workers' admin routes and the router (which reads each worker's model index).
+    # The front door's policy (balancing, admission, retries, ejection).
+    policy: FrontDoorPolicy = field(default_factory=FrontDoorPolicy)
+    # The workers' admin routes need it (and so the fleet's, which pass it on).
     admin_token: str | None = None
     drain_timeout_s: float = 30.0
     # More `tailserve serve` flags, the same for every worker (--redis-url URL, --log-level L).
@@ -78,6 +92,7 @@ class ManagedWorker:
 
     name: str
     port: int
+    grpc_port: int = 0
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     ready: bool = False
@@ -108,34 +123,72 @@ class ManagedWorker:
             assert self.process is not None
             self.process.kill()
 
+    def slot(self) -> Slot:
+        return Slot(self.name, LOOPBACK, self.port, self.pid, self.ready, self.restarts,
+                    self.running)  # fmt: skip
+
 
 class Supervisor:
-    """The router and N workers in one event loop: `start`, then `stop` (or `run`, which waits
-    for a signal in between)."""
+    """The front door and N workers, from one event loop: `start`, then `stop` (or `run`,
+    which waits for a signal in between)."""
 
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         self.workers: list[ManagedWorker] = []
-        # Set once, when every worker has been ready and the router too (the first start).
+        # Set once, when every worker has been ready and the front door too (the first start).
         self.ready = asyncio.Event()
         self._workers_ready = asyncio.Event()
         self._signalled = asyncio.Event()
-        self._router: Router | None = None
+        self._run_dir = tempfile.TemporaryDirectory(prefix="tailserve-up-")
+        self.front_door_process = HAProxy(Path(self._run_dir.name))
+        self._admin = AdminLane(self)
+        self._admin_server = HttpServer(self._admin, max_body_bytes=16 * 1024 * 1024)
+        self._models: dict[str, float] = {}
+        self._stats_port = 0
+        self._listen_port = 0
         self._keepers: list[asyncio.Task[None]] = []  # one a worker
+        self._door_keeper: asyncio.Task[None] | None = None
         self._announcer: asyncio.Task[None] | None = None
+        self._reload_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
 
     @property
-    def router_port(self) -> int:
-        if self._router is None:
+    def port(self) -> int:
+        """The front door's HTTP port."""
+        if not self._listen_port:
             raise RuntimeError("the supervisor has not started")
-        return self._router.port
+        return self._listen_port
 
     @property
-    def router_url(self) -> str:
-        """Where a client on this machine reaches the router."""
+    def url(self) -> str:
+        """Where a client on this machine reaches the front door."""
         wildcard = {"0.0.0.0": LOOPBACK, "": LOOPBACK, "::": "::1"}
-        return backend_url(wildcard.get(self.config.host, self.config.host), self.router_port)
+        return backend_url(wildcard.get(self.config.host, self.config.host), self.port)
+
+    # --- the admin lane's view (fleet.admin.Fleet) ---------------------------------------------
+
+    def slots(self) -> list[Slot]:
+        return [worker.slot() for worker in self.workers]
+
+    def front_door(self) -> dict[str, Any]:
+        door = self.front_door_process
+        return {"pid": door.pid, "running": door.running, "reloads": door.reloads,
+                "models": sorted(self._models), "config": str(door.config_path)}  # fmt: skip
+
+    @property
+    def stats_port(self) -> int:
+        return self._stats_port
+
+    async def models_changed(self) -> None:
+        """Reload the front door if the repository's models are not those it routes."""
+        async with self._reload_lock:
+            models = repository_models(Path(self.config.repository))
+            if models == self._models or self._stopping.is_set():
+                return
+            self._models = models
+            await self.front_door_process.reload(self._front_door_config())
+
+    # --- run ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Start, serve until SIGTERM, SIGINT or SIGHUP, then drain and stop."""
@@ -145,7 +198,7 @@ class Supervisor:
         try:
             await self.start()
             await self._signalled.wait()
-            log.info("signalled: draining the router, then the workers")
+            log.info("signalled: draining the front door, then the workers")
         finally:
             await self.stop()
             for sig in SHUTDOWN_SIGNALS:
@@ -157,37 +210,53 @@ class Supervisor:
             log.warning("signalled again: killing the workers")
             for worker in self.workers:
                 worker.kill()
+            self.front_door_process.kill()
         self._signalled.set()
 
     async def start(self) -> None:
-        """Start the router, then the workers; return without waiting for them to be ready."""
-        ports = free_ports(self.config.workers)
-        self.workers = [ManagedWorker(f"worker-{i}", port) for i, port in enumerate(ports)]
-        # The router first: a taken public port fails before any worker has started.
-        router = Router(self._router_config())
+        """Start the admin lane, the front door, then the workers; return without waiting for
+        the workers to be ready."""
+        grpc = self.config.grpc_port != 0
+        ports = free_ports(self.config.workers * (2 if grpc else 1) + 1)
+        self._stats_port = ports.pop()
+        self.workers = [
+            ManagedWorker(f"worker-{i}", ports[i], ports[self.config.workers + i] if grpc else 0)
+            for i in range(self.config.workers)
+        ]
+        await self._admin_server.start(LOOPBACK, 0)
+        self._models = repository_models(Path(self.config.repository))
+        # The front door first: a taken public port fails before any worker has started.
+        self._listen_port = self.config.port or free_ports(1)[0]
         try:
-            await router.start()
-        except OSError as exc:
-            await router.drain(0)  # its health checks have started
+            await self.front_door_process.start(self._front_door_config())
+        except ConfigError as exc:
+            await self._close_admin()
             where = f"{self.config.host}:{self.config.port}"
-            raise ConfigError(f"the router cannot listen on {where}: {exc.strerror}") from None
-        self._router = router
+            raise ConfigError(f"the front door cannot start on {where}: {exc}") from None
+        self._door_keeper = _task(self._keep_front_door(), "keep the front door")
         self._keepers = [_task(self._keep(w), f"keep {w.name}") for w in self.workers]
         self._announcer = _task(self._announce(), "announce")
 
     async def stop(self) -> None:
-        """Drain the router, then the workers; kill a worker still running after the timeout."""
+        """Drain the front door, then the workers; kill a worker still running after the
+        timeout."""
         if self._stopping.is_set():
             return
-        self._stopping.set()  # from here on no worker is restarted
-        if self._announcer is not None:
-            self._announcer.cancel()
-            await asyncio.gather(self._announcer, return_exceptions=True)
+        self._stopping.set()  # from here on nothing is restarted
+        for task in (self._announcer, self._door_keeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         try:
-            if self._router is not None:
-                await self._router.drain(self.config.drain_timeout_s)
+            await self.front_door_process.drain(self.config.drain_timeout_s)
         finally:
             await self._stop_workers()
+            await self._close_admin()
+            self._run_dir.cleanup()
+
+    async def _close_admin(self) -> None:
+        await self._admin_server.drain(1.0)
+        await self._admin.close()
 
     async def _stop_workers(self) -> None:
         for worker in self.workers:
@@ -201,18 +270,44 @@ class Supervisor:
                 worker.kill()
         await asyncio.gather(*self._keepers, return_exceptions=True)
 
-    def _router_config(self) -> RouterConfig:
-        return self.config.router.replace(
-            host=self.config.host,
-            port=self.config.port,
-            grpc_port=self.config.grpc_port,
-            backends=tuple(worker.url for worker in self.workers),
-            admin_token=self.config.admin_token,
+    def _front_door_config(self) -> str:
+        listen = Listen(
+            host=self.config.host, port=self._listen_port, grpc_port=self.config.grpc_port,
+            admin_port=self._admin_server.port, stats_port=self._stats_port,
             drain_timeout_s=self.config.drain_timeout_s,
-        )
+        )  # fmt: skip
+        members = [Member(w.name, LOOPBACK, w.port, w.grpc_port) for w in self.workers]
+        # HAProxy needs two descriptors a connection, and refuses to start past the limit.
+        policy = self.config.policy
+        most = max(256, _descriptor_limit() // 2 - 100)
+        if policy.max_connections > most:
+            policy = dataclasses.replace(policy, max_connections=most)
+        return render(listen, members, self._models, policy)
 
     def _public_url(self) -> str:
-        return backend_url(self.config.host, self.router_port)
+        return backend_url(self.config.host, self.port)
+
+    # --- the front door -------------------------------------------------------------------------
+
+    async def _keep_front_door(self) -> None:
+        """Start the front door again whenever it exits on its own."""
+        policy = RestartPolicy(self.config.backoff)
+        loop = asyncio.get_running_loop()
+        door = self.front_door_process
+        while True:
+            started = loop.time()
+            code = await door.wait()
+            if self._stopping.is_set() or door.draining:
+                return
+            delay = policy.delay(started_at=started, exited_at=loop.time())
+            log.warning("the front door (pid %s) exited with %s: restarting it in %.1f s",
+                        door.pid, code, delay)  # fmt: skip
+            if await _set_within(self._stopping, delay):
+                return
+            try:
+                await door.start(self._front_door_config())
+            except ConfigError:
+                log.exception("the front door did not start again")
 
     # --- one task per worker --------------------------------------------------------------
 
@@ -271,15 +366,16 @@ class Supervisor:
             self._workers_ready.set()
 
     async def _announce(self) -> None:
-        """Say once that the fleet is ready: every worker is, and the router has seen one."""
+        """Say once that the fleet is ready: every worker is, and the front door has seen one."""
         await self._workers_ready.wait()
-        host, port = parse_backend(self.router_url)
-        await _until_ready(Pool(host, port, max_connections=1), self.config.ready_interval_s)
+        pool = Pool(LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
+                    self.port, max_connections=1)  # fmt: skip
+        await _until_ready(pool, self.config.ready_interval_s)
         count = len(self.workers)
         noun = "worker" if count == 1 else "workers"
-        grpc = self._router.grpc_port if self._router is not None else None
+        grpc = self.config.grpc_port
         also = f" (gRPC on port {grpc})" if grpc else ""
-        print(f"tailserve up: router on {self._public_url()}{also}, {count} {noun} ready",
+        print(f"tailserve up: front door on {self._public_url()}{also}, {count} {noun} ready",
               flush=True)  # fmt: skip
         self.ready.set()
 
@@ -289,7 +385,7 @@ class Supervisor:
             "--repository", self.config.repository,
             "--host", LOOPBACK,
             "--http-port", str(worker.port),
-            "--grpc-port", "0",
+            "--grpc-port", str(worker.grpc_port),
             "--worker-id", worker.name,
             "--drain-timeout", str(self.config.drain_timeout_s),
             *self.config.worker_args,
@@ -300,6 +396,22 @@ class Supervisor:
         if self.config.admin_token is None:
             return None
         return {**os.environ, "TAILSERVE_ADMIN_TOKEN": self.config.admin_token}
+
+
+def _descriptor_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return hard if hard != resource.RLIM_INFINITY else 1 << 20
+
+
+def repository_models(repository: Path) -> dict[str, float]:
+    """Each model of the repository, with its SLO (p99, ms)."""
+    models = {}
+    for name, directory in model_dirs(repository).items():
+        try:
+            models[name] = float(load_model_config(directory).slo.p99_ms)
+        except ConfigError:
+            models[name] = DEFAULT_SLO_MS
+    return models
 
 
 async def _until_ready(

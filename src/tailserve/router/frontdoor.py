@@ -1,0 +1,298 @@
+"""The front door's configuration: tailserve's routing policies written as an HAProxy config.
+
+The front door is HAProxy (a C proxy: no Python parses a request on the hop). This module is
+pure: it turns the fleet's members, its models and the policy into the text of a config, which
+`fleet.haproxy` writes, checks and loads. The mapping:
+
+- one backend a model (``m.<model>``), holding every worker, each checked with the model's own
+  readiness route, so a model's requests go only to workers where it is ready;
+- the balancing policy: ``p2c`` is ``balance random(2)``, ``round-robin`` is ``roundrobin``,
+  ``least-loaded`` is ``leastconn``, ``affinity`` is a consistent hash with bounded load
+  (``hash-balance-factor``) on the ``X-Affinity-Key`` header, else on the request's body;
+- admission: at most ``max_conn`` requests in flight per worker and model, then a queue of at
+  most ``max_queue`` a worker, waited in for at most the model's SLO; a request that finds the
+  queue full, or waits out its time, gets a 503 with ``Retry-After`` at once;
+- outlier ejection: ``observe layer7`` marks a worker down after ``error_limit`` errors in a
+  row, and its checks bring it back;
+- retries: a request whose connection failed, or that got no reply or a 503 (a worker that is
+  draining or not ready), is tried again on another worker (``retries``, ``redispatch``);
+- the fleet's own routes (``/metrics``, ``/v2/fleet``, cache invalidation, repository load and
+  unload) go to the supervisor's admin lane, which fans them out over every worker;
+- gRPC over HTTP/2 to the workers' gRPC ports, spread the same way;
+- HAProxy's own Prometheus exporter on a loopback port, for the admin lane to merge.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tailserve.errors import ConfigError
+
+BALANCE = {
+    "p2c": "random(2)",
+    "round-robin": "roundrobin",
+    "least-loaded": "leastconn",
+    "affinity": "hash var(txn.affinity)",
+}
+AFFINITY_HEADER = "x-affinity-key"
+REPLICA_HEADER = "x-tailserve-replica"
+# The routes the supervisor answers itself (its admin lane), by path prefix or path.
+ADMIN_PATHS = ("/metrics", "/v2/fleet")
+ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/")
+# What HAProxy may put in a backend's name and a path's ACL without quoting.
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_ERRORS = {
+    400: "the request is malformed",
+    408: "the request did not arrive in time",
+    500: "the front door failed to handle the request",
+    502: "a worker gave an invalid answer",
+    503: "no worker can take the request in time: every worker is busy and its queue full, "
+    "or none is ready; retry later",
+    504: "the worker did not answer in time",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A worker as the front door sees it."""
+
+    name: str
+    host: str
+    http_port: int
+    grpc_port: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontDoorPolicy:
+    balance: str = "p2c"
+    model_balance: dict[str, str] = field(default_factory=dict)
+    # Requests in flight a worker takes from one model's backend; beyond it they queue.
+    max_conn: int = 16
+    # Requests queued for one worker beyond which a model's backend answers 503 at once.
+    max_queue: int = 48
+    # The longest a request waits in the queue, as a share of its model's SLO (the rest is
+    # the worker's to serve it in).
+    queue_share: float = 0.5
+    # Bounded load for affinity: no worker takes over this percentage of the mean load.
+    hash_balance_factor: int = 125
+    # Tries after the first (on another worker) for a failed connect, no reply or a 503.
+    retries: int = 2
+    # Errors in a row from one worker that mark it down until its checks pass again.
+    error_limit: int = 10
+    check_interval_ms: int = 1000
+    connect_timeout_ms: int = 1000
+    # A request with no deadline of its own gets this long from its worker.
+    request_timeout_s: float = 30.0
+    keep_alive_s: float = 75.0
+    read_timeout_s: float = 30.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_connections: int = 20000
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (self.balance, *self.model_balance.values()):
+            if name not in BALANCE:
+                raise ConfigError(
+                    f"unknown balancing policy {name!r}: expected one of {', '.join(BALANCE)}"
+                )
+        if self.max_conn < 1 or self.max_queue < 0:
+            raise ConfigError("max_conn must be at least 1 and max_queue at least 0")
+        if not 0.0 < self.queue_share <= 1.0:
+            raise ConfigError(f"queue_share must be in (0, 1], not {self.queue_share}")
+        if self.hash_balance_factor < 100:
+            raise ConfigError("hash_balance_factor is a percentage of at least 100")
+
+    def policy_of(self, model: str) -> str:
+        return self.model_balance.get(model, self.balance)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Listen:
+    """Where the front door listens, and the loopback ports it reaches the fleet's parts on."""
+
+    host: str
+    port: int
+    grpc_port: int = 0
+    admin_port: int = 0  # the supervisor's admin lane (0: none)
+    stats_port: int = 0  # HAProxy's Prometheus exporter, loopback only (0: none)
+    drain_timeout_s: float = 30.0
+
+
+def routable(model: str) -> bool:
+    """Whether a model's name can be a backend of its own (else the default backend serves)."""
+    return bool(_NAME.match(model))
+
+
+def render(
+    listen: Listen,
+    members: list[Member],
+    models: dict[str, float],
+    policy: FrontDoorPolicy,
+) -> str:
+    """The HAProxy config for ``members`` serving ``models`` (name -> SLO p99 in ms)."""
+    named = {m: slo for m, slo in sorted(models.items()) if routable(m)}
+    lines = [*_global(listen, policy), *_defaults(policy), *_frontend(listen, named, policy)]
+    for model, slo_ms in named.items():
+        lines += _backend(
+            f"m.{model}", members, policy.policy_of(model), policy, f"/v2/models/{model}/ready",
+            queue_ms=slo_ms * policy.queue_share,
+        )  # fmt: skip
+    fallback_slo = max(named.values(), default=1000.0)
+    lines += _backend("workers", members, policy.balance, policy, "/v2/health/ready",
+                      queue_ms=fallback_slo * policy.queue_share)  # fmt: skip
+    if listen.admin_port:
+        lines += [
+            "backend admin",
+            "    timeout server 60s",
+            f"    server supervisor 127.0.0.1:{listen.admin_port}",
+            "",
+        ]
+    if listen.grpc_port:
+        lines += _grpc(listen, members, policy, fallback_slo * policy.queue_share)
+    if listen.stats_port:
+        lines += [
+            "frontend stats",
+            f"    bind 127.0.0.1:{listen.stats_port}",
+            "    http-request use-service prometheus-exporter if { path /metrics }",
+            "    http-request return status 404",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _global(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
+    return [
+        "global",
+        "    master-worker",
+        f"    nbthread {policy.threads}",
+        f"    maxconn {policy.max_connections}",
+        f"    hard-stop-after {_ms(listen.drain_timeout_s * 1000)}",
+        # Requests and their bodies are read into buffers this big (a body the affinity
+        # hash reads, and a retry's copy).
+        "    tune.bufsize 32768",
+        "",
+    ]
+
+
+def _defaults(policy: FrontDoorPolicy) -> list[str]:
+    lines = [
+        "defaults",
+        "    mode http",
+        "    option http-keep-alive",
+        "    option forwardfor",
+        f"    timeout connect {policy.connect_timeout_ms}ms",
+        f"    timeout client {_ms(policy.keep_alive_s * 1000)}",
+        f"    timeout http-keep-alive {_ms(policy.keep_alive_s * 1000)}",
+        f"    timeout http-request {_ms(policy.read_timeout_s * 1000)}",
+        f"    timeout server {_ms(policy.request_timeout_s * 1000)}",
+        "    timeout queue 1s",
+        f"    retries {policy.retries}",
+        "    option redispatch 1",
+        "    retry-on conn-failure empty-response junk-response 503",
+        "    http-reuse always",
+    ]
+    for status, message in _ERRORS.items():
+        retry = " hdr retry-after 1" if status == 503 else ""
+        lines.append(
+            f"    http-error status {status} content-type application/json{retry}"
+            f' string "{{\\"error\\": \\"{message}\\"}}"'
+        )
+    return [*lines, ""]
+
+
+def _frontend(listen: Listen, models: dict[str, float], policy: FrontDoorPolicy) -> list[str]:
+    lines = [
+        "frontend http",
+        f"    bind {_address(listen.host)}:{listen.port}",
+        f"    maxconn {policy.max_connections}",
+        f"    http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt "
+        f"{policy.max_body_bytes} }}",
+        '    http-request return status 200 content-type application/json string "{}" '
+        "if { path /v2/health/live }",
+        '    http-request return status 200 content-type application/json string "{}" '
+        "if { path /v2/health/ready } { nbsrv(workers) gt 0 }",
+        "    http-request return status 503 content-type application/json "
+        'string "{\\"error\\": \\"no worker is ready\\"}" if { path /v2/health/ready }',
+        f"    http-response set-header {REPLICA_HEADER} %s",
+    ]
+    if any(policy.policy_of(m) == "affinity" for m in models) or policy.balance == "affinity":
+        # The key of the consistent hash: the header, else the body (read whole first).
+        lines += [
+            "    option http-buffer-request",
+            f"    http-request set-var(txn.affinity) req.hdr({AFFINITY_HEADER})",
+            "    http-request set-var(txn.affinity) req.body if !{ var(txn.affinity) -m found }",
+        ]
+    if listen.admin_port:
+        paths = " ".join(ADMIN_PATHS)
+        prefixes = " ".join(ADMIN_PREFIXES)
+        lines.append(f"    use_backend admin if {{ path {paths} }} || {{ path_beg {prefixes} }}")
+    for model in models:
+        lines.append(
+            f"    use_backend m.{model} if {{ path /v2/models/{model} }} || "
+            f"{{ path_beg /v2/models/{model}/ /v1/models/{model}: }}"
+        )
+    return [*lines, "    default_backend workers", ""]
+
+
+def _backend(
+    name: str,
+    members: list[Member],
+    balance: str,
+    policy: FrontDoorPolicy,
+    check: str,
+    *,
+    queue_ms: float,
+) -> list[str]:
+    lines = [
+        f"backend {name}",
+        f"    balance {BALANCE[balance]}",
+        f"    timeout queue {_ms(queue_ms)}",
+        f"    option httpchk GET {check}",
+        "    http-check expect status 200",
+    ]
+    if balance == "affinity":
+        lines += [
+            "    hash-type consistent",
+            f"    hash-balance-factor {policy.hash_balance_factor}",
+        ]
+    lines.append(
+        f"    default-server check inter {policy.check_interval_ms}ms fall 2 rise 1 "
+        f"maxconn {policy.max_conn} maxqueue {policy.max_queue} "
+        f"observe layer7 error-limit {policy.error_limit} on-error mark-down"
+    )
+    lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}" for m in members]
+    return [*lines, ""]
+
+
+def _grpc(
+    listen: Listen, members: list[Member], policy: FrontDoorPolicy, queue_ms: float
+) -> list[str]:
+    lines = [
+        "frontend grpc",
+        f"    bind {_address(listen.host)}:{listen.grpc_port} proto h2",
+        f"    maxconn {policy.max_connections}",
+        "    default_backend grpc",
+        "",
+        "backend grpc",
+        f"    balance {BALANCE['p2c']}",
+        f"    timeout queue {_ms(queue_ms)}",
+        "    option httpchk GET /v2/health/ready",
+        "    http-check expect status 200",
+        f"    default-server check inter {policy.check_interval_ms}ms fall 2 rise 1 "
+        f"maxconn {policy.max_conn} maxqueue {policy.max_queue}",
+    ]
+    lines += [
+        f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 check port {m.http_port} check-proto h1"
+        for m in members
+        if m.grpc_port
+    ]
+    return [*lines, ""]
+
+
+def _address(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _ms(value: float) -> str:
+    return f"{max(1, round(value))}ms"

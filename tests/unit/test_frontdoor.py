@@ -1,0 +1,120 @@
+"""The front door's config: each routing policy as HAProxy config lines, checked by HAProxy."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tailserve.errors import ConfigError
+from tailserve.fleet.haproxy import find_binary
+from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+
+MEMBERS = [Member("worker-0", "127.0.0.1", 9001, 9101), Member("worker-1", "127.0.0.1", 9002, 9102)]
+LISTEN = Listen(host="127.0.0.1", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201)
+
+
+def backend(config: str, name: str) -> list[str]:
+    """The lines of one backend (or frontend) section."""
+    lines = config.splitlines()
+    start = lines.index(name)
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()), len(lines))
+    return [line.strip() for line in lines[start + 1 : end]]
+
+
+def test_each_model_has_a_backend_checked_by_its_own_readiness() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0, "sentiment": 200.0}, FrontDoorPolicy())
+    churn = backend(config, "backend m.churn")
+    assert "option httpchk GET /v2/models/churn/ready" in churn
+    assert "server worker-0 127.0.0.1:9001" in churn and "server worker-1 127.0.0.1:9002" in churn
+    assert "option httpchk GET /v2/models/sentiment/ready" in backend(config, "backend m.sentiment")
+    front = backend(config, "frontend http")
+    assert (
+        "use_backend m.churn if { path /v2/models/churn } || "
+        "{ path_beg /v2/models/churn/ /v1/models/churn: }"
+    ) in front
+
+
+def test_admission_is_a_bounded_queue_timed_by_the_models_slo() -> None:
+    policy = FrontDoorPolicy(max_conn=8, max_queue=20, queue_share=0.5)
+    config = render(LISTEN, MEMBERS, {"churn": 50.0, "sentiment": 200.0}, policy)
+    churn = backend(config, "backend m.churn")
+    assert "timeout queue 25ms" in churn
+    assert "timeout queue 100ms" in backend(config, "backend m.sentiment")
+    (defaults,) = [line for line in churn if line.startswith("default-server")]
+    assert "maxconn 8 maxqueue 20" in defaults
+    assert "observe layer7 error-limit 10 on-error mark-down" in defaults
+    # An overflowing queue answers at once, in JSON, with Retry-After.
+    assert any(
+        line.startswith("http-error status 503 content-type application/json hdr retry-after 1")
+        for line in backend(config, "defaults")
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "line"),
+    [
+        ("p2c", "balance random(2)"),
+        ("round-robin", "balance roundrobin"),
+        ("least-loaded", "balance leastconn"),
+        ("affinity", "balance hash var(txn.affinity)"),
+    ],
+)
+def test_balancing_policies_map_onto_haproxy(policy: str, line: str) -> None:
+    config = render(
+        LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy(model_balance={"churn": policy})
+    )
+    assert line in backend(config, "backend m.churn")
+    assert "balance random(2)" in backend(config, "backend workers")
+
+
+def test_affinity_hashes_the_header_else_the_body_with_bounded_load() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy(balance="affinity"))
+    churn = backend(config, "backend m.churn")
+    assert "hash-type consistent" in churn and "hash-balance-factor 125" in churn
+    front = backend(config, "frontend http")
+    assert "http-request set-var(txn.affinity) req.hdr(x-affinity-key)" in front
+    assert "http-request set-var(txn.affinity) req.body if !{ var(txn.affinity) -m found }" in front
+    assert "option http-buffer-request" in front
+
+
+def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_to_the_workers_grpc_ports() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
+    front = backend(config, "frontend http")
+    assert (
+        "use_backend admin if { path /metrics /v2/fleet } || "
+        "{ path_beg /v2/cache/ /v2/repository/ }"
+    ) in front
+    assert "server supervisor 127.0.0.1:9200" in backend(config, "backend admin")
+    grpc = backend(config, "backend grpc")
+    assert "server worker-0 127.0.0.1:9101 proto h2 check port 9001 check-proto h1" in grpc
+    assert "bind 127.0.0.1:8081 proto h2" in backend(config, "frontend grpc")
+
+
+def test_a_model_name_haproxy_cannot_hold_goes_to_the_default_backend() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0, "odd name": 50.0}, FrontDoorPolicy())
+    assert "backend m.odd name" not in config
+    assert "backend m.churn" in config
+
+
+def test_an_unknown_policy_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="unknown balancing policy 'fastest'"):
+        FrontDoorPolicy(balance="fastest")
+
+
+@pytest.mark.parametrize("balance", ["p2c", "affinity", "round-robin", "least-loaded"])
+def test_haproxy_accepts_the_config(balance: str, tmp_path: Path) -> None:
+    config = render(
+        Listen(host="0.0.0.0", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201),
+        MEMBERS,
+        {"churn": 50.0, "sentiment": 200.0},
+        FrontDoorPolicy(balance=balance, max_connections=1000),
+    )
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(config)
+    checked = subprocess.run(
+        [find_binary(), "-c", "-f", str(path)], capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "[WARNING]" not in checked.stdout + checked.stderr
