@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tailserve.errors import TailserveError
-from tailserve.settings import load_settings
+from tailserve.settings import LOG_LEVELS, load_settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         help="unready while any model failed to load (one left out for want of --redis-url "
         "did not fail)",
     )
-    serve.add_argument("--log-level", help="debug, info, warning, error")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
     serve.add_argument("--access-log", action="store_true", default=None)
     serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")

@@ -17,6 +17,8 @@ import yaml
 from tailserve.errors import ConfigError
 
 ENV_PREFIX = "TAILSERVE_"
+# What --log-level takes, for `tailserve serve` and `tailserve up` alike (up passes its own on).
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,9 +99,16 @@ def load_settings(
                 merged[name] = value
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
-        return msgspec.convert(merged, Settings, strict=False)
+        settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid setting: {exc}") from None
+    level = settings.log_level.lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            f"invalid setting: log_level must be one of {', '.join(LOG_LEVELS)}, "
+            f"not {settings.log_level!r}"
+        )
+    return settings.replace(log_level=level)
 
 
 def _from_file(path: Path) -> dict[str, Any]:

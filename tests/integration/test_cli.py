@@ -12,6 +12,7 @@ import httpx
 import yaml
 
 from support.servers import worker_process
+from tailserve.settings import LOG_LEVELS
 
 # A line of the worker's log: "2026-11-25 23:20:51,259 INFO tailserve.server: HTTP on ..."
 LOG_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<message>.*)$")
@@ -67,6 +68,20 @@ def test_bench_errors_name_the_file_field_or_server(tmp_path: Path) -> None:
     done = tailserve("bench", "compare", str(tmp_path / "a.json"))
     assert done.returncode == 2
     assert "two or more result files" in done.stderr
+
+
+def test_serve_and_up_take_the_same_log_levels(tmp_path: Path) -> None:
+    absent = str(tmp_path / "absent")
+    for level in LOG_LEVELS:
+        # Each level passes the flags and stops at the missing repository.
+        done = tailserve("serve", "--repository", absent, "--log-level", level)
+        assert done.returncode == 2 and "is not a folder" in done.stderr, done.stderr
+        done = tailserve("up", "--repository", absent, "--log-level", level)
+        assert done.returncode == 2 and "no model repository" in done.stderr, done.stderr
+    for command in ("serve", "up"):
+        done = tailserve(command, "--repository", absent, "--log-level", "verbose")
+        assert done.returncode == 2
+        assert "invalid choice: 'verbose' (choose from 'debug', 'info'" in done.stderr
 
 
 def test_a_default_start_of_the_examples_logs_no_error(

@@ -1,10 +1,13 @@
-"""The settings a worker starts with: loopback unless asked."""
+"""The settings a worker starts with: loopback unless asked, and log levels checked once."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tailserve.settings import Settings, load_settings
+import pytest
+
+from tailserve.errors import ConfigError
+from tailserve.settings import LOG_LEVELS, Settings, load_settings
 
 
 def test_a_worker_listens_on_loopback_unless_asked(tmp_path: Path) -> None:
@@ -16,3 +19,11 @@ def test_a_worker_listens_on_loopback_unless_asked(tmp_path: Path) -> None:
     assert load_settings(config_file=config).host == "::"
     flags = {"host": "192.168.1.20"}
     assert load_settings(config_file=config, overrides=flags).host == "192.168.1.20"
+
+
+def test_log_levels_are_checked_and_read_in_any_case() -> None:
+    for level in LOG_LEVELS:
+        assert load_settings(overrides={"log_level": level}).log_level == level
+    assert load_settings(env={"TAILSERVE_LOG_LEVEL": "WARNING"}).log_level == "warning"
+    with pytest.raises(ConfigError, match="log_level must be one of debug, info, warning"):
+        load_settings(env={"TAILSERVE_LOG_LEVEL": "verbose"})
