@@ -11,7 +11,8 @@ Off the inference path (HAProxy routes only these paths to it), on the worker's 
   worker, then the front door is told the models may have changed.
 
 The admin token, where one is set, is checked by each worker: the lane passes the request's
-``Authorization`` header on.
+``Authorization`` header on. Where the stack listens beyond loopback with no token, the lane
+refuses the routes that change something (403), as a worker would (`tailserve.admin`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from tailserve.admin import CLOSED_MESSAGE, AdminAccess
 from tailserve.errors import UpstreamError
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.server import Headers, Reply
@@ -65,8 +67,9 @@ class Fleet(Protocol):
 class AdminLane:
     """The `Application` the supervisor's HTTP server runs (protocols.http.server)."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, access: AdminAccess = AdminAccess.OPEN) -> None:
         self.fleet = fleet
+        self.access = access
         self._pools: dict[tuple[str, int], Pool] = {}
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
@@ -81,6 +84,8 @@ class AdminLane:
             return await self._metrics()
         if path == "/v2/fleet" and method in ("GET", "HEAD"):
             return 200, _JSON, orjson.dumps(self._fleet())
+        if path.startswith(("/v2/cache/", "/v2/repository/")) and self.access is AdminAccess.CLOSED:
+            return 403, _JSON, orjson.dumps({"error": CLOSED_MESSAGE})
         if path == "/v2/cache/invalidate" and method == "POST":
             return await self._fan_out(request)
         if path == "/v2/repository/index" and method in ("GET", "POST"):

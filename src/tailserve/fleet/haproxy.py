@@ -34,6 +34,7 @@ _ROUTINE = re.compile(
     r"|Former worker|Loading success"
 )
 MASTER_SOCKET = "master.sock"
+STATE_NAME = "servers.state"
 
 
 def find_binary(env: dict[str, str] | os._Environ[str] | None = None) -> str:
@@ -64,6 +65,8 @@ class HAProxy:
         self.binary = binary or find_binary()
         self.config_path = run_dir / CONFIG_NAME
         self.socket_path = run_dir / MASTER_SOCKET
+        # The config names it (server-state-file): each worker's state, kept over a reload.
+        self.state_path = run_dir / STATE_NAME
         self.process: asyncio.subprocess.Process | None = None
         self.reloads = 0
         self._draining = False
@@ -84,12 +87,13 @@ class HAProxy:
         candidate = self.run_dir / f"{CONFIG_NAME}.new"
         candidate.write_text(config, encoding="utf-8")
         checker = await asyncio.create_subprocess_exec(
-            self.binary, "-c", "-q", "-f", str(candidate),
+            self.binary, "-c", "-f", str(candidate),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         output, _ = await checker.communicate()
         if checker.returncode != 0:
-            text = output.decode(errors="replace").strip()
+            lines = output.decode(errors="replace").splitlines()
+            text = " ".join(line for line in lines if not line.startswith("[NOTICE]"))
             raise ConfigError(f"the front door's config is not valid: {text}")
 
     async def start(self, config: str) -> None:
@@ -116,6 +120,9 @@ class HAProxy:
             raise RuntimeError("the front door is not running")
         await self.check(config)
         before = set(await self.worker_pids())
+        # The new process reads which workers are up from here, rather than take them all for
+        # down until its first checks pass.
+        self.state_path.write_text(await self.command("@1 show servers state"), encoding="utf-8")
         os.replace(self.run_dir / f"{CONFIG_NAME}.new", self.config_path)
         assert self.process is not None
         self.process.send_signal(signal.SIGUSR2)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailserve.admin import admin_access
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet.admin import AdminLane, Slot
 from tailserve.fleet.haproxy import HAProxy
@@ -141,7 +142,7 @@ class Supervisor:
         self._signalled = asyncio.Event()
         self._run_dir = tempfile.TemporaryDirectory(prefix="tailserve-up-")
         self.front_door_process = HAProxy(Path(self._run_dir.name))
-        self._admin = AdminLane(self)
+        self._admin = AdminLane(self, admin_access(config.host, config.admin_token))
         self._admin_server = HttpServer(self._admin, max_body_bytes=16 * 1024 * 1024)
         self._models: dict[str, float] = {}
         self._stats_port = 0
@@ -275,6 +276,7 @@ class Supervisor:
             host=self.config.host, port=self._listen_port, grpc_port=self.config.grpc_port,
             admin_port=self._admin_server.port, stats_port=self._stats_port,
             drain_timeout_s=self.config.drain_timeout_s,
+            state_file=str(self.front_door_process.state_path),
         )  # fmt: skip
         members = [Member(w.name, LOOPBACK, w.port, w.grpc_port) for w in self.workers]
         # HAProxy needs two descriptors a connection, and refuses to start past the limit.
@@ -371,6 +373,7 @@ class Supervisor:
         pool = Pool(LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
                     self.port, max_connections=1)  # fmt: skip
         await _until_ready(pool, self.config.ready_interval_s)
+        await self._until_routed()
         count = len(self.workers)
         noun = "worker" if count == 1 else "workers"
         grpc = self.config.grpc_port
@@ -378,6 +381,23 @@ class Supervisor:
         print(f"tailserve up: front door on {self._public_url()}{also}, {count} {noun} ready",
               flush=True)  # fmt: skip
         self.ready.set()
+
+    async def _until_routed(self) -> None:
+        """Wait until each model that the first worker serves is served through the front door
+        too (its checks have seen it ready)."""
+        worker = self.workers[0]
+        direct = Pool(LOOPBACK, worker.port, max_connections=1)
+        door = Pool(LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
+                    self.port, max_connections=1)  # fmt: skip
+        try:
+            for model in self._models:
+                path = f"/v2/models/{model}/ready"
+                with contextlib.suppress(UpstreamError):
+                    reply = await direct.request(frame_request("GET", path, direct.origin), 2.0)
+                    if reply.status == 200:
+                        await _until_ok(door, path, self.config.ready_interval_s / 5)
+        finally:
+            await asyncio.gather(direct.close(), door.close())
 
     def _worker_command(self, worker: ManagedWorker) -> list[str]:
         return [
@@ -399,7 +419,7 @@ class Supervisor:
 
 
 def _descriptor_limit() -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return hard if hard != resource.RLIM_INFINITY else 1 << 20
 
 
@@ -429,6 +449,14 @@ async def _until_ready(
         return False
     finally:
         await pool.close()
+
+
+async def _until_ok(pool: Pool, path: str, interval_s: float) -> None:
+    request = frame_request("GET", path, pool.origin)
+    while True:
+        if (await pool.request(request, timeout_s=2.0)).status == 200:
+            return
+        await asyncio.sleep(interval_s)
 
 
 async def _set_within(event: asyncio.Event, timeout_s: float) -> bool:

@@ -10,8 +10,9 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   ``least-loaded`` is ``leastconn``, ``affinity`` is a consistent hash with bounded load
   (``hash-balance-factor``) on the ``X-Affinity-Key`` header, else on the request's body;
 - admission: at most ``max_conn`` requests in flight per worker and model, then a queue of at
-  most ``max_queue`` a worker, waited in for at most the model's SLO; a request that finds the
-  queue full, or waits out its time, gets a 503 with ``Retry-After`` at once;
+  most ``max_queue`` a worker, waited in for at most a share of the model's SLO; a request that
+  finds the queues full gets a 503 with ``Retry-After`` at once, one that waits out its time
+  gets it then;
 - outlier ejection: ``observe layer7`` marks a worker down after ``error_limit`` errors in a
   row, and its checks bring it back;
 - retries: a request whose connection failed, or that got no reply or a 503 (a worker that is
@@ -40,6 +41,9 @@ REPLICA_HEADER = "x-tailserve-replica"
 # The routes the supervisor answers itself (its admin lane), by path prefix or path.
 ADMIN_PATHS = ("/metrics", "/v2/fleet")
 ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/")
+# A worker that is down (starting, loading a model) is checked this often, so that it takes
+# requests soon after it is ready.
+_DOWN_INTER_MS = 200
 # What HAProxy may put in a backend's name and a path's ACL without quoting.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ERRORS = {
@@ -116,6 +120,9 @@ class Listen:
     grpc_port: int = 0
     admin_port: int = 0  # the supervisor's admin lane (0: none)
     stats_port: int = 0  # HAProxy's Prometheus exporter, loopback only (0: none)
+    # Where each worker's state (up, down) is kept across a reload ("": nowhere; a reloaded
+    # front door would then take every worker for down until its first checks pass).
+    state_file: str = ""
     drain_timeout_s: float = 30.0
 
 
@@ -132,7 +139,11 @@ def render(
 ) -> str:
     """The HAProxy config for ``members`` serving ``models`` (name -> SLO p99 in ms)."""
     named = {m: slo for m, slo in sorted(models.items()) if routable(m)}
-    lines = [*_global(listen, policy), *_defaults(policy), *_frontend(listen, named, policy)]
+    lines = [
+        *_global(listen, policy),
+        *_defaults(listen, policy),
+        *_frontend(listen, named, policy),
+    ]
     for model, slo_ms in named.items():
         lines += _backend(
             f"m.{model}", members, policy.policy_of(model), policy, f"/v2/models/{model}/ready",
@@ -171,15 +182,21 @@ def _global(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
         # Requests and their bodies are read into buffers this big (a body the affinity
         # hash reads, and a retry's copy).
         "    tune.bufsize 32768",
+        *([f"    server-state-file {listen.state_file}"] if listen.state_file else []),
         "",
     ]
 
 
-def _defaults(policy: FrontDoorPolicy) -> list[str]:
+def _defaults(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
     lines = [
         "defaults",
         "    mode http",
+        *(["    load-server-state-from-file global"] if listen.state_file else []),
         "    option http-keep-alive",
+        # A reload or a drain keeps a client's idle kept-alive connection open until its next
+        # request, answered with "Connection: close": closed while idle, a request the client
+        # was sending would be lost.
+        "    option idle-close-on-response",
         "    option forwardfor",
         f"    timeout connect {policy.connect_timeout_ms}ms",
         f"    timeout client {_ms(policy.keep_alive_s * 1000)}",
@@ -248,6 +265,9 @@ def _backend(
         f"backend {name}",
         f"    balance {BALANCE[balance]}",
         f"    timeout queue {_ms(queue_ms)}",
+        # A server's full queue sends the request on to the backend's, which has no bound of
+        # its own: refuse at once when the queues together are full.
+        f"    http-request deny deny_status 503 if {{ queue ge {policy.max_queue * len(members)} }}",  # noqa: E501
         f"    option httpchk GET {check}",
         "    http-check expect status 200",
     ]
@@ -257,7 +277,8 @@ def _backend(
             f"    hash-balance-factor {policy.hash_balance_factor}",
         ]
     lines.append(
-        f"    default-server check inter {policy.check_interval_ms}ms fall 2 rise 1 "
+        f"    default-server check inter {policy.check_interval_ms}ms downinter {_DOWN_INTER_MS}ms "
+        "fall 2 rise 1 "
         f"maxconn {policy.max_conn} maxqueue {policy.max_queue} "
         f"observe layer7 error-limit {policy.error_limit} on-error mark-down"
     )
@@ -279,11 +300,13 @@ def _grpc(
         f"    timeout queue {_ms(queue_ms)}",
         "    option httpchk GET /v2/health/ready",
         "    http-check expect status 200",
-        f"    default-server check inter {policy.check_interval_ms}ms fall 2 rise 1 "
+        f"    default-server check inter {policy.check_interval_ms}ms downinter {_DOWN_INTER_MS}ms "
+        "fall 2 rise 1 "
         f"maxconn {policy.max_conn} maxqueue {policy.max_queue}",
     ]
     lines += [
-        f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 check port {m.http_port} check-proto h1"
+        f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 "
+        f"check port {m.http_port} check-proto h1"
         for m in members
         if m.grpc_port
     ]

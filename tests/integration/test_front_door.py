@@ -1,0 +1,177 @@
+"""The stack's front door (HAProxy) and admin lane, against real workers: admission by a
+bounded queue, reloads without a dropped request, and the fleet's own routes (invalidation on
+every worker, one /metrics, the admin token beyond loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support.models import doubler_config, write_model
+from support.servers import async_wait_for
+from tailserve.fleet.supervisor import FleetConfig, Supervisor
+from tailserve.router.frontdoor import FrontDoorPolicy
+
+X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]}]}
+
+
+def infer(model: str) -> str:
+    return f"/v2/models/{model}/infer"
+
+
+async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
+    supervisor = Supervisor(config)
+    await supervisor.start()
+    try:
+        await asyncio.wait_for(supervisor.ready.wait(), timeout=90)
+        yield supervisor
+    finally:
+        await supervisor.stop()
+
+
+@pytest.fixture
+async def two_workers(tmp_path: Path) -> AsyncIterator[Supervisor]:
+    write_model(tmp_path / "repo", "doubler", doubler_config(cache={"enabled": True}))
+    config = FleetConfig(repository=str(tmp_path / "repo"), port=0, workers=2, drain_timeout_s=5)
+    async for supervisor in started(config):
+        yield supervisor
+
+
+async def test_an_overflowing_queue_answers_503_at_once(tmp_path: Path) -> None:
+    # One worker, one request in flight and one queued: the rest are refused at the door.
+    slow = doubler_config(parameters={"delay": 0.4}, slo={"p99_ms": 2000})
+    write_model(tmp_path / "repo", "slow", slow)
+    policy = FrontDoorPolicy(max_conn=1, max_queue=1)
+    config = FleetConfig(repository=str(tmp_path / "repo"), port=0, policy=policy,
+                         drain_timeout_s=5)  # fmt: skip
+    async for stack in started(config):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+
+            async def one() -> tuple[int, float, httpx.Response]:
+                begun = time.perf_counter()
+                reply = await client.post(infer("slow"), json=X)
+                return reply.status_code, time.perf_counter() - begun, reply
+
+            results = await asyncio.gather(*(one() for _ in range(6)))
+    served = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 503]
+    assert len(served) == 2 and len(refused) == 4, [r[0] for r in results]
+    for _, took, reply in refused:
+        assert took < 0.3, f"a refusal took {took:.3f} s"
+        assert reply.headers["retry-after"] == "1"
+        assert "busy" in reply.json()["error"]
+
+
+async def test_a_model_loaded_later_gets_a_backend_without_a_dropped_request(
+    two_workers: Supervisor,
+) -> None:
+    stack = two_workers
+    repository = Path(stack.config.repository)
+    failures: list[str] = []
+    sent = 0
+    stop = asyncio.Event()
+
+    async def keep_sending(client: httpx.AsyncClient) -> None:
+        nonlocal sent
+        while not stop.is_set():
+            reply = await client.post(infer("doubler"), json=X)
+            sent += 1
+            if reply.status_code != 200:
+                failures.append(f"{reply.status_code} {reply.text}")
+
+    async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+        senders = [asyncio.create_task(keep_sending(client)) for _ in range(4)]
+        for round_ in range(3):
+            name = f"tripler{round_}"
+            shutil.copytree(repository / "doubler", repository / name)
+            loaded = await client.post(f"/v2/repository/models/{name}/load")
+            assert loaded.status_code == 200, loaded.text
+            assert set(loaded.json()["workers"]) == {"worker-0", "worker-1"}
+
+            async def answers(model: str = name) -> bool:
+                return (await client.post(infer(model), json=X)).status_code == 200
+
+            await async_wait_for(answers, what=f"{name} to be served through the front door")
+        stop.set()
+        await asyncio.gather(*senders)
+        fleet = (await client.get("/v2/fleet")).json()
+    assert fleet["front_door"]["reloads"] == 3
+    assert {"doubler", "tripler0", "tripler1", "tripler2"} <= set(fleet["front_door"]["models"])
+    assert sent > 50
+    assert failures == []
+
+
+async def test_invalidation_reaches_every_worker_without_redis(two_workers: Supervisor) -> None:
+    async with httpx.AsyncClient(base_url=two_workers.url, timeout=10) as client:
+        cached: set[str] = set()
+
+        async def both_cached() -> bool:
+            # The same input on both workers (p2c spreads them), until each holds it in L1.
+            reply = await client.post(infer("doubler"), json=X)
+            if reply.headers.get("x-cache") == "l1":
+                cached.add(reply.headers["x-tailserve-replica"])
+            return cached == {"worker-0", "worker-1"}
+
+        await async_wait_for(both_cached, what="both workers to hold the entry")
+        done = await client.post("/v2/cache/invalidate", json={"model": "doubler"})
+        assert done.status_code == 200, done.text
+        report = done.json()["workers"]
+        assert {name: r["reply"]["l1"] for name, r in report.items()} == {
+            "worker-0": 1,
+            "worker-1": 1,
+        }
+        for _ in range(10):
+            reply = await client.post(infer("doubler"), json=X)
+            assert reply.headers["x-cache"] in ("miss", "l1")
+        assert cached
+
+
+async def test_one_metrics_page_holds_every_worker_and_the_front_door(
+    two_workers: Supervisor,
+) -> None:
+    async with httpx.AsyncClient(base_url=two_workers.url, timeout=10) as client:
+        for _ in range(10):
+            assert (await client.post(infer("doubler"), json=X)).status_code == 200
+        page = (await client.get("/metrics")).text
+    for source in ("worker-0", "worker-1", "frontdoor"):
+        assert f'worker="{source}"' in page
+    assert "tailserve_request_duration_seconds_bucket{" in page
+    assert "haproxy_backend_http_responses_total{" in page
+    # One HELP a family, however many workers report it.
+    assert page.count("# HELP tailserve_request_duration_seconds ") == 1
+
+
+async def test_beyond_loopback_the_fleets_admin_routes_need_a_token(tmp_path: Path) -> None:
+    write_model(tmp_path / "repo", "doubler", doubler_config())
+    config = FleetConfig(repository=str(tmp_path / "repo"), host="0.0.0.0", port=0,
+                         drain_timeout_s=5)  # fmt: skip
+    async for stack in started(config):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+            refused = await client.post("/v2/cache/invalidate", json={"model": "doubler"})
+            assert refused.status_code == 403
+            assert "--admin-token" in refused.json()["error"]
+            assert (await client.post(infer("doubler"), json=X)).status_code == 200
+            assert (await client.get("/v2/fleet")).status_code == 200
+
+
+async def test_a_front_door_that_dies_is_started_again(two_workers: Supervisor) -> None:
+    door = two_workers.front_door_process
+    first = door.pid
+    assert first is not None
+    os.killpg(first, signal.SIGKILL)
+
+    async def serving_again() -> bool:
+        if door.pid == first or not door.running:
+            return False
+        async with httpx.AsyncClient(base_url=two_workers.url, timeout=5) as client:
+            return (await client.post(infer("doubler"), json=X)).status_code == 200
+
+    await async_wait_for(serving_again, timeout_s=30, what="the front door to serve again")
