@@ -3,7 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 REPOSITORY ?= var/repository
+# Where the stack listens: the front door's HTTP and gRPC ports (0: no gRPC), and its address
+# (127.0.0.1; 0.0.0.0 for every interface, and then the admin routes need ADMIN_TOKEN).
+HOST ?= 127.0.0.1
 PORT ?= 8080
+GRPC_PORT ?= 8081
+# Worker processes (empty: one per core).
+WORKERS ?=
+ADMIN_TOKEN ?=
 # a Redis for the result cache's L2 and the ranker's feature store (empty: none; the ranker is
 # then not served, it reads its inputs from the store)
 REDIS_URL ?=
@@ -15,7 +22,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[lightgbm,examples,grpc]'
+	$(BIN)/python -m pip install -q -e '.[lightgbm,examples,grpc,client]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
@@ -29,13 +36,14 @@ setup-dev: $(VENV)/.installed-dev
 $(REPOSITORY)/churn/model.yaml: | $(VENV)/.installed
 	$(BIN)/tailserve examples $(REPOSITORY)
 
+UP_FLAGS = --repository $(REPOSITORY) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT) \
+	$(if $(WORKERS),--workers $(WORKERS)) $(if $(REDIS_URL),--redis-url $(REDIS_URL))
+
 run: setup $(REPOSITORY)/churn/model.yaml
 ifneq ($(REDIS_URL),)
 	$(BIN)/tailserve examples $(REPOSITORY) --features-only --redis-url $(REDIS_URL)
-	$(BIN)/tailserve up --repository $(REPOSITORY) --port $(PORT) --redis-url $(REDIS_URL)
-else
-	$(BIN)/tailserve up --repository $(REPOSITORY) --port $(PORT)
 endif
+	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
 test: setup-dev
 	$(BIN)/ruff check src tests benchmarks

@@ -100,7 +100,7 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
     if not Path(repository).is_dir():
         raise ConfigError(f"no model repository at {repository}")
     # A token set as TAILSERVE_ADMIN_TOKEN reaches the workers; the router needs it as well.
-    admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN")
+    admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN") or None
     return FleetConfig(
         repository=repository, host=args.host, port=args.port, grpc_port=args.grpc_port,
         workers=args.workers,
