@@ -24,6 +24,7 @@ from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
 from tailserve.collector import FullCollections, freeze_held
+from tailserve.engine import traffic
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
 from tailserve.observability.loop_lag import LoopLag
@@ -38,6 +39,7 @@ from tailserve.settings import Settings
 
 if TYPE_CHECKING:
     from tailserve.cache.features import FeatureResolver, FeatureStore
+    from tailserve.protocols.grpc.service import InferenceService
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class Worker:
         self._forced = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc: Any = None  # grpc.aio.Server, while it serves
+        self._grpc_service: InferenceService | None = None
         self.loaded = asyncio.Event()
 
     def _redis_client(self, **options: Any) -> Any:
@@ -176,8 +179,10 @@ class Worker:
             )
             await self._http.start(self.settings.host, self.settings.http_port, sockets=sockets,
                                    backlog=self.settings.backlog)  # fmt: skip
-            http = self._http
-            self.loop_lag.requests = lambda: (http.in_flight, http.answered, http.refused)
+            counts: list[traffic.Counts] = [self._http]
+            if self._grpc_service is not None:
+                counts.append(self._grpc_service.traffic)
+            self.loop_lag.requests = lambda: traffic.total(counts)
             log.info("HTTP on %s:%d", self.settings.host, self._http.port)
             if self.admin_access is AdminAccess.CLOSED:
                 log.warning("admin routes closed: listening on %s, beyond loopback, with no "
@@ -258,7 +263,8 @@ class Worker:
         def build() -> Any:
             from tailserve.protocols.grpc.service import InferenceService
 
-            return InferenceService(self.dataplane, self.metrics).handlers()
+            self._grpc_service = InferenceService(self.dataplane, self.metrics)
+            return self._grpc_service.handlers()
 
         port = self.settings.grpc_port
         self._grpc = await serve_or_log(build, self.settings.host, port,

@@ -179,3 +179,20 @@ def test_a_taken_grpc_port_leaves_http_serving(example_repository: Path) -> None
             assert httpx.get(f"{b.url}/v2/health/ready").status_code == 200
             assert b.worker._grpc is None
         assert a.worker._grpc is not None
+
+
+def test_grpc_calls_count_in_the_loops_backlog_as_http_requests_do(
+    worker: tuple[RunningWorker, str],
+) -> None:
+    # Admission reads the event loop's backlog from these counts: a gRPC call must weigh on it
+    # as an HTTP request does.
+    running, address = worker
+    counts = running.worker.loop_lag.requests
+    assert counts is not None
+    _, answered_before, _ = counts()
+    with triton_grpc.InferenceServerClient(address) as client:
+        for seed in range(5):
+            client.infer("churn", grpc_inputs(columns(2, seed=seed)))
+    in_flight, answered, _ = counts()
+    assert answered - answered_before == 5
+    assert in_flight == 0

@@ -24,6 +24,7 @@ import grpc
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
+from tailserve.engine.traffic import Traffic
 from tailserve.errors import TailserveError
 from tailserve.observability.metrics import Metrics
 from tailserve.protocols.grpc import schema
@@ -83,6 +84,8 @@ class InferenceService:
     def __init__(self, dataplane: DataPlane, metrics: Metrics | None = None) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
+        # Inference calls held and finished, for the event loop's backlog (engine.traffic).
+        self.traffic = Traffic()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         return generic_handler(self)
@@ -119,6 +122,7 @@ class InferenceService:
     async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         status = 200
+        self.traffic.in_flight += 1
         try:
             infer = decode_request(request)
             infer.received_at = time.monotonic()
@@ -133,6 +137,11 @@ class InferenceService:
             status = 500
             raise
         finally:
+            self.traffic.in_flight -= 1
+            if status == 429:
+                self.traffic.refused += 1
+            else:
+                self.traffic.answered += 1
             if self.metrics is not None:
                 model = request.model_name
                 label = model if self.dataplane.knows(model) else "_unknown"
