@@ -175,3 +175,33 @@ async def test_a_front_door_that_dies_is_started_again(two_workers: Supervisor) 
             return (await client.post(infer("doubler"), json=X)).status_code == 200
 
     await async_wait_for(serving_again, timeout_s=30, what="the front door to serve again")
+
+
+async def test_a_slow_model_takes_the_hedging_lane_and_a_fast_one_goes_direct(
+    tmp_path: Path,
+) -> None:
+    repository = tmp_path / "repo"
+    write_model(repository, "fast", doubler_config())
+    write_model(repository, "slow", doubler_config(parameters={"delay": 0.25},
+                                                   slo={"p99_ms": 2000}))  # fmt: skip
+    config = FleetConfig(repository=str(repository), port=0, workers=2, drain_timeout_s=5,
+                         classify_interval_s=0.2)  # fmt: skip
+    async for stack in started(config):
+        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+
+            async def laned() -> bool:
+                fleet = (await client.get("/v2/fleet")).json()
+                return fleet["front_door"]["lane"]["models"] == ["slow"]
+
+            await async_wait_for(laned, what="the slow model to take the lane")
+
+            async def through_the_lane() -> bool:
+                # The lane (the Python router) names the worker by its URL.
+                reply = await client.post(infer("slow"), json=X)
+                assert reply.status_code == 200, reply.text
+                return reply.headers["x-tailserve-replica"].startswith("http://127.0.0.1:")
+
+            await async_wait_for(through_the_lane, what="the slow model's replies from the lane")
+            fast = await client.post(infer("fast"), json=X)
+            assert fast.status_code == 200
+            assert fast.headers["x-tailserve-replica"] in {"worker-0", "worker-1"}

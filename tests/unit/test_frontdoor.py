@@ -30,10 +30,9 @@ def test_each_model_has_a_backend_checked_by_its_own_readiness() -> None:
     assert "server worker-0 127.0.0.1:9001" in churn and "server worker-1 127.0.0.1:9002" in churn
     assert "option httpchk GET /v2/models/sentiment/ready" in backend(config, "backend m.sentiment")
     front = backend(config, "frontend http")
-    assert (
-        "use_backend m.churn if { path /v2/models/churn } || "
-        "{ path_beg /v2/models/churn/ /v1/models/churn: }"
-    ) in front
+    assert "acl is.churn path /v2/models/churn" in front
+    assert "acl is.churn path_beg /v2/models/churn/ /v1/models/churn:" in front
+    assert "use_backend m.churn if is.churn" in front
 
 
 def test_admission_is_a_bounded_queue_timed_by_the_models_slo() -> None:

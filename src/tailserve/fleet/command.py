@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tailserve.errors import ConfigError
 from tailserve.router.config import parse_model_balance
 from tailserve.router.frontdoor import BALANCE, FrontDoorPolicy
+from tailserve.router.lanes import DEFAULT_THRESHOLD_MS
 from tailserve.settings import LOG_LEVELS
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def add_parser(commands: Any) -> None:
     )
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
     add_front_door_arguments(up)
+    add_lane_arguments(up)
     up.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                     help="seconds SIGTERM waits for requests in flight (30)")  # fmt: skip
     up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -71,6 +73,14 @@ def add_front_door_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-share", type=float, default=defaults.queue_share,
                         help="the longest wait in the queue, as a share of the model's SLO "
                              f"({defaults.queue_share})")  # fmt: skip
+
+
+def add_lane_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hedge-lane-ms", type=float, default=DEFAULT_THRESHOLD_MS,
+                        help="models predicted slower than this for one row take the hedging "
+                             f"lane ({DEFAULT_THRESHOLD_MS:g}; 0: by name only)")  # fmt: skip
+    parser.add_argument("--hedge-model", action="append", default=[], metavar="MODEL",
+                        help="a model that always takes the hedging lane (repeat)")  # fmt: skip
 
 
 def usable_cores() -> int:
@@ -110,12 +120,14 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         ),
         admin_token=admin_token,
         drain_timeout_s=args.drain_timeout_s, worker_args=tuple(worker_args(args)),
+        log_level=args.log_level, hedge_lane_ms=args.hedge_lane_ms,
+        hedge_models=tuple(args.hedge_model),
     )  # fmt: skip
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The flags of ours that each ``tailserve serve`` takes as they are."""
-    out = ["--log-level", args.log_level]
+    out: list[str] = []
     if args.redis_url is not None:
         out += ["--redis-url", args.redis_url]
     if args.redis_cluster:

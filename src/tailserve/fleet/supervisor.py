@@ -29,10 +29,8 @@ import logging
 import os
 import resource
 import signal
-import socket
 import sys
 import tempfile
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,17 +39,27 @@ from tailserve.admin import admin_access
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet.admin import AdminLane, Slot
 from tailserve.fleet.haproxy import HAProxy
+from tailserve.fleet.processes import (
+    LOOPBACK,
+    ManagedWorker,
+    free_ports,
+    owned_task,
+    prediction,
+    set_within,
+    until_ok,
+    until_ready,
+)
 from tailserve.fleet.restarts import Backoff, RestartPolicy
 from tailserve.protocols.http.server import HttpServer
 from tailserve.repository.config import load_model_config
 from tailserve.repository.discovery import model_dirs
 from tailserve.router.config import backend_url
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+from tailserve.router.lanes import DEFAULT_THRESHOLD_MS, slow_models
 from tailserve.transport.http1 import Pool, frame_request
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 # SIGHUP too: the workers are in sessions of their own, so a closed terminal would otherwise
 # kill the supervisor alone and leave them running.
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -75,58 +83,27 @@ class FleetConfig:
     # The workers' admin routes need it (and so the fleet's, which pass it on).
     admin_token: str | None = None
     drain_timeout_s: float = 30.0
-    # More `tailserve serve` flags, the same for every worker (--redis-url URL, --log-level L).
+    # More `tailserve serve` flags, the same for every worker (--redis-url URL).
     worker_args: tuple[str, ...] = ()
+    log_level: str = "info"
     ready_interval_s: float = 0.25
     backoff: Backoff = field(default_factory=Backoff)
+    # The hedging lane: models predicted slower than this for one row (0: none by cost) and
+    # the models named here go through `tailserve route`, which hedges them.
+    hedge_lane_ms: float = DEFAULT_THRESHOLD_MS
+    hedge_models: tuple[str, ...] = ()
+    # How often the workers' cost models are read to sort the models into lanes.
+    classify_interval_s: float = 5.0
+
+    @property
+    def lane(self) -> bool:
+        return self.hedge_lane_ms > 0 or bool(self.hedge_models)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, not {self.workers}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be at least 0, not {self.drain_timeout_s}")
-
-
-@dataclass(eq=False, slots=True)
-class ManagedWorker:
-    """One worker slot: its ports stay while its process is replaced."""
-
-    name: str
-    port: int
-    grpc_port: int = 0
-    process: asyncio.subprocess.Process | None = None
-    restarts: int = 0
-    ready: bool = False
-    # The process that has been sent SIGTERM: a second one would make it exit without draining.
-    _terminated: asyncio.subprocess.Process | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return backend_url(LOOPBACK, self.port)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
-
-    def terminate(self) -> None:
-        """Ask the process to drain and exit (once)."""
-        if self.running and self._terminated is not self.process:
-            assert self.process is not None
-            self._terminated = self.process
-            self.process.terminate()
-
-    def kill(self) -> None:
-        if self.running:
-            assert self.process is not None
-            self.process.kill()
-
-    def slot(self) -> Slot:
-        return Slot(self.name, LOOPBACK, self.port, self.pid, self.ready, self.restarts,
-                    self.running)  # fmt: skip
 
 
 class Supervisor:
@@ -147,9 +124,14 @@ class Supervisor:
         self._models: dict[str, float] = {}
         self._stats_port = 0
         self._listen_port = 0
-        self._keepers: list[asyncio.Task[None]] = []  # one a worker
+        # The hedging lane's process (`tailserve route`), where there is one, and the models
+        # it takes.
+        self.lane: ManagedWorker | None = None
+        self.slow: frozenset[str] = frozenset(config.hedge_models)
+        self._keepers: list[asyncio.Task[None]] = []  # one a worker (and the lane)
         self._door_keeper: asyncio.Task[None] | None = None
         self._announcer: asyncio.Task[None] | None = None
+        self._classifier: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
 
@@ -173,8 +155,13 @@ class Supervisor:
 
     def front_door(self) -> dict[str, Any]:
         door = self.front_door_process
+        lane = None if self.lane is None else {
+            "pid": self.lane.pid, "ready": self.lane.ready, "url": self.lane.url,
+            "models": sorted(self.slow), "threshold_ms": self.config.hedge_lane_ms,
+        }  # fmt: skip
         return {"pid": door.pid, "running": door.running, "reloads": door.reloads,
-                "models": sorted(self._models), "config": str(door.config_path)}  # fmt: skip
+                "models": sorted(self._models), "config": str(door.config_path),
+                "lane": lane}  # fmt: skip
 
     @property
     def stats_port(self) -> int:
@@ -218,12 +205,17 @@ class Supervisor:
         """Start the admin lane, the front door, then the workers; return without waiting for
         the workers to be ready."""
         grpc = self.config.grpc_port != 0
-        ports = free_ports(self.config.workers * (2 if grpc else 1) + 1)
-        self._stats_port = ports.pop()
+        ports = free_ports(self.config.workers * (2 if grpc else 1) + 2)
+        self._stats_port, lane_port = ports.pop(), ports.pop()
         self.workers = [
             ManagedWorker(f"worker-{i}", ports[i], ports[self.config.workers + i] if grpc else 0)
             for i in range(self.config.workers)
         ]
+        for worker in self.workers:
+            worker.command = self._worker_command(worker)
+        if self.config.lane:
+            self.lane = ManagedWorker("lane", lane_port)
+            self.lane.command = self._lane_command(self.lane)
         await self._admin_server.start(LOOPBACK, 0)
         self._models = repository_models(Path(self.config.repository))
         # The front door first: a taken public port fails before any worker has started.
@@ -234,9 +226,12 @@ class Supervisor:
             await self._close_admin()
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigError(f"the front door cannot start on {where}: {exc}") from None
-        self._door_keeper = _task(self._keep_front_door(), "keep the front door")
-        self._keepers = [_task(self._keep(w), f"keep {w.name}") for w in self.workers]
-        self._announcer = _task(self._announce(), "announce")
+        self._door_keeper = owned_task(self._keep_front_door(), "keep the front door")
+        slots = [*self.workers, *([self.lane] if self.lane else [])]
+        self._keepers = [owned_task(self._keep(w), f"keep {w.name}") for w in slots]
+        self._announcer = owned_task(self._announce(), "announce")
+        if self.lane is not None and self.config.hedge_lane_ms > 0:
+            self._classifier = owned_task(self._classify(), "classify")
 
     async def stop(self) -> None:
         """Drain the front door, then the workers; kill a worker still running after the
@@ -244,7 +239,7 @@ class Supervisor:
         if self._stopping.is_set():
             return
         self._stopping.set()  # from here on nothing is restarted
-        for task in (self._announcer, self._door_keeper):
+        for task in (self._announcer, self._classifier, self._door_keeper):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -260,12 +255,13 @@ class Supervisor:
         await self._admin.close()
 
     async def _stop_workers(self) -> None:
-        for worker in self.workers:
+        slots = [*self.workers, *([self.lane] if self.lane else [])]
+        for worker in slots:
             worker.terminate()
         if not self._keepers:
             return
         await asyncio.wait(self._keepers, timeout=self.config.drain_timeout_s + EXIT_GRACE_S)
-        for worker in self.workers:
+        for worker in slots:
             if worker.running:
                 log.warning("%s (pid %s) did not exit in time: killed", worker.name, worker.pid)
                 worker.kill()
@@ -277,6 +273,7 @@ class Supervisor:
             admin_port=self._admin_server.port, stats_port=self._stats_port,
             drain_timeout_s=self.config.drain_timeout_s,
             state_file=str(self.front_door_process.state_path),
+            lane_port=self.lane.port if self.lane else 0,
         )  # fmt: skip
         members = [Member(w.name, LOOPBACK, w.port, w.grpc_port) for w in self.workers]
         # HAProxy needs two descriptors a connection, and refuses to start past the limit.
@@ -284,7 +281,7 @@ class Supervisor:
         most = max(256, _descriptor_limit() // 2 - 100)
         if policy.max_connections > most:
             policy = dataclasses.replace(policy, max_connections=most)
-        return render(listen, members, self._models, policy)
+        return render(listen, members, self._models, policy, self.slow)
 
     def _public_url(self) -> str:
         return backend_url(self.config.host, self.port)
@@ -304,7 +301,7 @@ class Supervisor:
             delay = policy.delay(started_at=started, exited_at=loop.time())
             log.warning("the front door (pid %s) exited with %s: restarting it in %.1f s",
                         door.pid, code, delay)  # fmt: skip
-            if await _set_within(self._stopping, delay):
+            if await set_within(self._stopping, delay):
                 return
             try:
                 await door.start(self._front_door_config())
@@ -329,13 +326,13 @@ class Supervisor:
                 "%s (pid %d) exited with %s: restarting it in %.1f s",
                 worker.name, process.pid, code, delay,
             )  # fmt: skip
-            if await _set_within(self._stopping, delay):
+            if await set_within(self._stopping, delay):
                 return
             worker.restarts += 1
 
     async def _spawn(self, worker: ManagedWorker) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            *self._worker_command(worker), env=self._worker_env(), start_new_session=True
+            *worker.command, env=self._worker_env(), start_new_session=True
         )
         worker.process = process
         if self._stopping.is_set():  # stop() ran while it started, and did not see it
@@ -357,7 +354,7 @@ class Supervisor:
         self, worker: ManagedWorker, process: asyncio.subprocess.Process
     ) -> None:
         pool = Pool(LOOPBACK, worker.port, max_connections=1, connect_timeout_s=1.0)
-        if await _until_ready(pool, self.config.ready_interval_s, process):
+        if await until_ready(pool, self.config.ready_interval_s, process):
             self._worker_ready(worker, process)
 
     def _worker_ready(self, worker: ManagedWorker, process: asyncio.subprocess.Process) -> None:
@@ -372,7 +369,7 @@ class Supervisor:
         await self._workers_ready.wait()
         pool = Pool(LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
                     self.port, max_connections=1)  # fmt: skip
-        await _until_ready(pool, self.config.ready_interval_s)
+        await until_ready(pool, self.config.ready_interval_s)
         await self._until_routed()
         count = len(self.workers)
         noun = "worker" if count == 1 else "workers"
@@ -395,7 +392,7 @@ class Supervisor:
                 with contextlib.suppress(UpstreamError):
                     reply = await direct.request(frame_request("GET", path, direct.origin), 2.0)
                     if reply.status == 200:
-                        await _until_ok(door, path, self.config.ready_interval_s / 5)
+                        await until_ok(door, path, self.config.ready_interval_s / 5)
         finally:
             await asyncio.gather(direct.close(), door.close())
 
@@ -408,8 +405,40 @@ class Supervisor:
             "--grpc-port", str(worker.grpc_port),
             "--worker-id", worker.name,
             "--drain-timeout", str(self.config.drain_timeout_s),
+            "--log-level", self.config.log_level,
             *self.config.worker_args,
         ]  # fmt: skip
+
+    def _lane_command(self, lane: ManagedWorker) -> list[str]:
+        return [
+            sys.executable, "-m", "tailserve.cli", "route",
+            "--host", LOOPBACK, "--port", str(lane.port), "--grpc-port", "0",
+            "--log-level", self.config.log_level,
+            *(f"--backend={worker.url}" for worker in self.workers),
+        ]  # fmt: skip
+
+    async def _classify(self) -> None:
+        """Every few seconds, the models whose cost models say they are slow take the lane."""
+        await self._workers_ready.wait()
+        pools: dict[int, Pool] = {}
+        try:
+            while True:
+                ready = [w for w in self.workers if w.ready]
+                if ready:
+                    worker = ready[0]
+                    pool = pools.setdefault(worker.port, Pool(LOOPBACK, worker.port,
+                                                              max_connections=1))  # fmt: skip
+                    predictions = {m: await prediction(pool, m) for m in self._models}
+                    slow = slow_models(predictions, self.config.hedge_lane_ms,
+                                       self.config.hedge_models)  # fmt: skip
+                    if slow != self.slow:
+                        log.info("the hedging lane takes %s", ", ".join(sorted(slow)) or "none")
+                        self.slow = slow
+                        async with self._reload_lock:
+                            await self.front_door_process.reload(self._front_door_config())
+                await asyncio.sleep(self.config.classify_interval_s)
+        finally:
+            await asyncio.gather(*(pool.close() for pool in pools.values()))
 
     def _worker_env(self) -> dict[str, str] | None:
         # The token travels in the environment, where `ps` does not show it to other users.
@@ -432,57 +461,3 @@ def repository_models(repository: Path) -> dict[str, float]:
         except ConfigError:
             models[name] = DEFAULT_SLO_MS
     return models
-
-
-async def _until_ready(
-    pool: Pool, interval_s: float, process: asyncio.subprocess.Process | None = None
-) -> bool:
-    """Poll ``GET /v2/health/ready`` until it answers 200 (True), or ``process`` exits (False).
-    Closes the pool."""
-    request = frame_request("GET", "/v2/health/ready", pool.origin)
-    try:
-        while process is None or process.returncode is None:
-            with contextlib.suppress(UpstreamError):
-                if (await pool.request(request, timeout_s=2.0)).status == 200:
-                    return True
-            await asyncio.sleep(interval_s)
-        return False
-    finally:
-        await pool.close()
-
-
-async def _until_ok(pool: Pool, path: str, interval_s: float) -> None:
-    request = frame_request("GET", path, pool.origin)
-    while True:
-        if (await pool.request(request, timeout_s=2.0)).status == 200:
-            return
-        await asyncio.sleep(interval_s)
-
-
-async def _set_within(event: asyncio.Event, timeout_s: float) -> bool:
-    """Whether ``event`` is set within ``timeout_s``."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-    return event.is_set()
-
-
-def _task(coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-    task = asyncio.create_task(coroutine, name=name)
-    task.add_done_callback(_log_failure)
-    return task
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    # Said at once: the task is awaited only at shutdown, and its worker is gone meanwhile.
-    if not task.cancelled() and task.exception() is not None:
-        log.error("%s failed", task.get_name(), exc_info=task.exception())
-
-
-def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports free on ``host`` now: bound to port 0 all at once, then closed."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]

@@ -19,6 +19,7 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   draining or not ready), is tried again on another worker (``retries``, ``redispatch``);
 - the fleet's own routes (``/metrics``, ``/v2/fleet``, cache invalidation, repository load and
   unload) go to the supervisor's admin lane, which fans them out over every worker;
+- the slow models (`router.lanes`) through the hedging lane, the Python router, which hedges;
 - gRPC over HTTP/2 to the workers' gRPC ports, spread the same way;
 - HAProxy's own Prometheus exporter on a loopback port, for the admin lane to merge.
 """
@@ -123,6 +124,8 @@ class Listen:
     # Where each worker's state (up, down) is kept across a reload ("": nowhere; a reloaded
     # front door would then take every worker for down until its first checks pass).
     state_file: str = ""
+    # The hedging lane (`tailserve route` on loopback; 0: none), which the slow models take.
+    lane_port: int = 0
     drain_timeout_s: float = 30.0
 
 
@@ -136,13 +139,16 @@ def render(
     members: list[Member],
     models: dict[str, float],
     policy: FrontDoorPolicy,
+    slow: frozenset[str] = frozenset(),
 ) -> str:
-    """The HAProxy config for ``members`` serving ``models`` (name -> SLO p99 in ms)."""
+    """The HAProxy config for ``members`` serving ``models`` (name -> SLO p99 in ms); the
+    ``slow`` ones go through the hedging lane, where there is one."""
     named = {m: slo for m, slo in sorted(models.items()) if routable(m)}
+    laned = slow & set(named) if listen.lane_port else frozenset()
     lines = [
         *_global(listen, policy),
         *_defaults(listen, policy),
-        *_frontend(listen, named, policy),
+        *_frontend(listen, named, policy, laned),
     ]
     for model, slo_ms in named.items():
         lines += _backend(
@@ -152,6 +158,16 @@ def render(
     fallback_slo = max(named.values(), default=1000.0)
     lines += _backend("workers", members, policy.balance, policy, "/v2/health/ready",
                       queue_ms=fallback_slo * policy.queue_share)  # fmt: skip
+    if listen.lane_port:
+        lines += [
+            "backend lane",
+            f"    timeout queue {_ms(fallback_slo * policy.queue_share)}",
+            "    option httpchk GET /v2/health/ready",
+            "    http-check expect status 200",
+            f"    server lane 127.0.0.1:{listen.lane_port} check inter "
+            f"{policy.check_interval_ms}ms downinter {_DOWN_INTER_MS}ms",
+            "",
+        ]
     if listen.admin_port:
         lines += [
             "backend admin",
@@ -218,7 +234,9 @@ def _defaults(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
     return [*lines, ""]
 
 
-def _frontend(listen: Listen, models: dict[str, float], policy: FrontDoorPolicy) -> list[str]:
+def _frontend(
+    listen: Listen, models: dict[str, float], policy: FrontDoorPolicy, laned: frozenset[str]
+) -> list[str]:
     lines = [
         "frontend http",
         f"    bind {_address(listen.host)}:{listen.port}",
@@ -231,7 +249,9 @@ def _frontend(listen: Listen, models: dict[str, float], policy: FrontDoorPolicy)
         "if { path /v2/health/ready } { nbsrv(workers) gt 0 }",
         "    http-request return status 503 content-type application/json "
         'string "{\\"error\\": \\"no worker is ready\\"}" if { path /v2/health/ready }',
-        f"    http-response set-header {REPLICA_HEADER} %s",
+        # The worker that answered (the lane names it itself, with the hedge it may have won).
+        f"    http-response set-header {REPLICA_HEADER} %s "
+        f"unless {{ res.hdr({REPLICA_HEADER}) -m found }}",
     ]
     if any(policy.policy_of(m) == "affinity" for m in models) or policy.balance == "affinity":
         # The key of the consistent hash: the header, else the body (read whole first).
@@ -245,10 +265,12 @@ def _frontend(listen: Listen, models: dict[str, float], policy: FrontDoorPolicy)
         prefixes = " ".join(ADMIN_PREFIXES)
         lines.append(f"    use_backend admin if {{ path {paths} }} || {{ path_beg {prefixes} }}")
     for model in models:
-        lines.append(
-            f"    use_backend m.{model} if {{ path /v2/models/{model} }} || "
-            f"{{ path_beg /v2/models/{model}/ /v1/models/{model}: }}"
-        )
+        # (Two lines of one name: either matches.)
+        lines.append(f"    acl is.{model} path /v2/models/{model}")
+        lines.append(f"    acl is.{model} path_beg /v2/models/{model}/ /v1/models/{model}:")
+        if model in laned:  # through the lane while it is up, else straight to the workers
+            lines.append(f"    use_backend lane if {{ nbsrv(lane) gt 0 }} is.{model}")
+        lines.append(f"    use_backend m.{model} if is.{model}")
     return [*lines, "    default_backend workers", ""]
 
 
