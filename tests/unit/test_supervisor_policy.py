@@ -56,17 +56,26 @@ def test_a_backoff_that_cannot_work_is_refused(first_s: float, cap_s: float) -> 
         Backoff(first_s=first_s, cap_s=cap_s)
 
 
-def test_up_takes_the_routers_policy_flags(tmp_path: Path) -> None:
+def test_up_takes_the_front_doors_policy_flags(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args([
         "up", "--repository", str(tmp_path), "--workers", "2", "--balance", "affinity",
-        "--hedge-ratio", "0.1", "--max-in-flight", "16", "--eject-overtaken-share", "0",
-        "--model-balance", "ranker=p2c", "--no-hedge",
+        "--max-conn", "8", "--max-queue", "20", "--queue-share", "0.4",
+        "--model-balance", "ranker=p2c", "--hedge-lane-ms", "150", "--hedge-model", "ranker",
     ])  # fmt: skip
     config = fleet_config(args, {"TAILSERVE_ADMIN_TOKEN": "t"})
-    router = config.router
-    assert (router.balance, router.hedge, router.hedge_ratio) == ("affinity", False, 0.1)
-    assert router.max_in_flight == 16 and router.eject_overtaken_share == 0.0
-    assert router.model_balance == {"ranker": "p2c"}
+    policy = config.policy
+    assert (policy.balance, policy.max_conn, policy.max_queue) == ("affinity", 8, 20)
+    assert policy.queue_share == 0.4 and policy.model_balance == {"ranker": "p2c"}
+    assert (config.hedge_lane_ms, config.hedge_models) == (150.0, ("ranker",))
     assert config.admin_token == "t" and config.workers == 2
+    assert config.host == "127.0.0.1"
+
+
+def test_an_empty_admin_token_is_none(tmp_path: Path) -> None:
+    # `make run` passes TAILSERVE_ADMIN_TOKEN= when ADMIN_TOKEN is not set.
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["up", "--repository", str(tmp_path)])
+    assert fleet_config(args, {"TAILSERVE_ADMIN_TOKEN": ""}).admin_token is None
