@@ -141,6 +141,9 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
         assert scores.ravel().tolist() == pytest.approx(http_scores["outputs"][0]["data"])
         # Each worker serves gRPC itself, on loopback, behind the front door.
         assert up.log().count("gRPC (OIP v2) on 127.0.0.1:") == 2
+        # A default start (the examples, the ranker among them, without Redis) says nothing
+        # at ERROR: the ranker not served without a feature store is a note.
+        assert " ERROR " not in up.log() and "Traceback" not in up.log()
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to-the-process", "to-its-group"])
