@@ -11,30 +11,31 @@ import pytest
 
 from tailserve.errors import ConfigError
 from tailserve.protocols.http.app import SlowFault
+from tailserve.protocols.http.request import HttpRequest
+from tailserve.router.app import classify, framer
 from tailserve.router.config import RouterConfig, parse_backend, parse_model_balance
 from tailserve.router.dispatch import ANY, body_key, cost_class
 from tailserve.router.hedging import HedgeBudget
 from tailserve.router.membership import Membership, parse_members, write_members
-from tailserve.router.proxy import _framer, _Request, classify
 
 
 @pytest.mark.parametrize(
     ("method", "path", "model", "infer", "broadcast"),
     [
-        (b"POST", "/v2/models/churn/infer", "churn", True, False),
-        (b"POST", "/v2/models/churn/versions/2/infer", "churn", True, False),
-        (b"GET", "/v2/models/churn", "churn", False, False),
-        (b"GET", "/v2/models/churn/ready", "churn", False, False),
-        (b"GET", "/v2/models/stats", ANY, False, False),
-        (b"POST", "/v1/models/churn:predict", "churn", True, False),
-        (b"GET", "/v1/models/churn", "churn", False, False),
-        (b"POST", "/v2/repository/models/churn/load", "churn", False, True),
-        (b"POST", "/v2/repository/index", ANY, False, False),
-        (b"GET", "/v2", ANY, False, False),
-        (b"GET", "/no/such/path", ANY, False, False),
+        ("POST", "/v2/models/churn/infer", "churn", True, False),
+        ("POST", "/v2/models/churn/versions/2/infer", "churn", True, False),
+        ("GET", "/v2/models/churn", "churn", False, False),
+        ("GET", "/v2/models/churn/ready", "churn", False, False),
+        ("GET", "/v2/models/stats", ANY, False, False),
+        ("POST", "/v1/models/churn:predict", "churn", True, False),
+        ("GET", "/v1/models/churn", "churn", False, False),
+        ("POST", "/v2/repository/models/churn/load", "churn", False, True),
+        ("POST", "/v2/repository/index", ANY, False, False),
+        ("GET", "/v2", ANY, False, False),
+        ("GET", "/no/such/path", ANY, False, False),
     ],
 )
-def test_classify(method: bytes, path: str, model: str, infer: bool, broadcast: bool) -> None:
+def test_classify(method: str, path: str, model: str, infer: bool, broadcast: bool) -> None:
     target = classify(method, path)
     assert (target.model, target.infer, target.broadcast) == (model, infer, broadcast)
 
@@ -81,8 +82,11 @@ def test_binary_bodies_key_on_their_header_inputs_and_their_data() -> None:
     assert body_key(one, len(header)) != body_key(two, len(header))
 
 
-def _request(headers: list[tuple[bytes, bytes]], body: bytes = b"{}") -> _Request:
-    return _Request(b"POST", b"/v2/models/m/infer?x=1", headers, body, True, 0.0)
+def _request(
+    headers: list[tuple[bytes, bytes]], body: bytes = b"{}", method: str = "POST"
+) -> HttpRequest:
+    return HttpRequest(method, b"/v2/models/m/infer?x=1", headers, body, received_at=0.0,
+                       max_body_bytes=1 << 20)  # fmt: skip
 
 
 def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
@@ -90,7 +94,7 @@ def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
         [(b"host", b"router"), (b"connection", b"keep-alive"), (b"x-deadline-ms", b"100"),
          (b"transfer-encoding", b"chunked"), (b"x-request-id", b"abc")]
     )  # fmt: skip
-    frame = _framer(request)
+    frame = framer(request)
     data = frame(0.0425)
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
@@ -100,22 +104,19 @@ def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
     assert not any(line.startswith((b"connection", b"transfer-encoding")) for line in lines)
     assert b"content-length: 2" in lines and body == b"{}"
     # Without a deadline of its own, the request carries none.
-    assert b"x-deadline-ms" not in _framer(_request([]))(None)
+    assert b"x-deadline-ms" not in framer(_request([]))(None)
 
 
-def test_a_streamed_request_is_framed_as_its_head_with_its_length_or_chunked() -> None:
-    request = _request([(b"content-length", b"5000000")], body=b"")
-    request.stream, request.length = True, 5_000_000
-    head = _framer(request)(None)
-    assert head.endswith(b"content-length: 5000000\r\n\r\n")
-    request.chunked, request.length = True, None
-    head = _framer(request)(None)
-    assert head.endswith(b"transfer-encoding: chunked\r\n\r\n")
-    assert b"content-length" not in head
+def test_a_head_request_goes_upstream_as_a_get_with_its_target_as_sent() -> None:
+    request = HttpRequest("HEAD", b"/v2/models/a%2Fb?verbose=1", [(b"host", b"r")], b"",
+                          received_at=0.0, max_body_bytes=0)  # fmt: skip
+    head = framer(request)(None)
+    assert head == b"GET /v2/models/a%2Fb?verbose=1 HTTP/1.1\r\nhost: r\r\n\r\n"
+    assert classify(request.method, "/v2/models/a%2Fb").model == "a/b"
 
 
 def test_a_deadline_that_is_not_a_number_reaches_the_worker_as_sent() -> None:
-    frame = _framer(_request([(b"x-deadline-ms", b"soon")]))
+    frame = framer(_request([(b"x-deadline-ms", b"soon")]))
     assert b"x-deadline-ms: soon" in frame(None)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from tailserve.errors import ConfigError
 from tailserve.router.balancing import BALANCERS
 from tailserve.router.config import RouterConfig, parse_model_balance
+from tailserve.settings import LOG_LEVELS
 
 
 def add_parser(commands: Any) -> None:
@@ -28,14 +29,15 @@ def add_parser(commands: Any) -> None:
     route.add_argument("--backends-file", metavar="FILE", help="file of worker URLs, watched")
     route.add_argument("--backends-dns", metavar="HOST:PORT",
                        help="a name whose every address is a worker (re-resolved)")  # fmt: skip
-    route.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0)")
+    route.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (127.0.0.1: behind the front door)")  # fmt: skip
     route.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
     route.add_argument(
         "--grpc-port", type=int, default=8081, help="gRPC port, sent on over HTTP (8081; 0: none)"
     )
     add_policy_arguments(route)
     route.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
-    route.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    route.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     route.set_defaults(handler=handle)
 
 
@@ -62,8 +64,6 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.02,
         help="eject a worker this share of whose requests keep losing to hedges (0.02; 0: never)",
     )
-    parser.add_argument("--stream-body-bytes", type=int, default=1024 * 1024, metavar="BYTES",
-                        help="bodies over this size stream through, unhedged (1 MiB)")  # fmt: skip
     parser.add_argument("--decision-sample", type=float, default=0.0,
                         help="fraction of routing decisions to log (0)")  # fmt: skip
     parser.add_argument("--keep-alive", type=float, default=75.0, dest="keep_alive_s",
@@ -82,7 +82,6 @@ def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
         max_in_flight=args.max_in_flight,
         eject_latency_factor=args.eject_latency_factor,
         eject_overtaken_share=args.eject_overtaken_share,
-        stream_body_bytes=args.stream_body_bytes,
         admin_token=getattr(args, "admin_token", None),
         decision_sample=args.decision_sample,
         keep_alive_s=args.keep_alive_s,

@@ -13,7 +13,8 @@ from tailserve.router.balancing import BALANCERS
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouterConfig:
-    host: str = "0.0.0.0"
+    # Loopback: the lane runs behind the front door.
+    host: str = "127.0.0.1"
     port: int = 8080
     # The Open Inference Protocol over gRPC, sent on to the workers over HTTP (0: none).
     grpc_port: int = 0
@@ -67,10 +68,6 @@ class RouterConfig:
     # long, gets a 408 and the connection closes.
     keep_alive_s: float = 75.0
     read_timeout_s: float = 30.0
-    # Bodies larger than this (or chunked ones that grow past it) stream through instead of
-    # being read whole, both ways; a streamed request is neither hedged nor retried once
-    # any of it has gone out.
-    stream_body_bytes: int = 1024 * 1024
     # Fraction of routing decisions logged (logger tailserve.router.decisions, INFO).
     decision_sample: float = 0.0
     drain_timeout_s: float = 30.0

@@ -18,12 +18,7 @@ for the wire, and answers through a callback; on the way it:
    queued work;
 4. when a copy cannot connect, or its connection dies before a reply, or a worker refuses it
    with 429, tries once more on another replica within the retry budget;
-5. streams large bodies instead (``stream``: the request's body follows as the caller writes
-   it, see `Exchange.write`; ``on_stream``: a reply larger than ``stream_body_bytes``, or of
-   unknown length, is handed over as its head arrives). A streamed request is never hedged and
-   is retried only when its first connect failed (nothing of it had gone out); a streamed reply
-   wins the race as its head arrives, and the other copy is cancelled then;
-6. reports every attempt to the backend's state (in flight, EWMA latency, failures) and to the
+5. reports every attempt to the backend's state (in flight, EWMA latency, failures) and to the
    outlier detector, which ejects a replica that keeps failing or is far slower than the rest.
 
 Membership comes from `set_members` (command line, a watched file, DNS: see membership.py).
@@ -139,11 +134,6 @@ class Outcome:
     reason: str | None = None  # why the router answered itself (shed, upstream failure)
 
 
-# Given the reply's head (an Outcome with no body), its declared length (None: chunked) and
-# its ticket (to pause reading while the client is slow), the sink for the reply's body.
-StreamOpener = Callable[[Outcome, int | None, http1.Ticket], http1.Sink]
-
-
 class Upstream:
     """One backend: its routing state and its connection pool."""
 
@@ -158,7 +148,7 @@ class Upstream:
 
 
 class _Attempt:
-    __slots__ = ("exchange", "kind", "sent_at", "streamed", "ticket", "upstream")
+    __slots__ = ("exchange", "kind", "sent_at", "ticket", "upstream")
 
     def __init__(self, exchange: Exchange, upstream: Upstream, kind: str, sent_at: float):
         self.exchange = exchange
@@ -166,24 +156,17 @@ class _Attempt:
         self.kind = kind  # first, hedge, retry
         self.sent_at = sent_at
         self.ticket: http1.Ticket | None = None
-        self.streamed = False  # its reply is streaming to the client
 
     def on_result(self, result: Response | UpstreamError) -> None:
         self.exchange._on_result(self, result)
-
-    def on_head(
-        self, ticket: http1.Ticket, status: int, headers: Headers, length: int | None
-    ) -> http1.Sink | None:
-        return self.exchange._on_head(self, ticket, status, headers, length)
 
 
 class Exchange:
     """One request's life across its copies. `cancel` withdraws every copy (the client left)."""
 
     __slots__ = (
-        "_d", "_drain", "_policy", "_timer", "balancer", "body", "chunked", "deadline", "done",
-        "frame", "has_deadline", "idempotent", "key", "live", "model", "on_done", "on_stream",
-        "pool", "retried", "started", "stream", "tried",
+        "_d", "_policy", "_timer", "balancer", "deadline", "done", "frame", "has_deadline",
+        "idempotent", "key", "live", "model", "on_done", "pool", "retried", "started", "tried",
     )  # fmt: skip
 
     def __init__(
@@ -199,10 +182,6 @@ class Exchange:
         has_deadline: bool,
         idempotent: bool,
         on_done: Callable[[Outcome], None],
-        *,
-        stream: bool = False,
-        chunked: bool = False,
-        on_stream: StreamOpener | None = None,
     ) -> None:
         self._d = dispatcher
         self.model = model
@@ -221,34 +200,6 @@ class Exchange:
         self.retried = False
         self._timer: asyncio.TimerHandle | None = None
         self.started = 0.0
-        # A streamed request: its body goes out through the current attempt's ticket.
-        self.stream = stream
-        self.chunked = chunked
-        self.body: http1.Ticket | None = None
-        self._drain: Callable[[], None] | None = None
-        self.on_stream = on_stream
-
-    # --- a streamed request's body --------------------------------------------------------
-
-    def write(self, chunk: bytes) -> None:
-        if self.body is not None:
-            self.body.write(chunk)
-
-    def end(self) -> None:
-        if self.body is not None:
-            self.body.end()
-
-    @property
-    def congested(self) -> bool:
-        """Whether the body's writer should wait for the drain callback."""
-        return self.body is not None and not self.done and self.body.congested
-
-    def on_drain(self, callback: Callable[[], None]) -> None:
-        self._drain = callback
-        if self.body is not None:
-            self.body.on_drain = callback
-
-    # --- the request's course -------------------------------------------------------------
 
     def start(self) -> None:
         d = self._d
@@ -265,8 +216,7 @@ class Exchange:
             self._timer = d.loop.call_at(now + delay, self._hedge)
 
     def cancel(self) -> None:
-        """The client is gone: withdraw every copy (each worker sees its connection close),
-        the one streaming its reply included."""
+        """The client is gone: withdraw every copy (each worker sees its connection close)."""
         if self.done and not self.live:
             return
         self.done = True
@@ -297,16 +247,7 @@ class Exchange:
         if d.decision_sample and d.rng.random() < d.decision_sample:
             d.log_decision(self, backend, kind, now)
         data = self.frame(remaining if self.has_deadline else None)
-        ticket = attempt.ticket = upstream.pool.submit(
-            data, attempt.on_result, remaining,
-            on_head=attempt.on_head if self.on_stream is not None else None,
-            stream=self.stream, chunked=self.chunked,
-        )  # fmt: skip
-        if self.stream:
-            ticket.on_drain = self._drain
-            if self.body is not None:
-                ticket.adopt(self.body)  # a retry after a failed connect: nothing went out
-            self.body = ticket
+        attempt.ticket = upstream.pool.submit(data, attempt.on_result, remaining)
         return True
 
     def _hedge(self) -> None:
@@ -368,7 +309,7 @@ class Exchange:
             else:
                 self.pool.finish(backend, latency, ok=ok, now=now)
             d.metrics.attempts.inc(backend.id, attempt.kind, str(status))
-            if ok and self._policy is not None and status < 400 and not attempt.streamed:
+            if ok and self._policy is not None and status < 400:
                 self._policy.observe(latency, now)
         elif isinstance(result, ConnectFailed | ConnectionLost):
             self.pool.connect_failed(backend, now=now)
@@ -400,37 +341,6 @@ class Exchange:
                     reason="upstream")
         )  # fmt: skip
 
-    def _on_head(
-        self,
-        attempt: _Attempt,
-        ticket: http1.Ticket,
-        status: int,
-        headers: Headers,
-        length: int | None,
-    ) -> http1.Sink | None:
-        """A reply's head: stream it to the client when it is large (or of unknown length).
-        Errors are read whole (they are small, and a 429 may be retried)."""
-        if self.done or self.on_stream is None or status >= 400:
-            return None
-        if length is not None and length <= self._d.config.stream_body_bytes:
-            return None
-        d = self._d
-        self.done = True
-        self._stop_timer()
-        attempt.streamed = True
-        if attempt.kind == "hedge":
-            d.metrics.hedges.inc(self.model, "won")
-        self._note_overtaken(attempt)
-        for other in self.live:
-            if other is not attempt:
-                self._withdraw(other, "lost")
-        self.live = [attempt]
-        if self._policy is not None:
-            self._policy.observe(d.loop.time() - attempt.sent_at, d.loop.time())
-        head = Outcome(status, headers, b"", attempt.upstream.backend.id,
-                       hedged=attempt.kind == "hedge", attempts=len(self.tried))  # fmt: skip
-        return self.on_stream(head, length, ticket)
-
     def _tells(self, backend: Backend, latency_s: float) -> bool:
         """Whether a timeout (the router's, or a worker's 504) after ``latency_s`` is evidence
         against the backend: always on the router's own request timeout; on the request's
@@ -450,8 +360,6 @@ class Exchange:
     def _may_retry(self, result: Response | UpstreamError) -> bool:
         if self.retried:
             return False
-        if self.stream and not isinstance(result, ConnectFailed):
-            return False  # some of its body went out, and it is not kept
         # A connect that failed sent nothing: safe for any request. A connection lost mid-way
         # or a 429 is retried only for idempotent requests.
         safe = isinstance(result, ConnectFailed) or self.idempotent
@@ -752,32 +660,35 @@ class Dispatcher:
         deadline_s: float | None = None,
         idempotent: bool = False,
         hedge: bool = False,
-        stream: bool = False,
-        chunked: bool = False,
-        on_stream: StreamOpener | None = None,
     ) -> Exchange:
         """Send one request (``frame(remaining_s)`` gives its bytes) to a replica of
         ``model`` (or of any backend for `ANY`); ``on_done`` gets the `Outcome`, unless the
         exchange is cancelled first. ``deadline_s``: the caller's own budget, propagated.
         ``idempotent`` requests may be retried after a lost connection; ``hedge`` ones (an
-        inference: idempotent too) may also be hedged, when the router hedges at all.
-        ``stream``: the body follows through `Exchange.write` and `Exchange.end` (chunked
-        upstream when ``chunked``); such a request is not hedged. ``on_stream``: where a large
-        reply streams to (see `StreamOpener`); without it every reply is read whole."""
+        inference: idempotent too) may also be hedged, when the router hedges at all."""
         pool = self.pool_for(model) if model != ANY else self._everyone
-        hedge = hedge and self.config.hedge and model != ANY and not stream
+        hedge = hedge and self.config.hedge and model != ANY
         idempotent = idempotent or hedge
         policy = self.hedge_policy(model, cost) if hedge else None
         budget = deadline_s if deadline_s is not None else self.config.request_timeout_s
         exchange = Exchange(
             self, model, pool, self.balancer_for(model), key, policy, frame,
             self.loop.time() + budget, deadline_s is not None, idempotent, on_done,
-            stream=stream, chunked=chunked, on_stream=on_stream,
         )  # fmt: skip
         exchange.start()
         return exchange
 
-    async def request(self, model: str, frame: Framer, **options: object) -> Outcome:
+    async def request(
+        self,
+        model: str,
+        frame: Framer,
+        *,
+        key: str | None = None,
+        cost: str = "s",
+        deadline_s: float | None = None,
+        idempotent: bool = False,
+        hedge: bool = False,
+    ) -> Outcome:
         """`dispatch` as a coroutine; cancelling it withdraws the request's copies."""
         future: asyncio.Future[Outcome] = self.loop.create_future()
 
@@ -785,7 +696,10 @@ class Dispatcher:
             if not future.done():
                 future.set_result(outcome)
 
-        exchange = self.dispatch(model=model, frame=frame, on_done=done, **options)  # type: ignore[arg-type]
+        exchange = self.dispatch(
+            model=model, frame=frame, on_done=done, key=key, cost=cost, deadline_s=deadline_s,
+            idempotent=idempotent, hedge=hedge,
+        )  # fmt: skip
         try:
             return await future
         except asyncio.CancelledError:

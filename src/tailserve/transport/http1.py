@@ -8,17 +8,7 @@ generator) or sits on the path of every request (the router). Requests are bytes
 
 The core is callback-driven (`Pool.submit`): the open-loop generator sends thousands of requests
 a second and a task per request would cost more than the request itself. `Pool.request` is the
-awaitable form.
-
-Bodies may also stream, both ways (the router's large requests and replies):
-
-- a request submitted with ``stream=True`` sends its head first and its body as the caller
-  writes it (`Ticket.write`, `Ticket.end`), chunked when no length was given; what is written
-  before a connection is free waits in the ticket, and `Ticket.congested` says when the caller
-  should stop reading its own source until ``on_drain`` is called;
-- a request submitted with ``on_head`` is asked, when its reply's head arrives, for a `Sink` to
-  take the reply's body as it comes; the sink can `Ticket.pause_reading` the connection while
-  its own consumer is slow.
+awaitable form. Requests and replies are sent and read whole.
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import cast
 
 import httptools
 
@@ -53,25 +43,6 @@ class Response:
 
 
 Callback = Callable[[Response | UpstreamError], None]
-
-
-class Sink(Protocol):
-    """Where a streamed reply's body goes, piece by piece."""
-
-    def data(self, chunk: bytes) -> None: ...
-
-    def end(self) -> None: ...
-
-    def abort(self) -> None:
-        """The reply broke off (its connection died, or the server sent garbage)."""
-
-
-# Given the ticket, the status, the headers and the declared length (None: chunked, or until
-# the connection closes), a sink to stream the reply's body into, or None to buffer it.
-HeadHandler = Callable[["Ticket", int, Headers, int | None], Sink | None]
-
-# A streamed request body holds the caller's reading when this much waits unsent.
-HIGH_WATER = 1 << 20
 
 
 def frame_request(
@@ -104,8 +75,6 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._headers: Headers = []
         self._body: list[bytes] = []
-        self._sink: Sink | None = None
-        self.write_paused = False
         self.closed = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------
@@ -135,15 +104,6 @@ class _Connection(asyncio.Protocol):
         why = f": {exc}" if exc is not None else ""
         self._finish(ConnectionLost(f"connection to {self._pool.origin} closed{why}"))
 
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        ticket = self._ticket
-        if ticket is not None and ticket.on_drain is not None:
-            ticket.on_drain()
-
     # --- httptools callbacks ------------------------------------------------------------
 
     def _reading(self) -> httptools.HttpResponseParser:
@@ -158,48 +118,17 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
 
-    def on_headers_complete(self) -> None:
-        ticket = self._ticket
-        if ticket is None or ticket.on_head is None:
-            return
-        status = self._reading().get_status_code()
-        if status < 200:  # an interim reply (100 Continue): the real one follows
-            return
-        length = None
-        for name, value in self._headers:
-            if name.lower() == b"content-length" and value.strip().isdigit():
-                length = int(value)
-        sink = ticket.on_head(ticket, status, self._headers, length)
-        if sink is not None and self._ticket is ticket:
-            self._sink = sink
-            # The reply has begun in time: how long its body takes is the reader's business.
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
     def on_body(self, body: bytes) -> None:
-        if self._sink is not None:
-            self._sink.data(body)
-        else:
-            self._body.append(body)
+        self._body.append(body)
 
     def on_message_complete(self) -> None:
         parser = self._reading()
         status = parser.get_status_code()
         if status < 200:
             return
-        keep_alive = parser.should_keep_alive()
-        sink, self._sink = self._sink, None
-        if sink is not None:
-            body = b""
-            sink.end()
-        else:
-            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         response = Response(status, self._headers, body)
-        ticket = self._ticket
-        if not keep_alive or (ticket is not None and ticket.unsent):
-            # (A reply before the whole request body went out, a refusal say: the rest of
-            # the body cannot follow on a connection the server is done with.)
+        if not parser.should_keep_alive():
             self.abort()
         self._finish(response)
 
@@ -217,24 +146,6 @@ class _Connection(asyncio.Protocol):
         if ticket.deadline is not None:
             self._timer = self._pool.loop.call_at(ticket.deadline, self._timed_out)
         self._transport.write(ticket.data)
-        if ticket.pending:
-            self._transport.write(b"".join(ticket.pending))
-            ticket.pending.clear()
-            ticket.pending_bytes = 0
-            if ticket.on_drain is not None and not self.write_paused:
-                ticket.on_drain()
-
-    def write(self, data: bytes) -> None:
-        if self._transport is not None and not self.closed:
-            self._transport.write(data)
-
-    def pause_reading(self) -> None:
-        if self._transport is not None and not self.closed:
-            self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self._transport is not None and not self.closed:
-            self._transport.resume_reading()
 
     def cancel(self, ticket: Ticket) -> None:
         """Drop the request in flight without a callback: the connection is closed, so the
@@ -243,7 +154,6 @@ class _Connection(asyncio.Protocol):
             return
         self._callback = None
         self._ticket = None
-        self._sink = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -263,9 +173,6 @@ class _Connection(asyncio.Protocol):
         self.abort()
 
     def _finish(self, result: Response | UpstreamError) -> None:
-        sink, self._sink = self._sink, None
-        if sink is not None:  # a streamed reply broke off
-            sink.abort()
         callback, self._callback = self._callback, None
         self._ticket = None
         if self._timer is not None:
@@ -287,26 +194,11 @@ def _dequeued(ticket: Ticket) -> None:
 
 class Ticket:
     """One submitted request: `cancel` withdraws it, from the queue or, once sent, by
-    closing its connection (no callback follows either way).
+    closing its connection (no callback follows either way)."""
 
-    A streamed request's ticket also carries its body out: `write` and `end` (chunked framing
-    when ``chunked``). ``pending`` is None for a request sent whole."""
+    __slots__ = ("callback", "cancelled", "connection", "data", "deadline", "expiry")
 
-    __slots__ = (
-        "callback", "cancelled", "chunked", "connection", "data", "deadline", "ended",
-        "expiry", "on_drain", "on_head", "pending", "pending_bytes",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        data: bytes,
-        callback: Callback,
-        deadline: float | None,
-        *,
-        on_head: HeadHandler | None = None,
-        stream: bool = False,
-        chunked: bool = False,
-    ) -> None:
+    def __init__(self, data: bytes, callback: Callback, deadline: float | None) -> None:
         self.data = data
         self.callback = callback
         self.deadline = deadline
@@ -314,14 +206,8 @@ class Ticket:
         # queue: left to run out, it held the ticket (and the connection that sent it) until
         # the deadline, tens of thousands of them at once in a generator past capacity.
         self.expiry: asyncio.TimerHandle | None = None
-        self.on_head = on_head
         self.connection: _Connection | None = None
         self.cancelled = False
-        self.pending: list[bytes] | None = [] if stream else None
-        self.pending_bytes = 0
-        self.chunked = chunked
-        self.ended = not stream
-        self.on_drain: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         if self.cancelled:
@@ -329,62 +215,6 @@ class Ticket:
         self.cancelled = True
         if self.connection is not None:
             self.connection.cancel(self)
-
-    # --- a streamed request's body ----------------------------------------------------------
-
-    @property
-    def unsent(self) -> bool:
-        """A streamed body whose end has not been written yet."""
-        return not self.ended
-
-    @property
-    def congested(self) -> bool:
-        """Whether the writer should wait for ``on_drain`` before writing more."""
-        connection = self.connection
-        if connection is None:
-            return self.pending_bytes >= HIGH_WATER
-        return connection.write_paused
-
-    def write(self, chunk: bytes) -> None:
-        if self.ended or self.cancelled or not chunk:
-            return
-        if self.chunked:
-            chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
-        self._put(chunk)
-
-    def end(self) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        if self.chunked and not self.cancelled:
-            self._put(b"0\r\n\r\n")
-
-    def adopt(self, other: Ticket) -> None:
-        """Take over the body of a ticket that never got a connection (a retry); this one
-        may have been sent already, so what the other held goes out through it now."""
-        assert other.connection is None and other.pending is not None
-        pieces, other.pending, other.pending_bytes = other.pending, [], 0
-        self.ended = other.ended
-        for piece in pieces:  # framed already (chunked, terminal chunk included)
-            self._put(piece)
-
-    def _put(self, data: bytes) -> None:
-        connection = self.connection
-        if connection is not None:
-            connection.write(data)
-        elif self.pending is not None:
-            self.pending.append(data)
-            self.pending_bytes += len(data)
-
-    # --- a streamed reply -------------------------------------------------------------------
-
-    def pause_reading(self) -> None:
-        if self.connection is not None:
-            self.connection.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self.connection is not None:
-            self.connection.resume_reading()
 
 
 class Pool:
@@ -430,21 +260,11 @@ class Pool:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(
-        self,
-        data: bytes,
-        callback: Callback,
-        timeout_s: float | None = None,
-        *,
-        on_head: HeadHandler | None = None,
-        stream: bool = False,
-        chunked: bool = False,
-    ) -> Ticket:
-        """Send ``data`` (a framed request; with ``stream``, its head only, the body to
-        follow through the ticket); ``callback`` gets the response or the error, unless the
-        ticket answered is cancelled first. ``on_head``: see `HeadHandler`."""
+    def submit(self, data: bytes, callback: Callback, timeout_s: float | None = None) -> Ticket:
+        """Send ``data`` (a framed request); ``callback`` gets the response or the error,
+        unless the ticket answered is cancelled first."""
         deadline = None if timeout_s is None else self.loop.time() + timeout_s
-        ticket = Ticket(data, callback, deadline, on_head=on_head, stream=stream, chunked=chunked)
+        ticket = Ticket(data, callback, deadline)
         if self._closed:
             callback(ConnectionLost(f"the pool to {self.origin} is closed"))
             return ticket

@@ -1,5 +1,5 @@
-"""What tailserve's two HTTP/1.1 servers (the worker's, protocols/http/server.py, and the
-router's, router/proxy.py) read the same way from a client."""
+"""How the HTTP/1.1 server (protocols/http/server.py, the worker's and the router's) reads a
+request's head from a client: its limits, its timeouts, and how an error ends a connection."""
 
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ def late(in_head: bool, begun: float, heard: float, now: float, timeout_s: float
 
 
 class HeadReading:
-    """What both servers' connections do the same way while a request's head is read: the
-    target and headers kept within `MAX_HEAD_BYTES` (414, 431), and whether the request being
-    read is late (`late`, with the time the server holds the client back not counted)."""
+    """What the server's connections do while a request's head is read: the target and
+    headers kept within `MAX_HEAD_BYTES` (414, 431), and whether the request being read is late
+    (`late`, with the time the server holds the client back not counted)."""
 
     _url: bytes
     _headers: list[tuple[bytes, bytes]]

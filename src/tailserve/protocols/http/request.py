@@ -16,7 +16,8 @@ from tailserve.errors import InvalidInput, PayloadTooLarge
 class HttpRequest:
     __slots__ = (
         "disconnected", "error", "headers", "keep_alive", "max_body_bytes", "memo_key",
-        "method", "params", "path", "raw_body", "received_at", "route", "screened", "version",
+        "method", "params", "path", "raw_body", "received_at", "route", "screened", "target",
+        "version",
     )  # fmt: skip
 
     def __init__(
@@ -32,6 +33,8 @@ class HttpRequest:
         version: str = "1.1",
     ) -> None:
         self.method = method
+        # As sent (query string and escapes kept): what a proxy forwards.
+        self.target = target
         if target[:1] == b"/":
             path = target.split(b"?", 1)[0].decode("latin-1")
         else:  # absolute-form (a client that speaks as if to a proxy), or "*"
