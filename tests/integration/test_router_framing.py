@@ -1,10 +1,10 @@
 """The router as an application of the one HTTP server, on raw connections: pipelined requests
 (sent on, and answered by the router itself) answered in order, a malformed one after those
 before it, nothing written after a reply that closed the connection; hop-by-hop headers not
-forwarded either way; a body over the limit refused before it reaches a backend; a chunked body
-read whole and sent on with its length; the router's keep-alive time; a client that hangs up
-withdrawing its request from the backend; a drain. The server's own framing (408, 431,
-upgrades, reading paused) is tested once, in test_worker_server.py."""
+forwarded either way; a body or a target over the limit refused before it reaches a backend; a
+chunked body read whole and sent on with its length; the router's keep-alive time; a client
+that hangs up withdrawing its request from the backend; a drain. The server's own framing (408,
+431, upgrades, reading paused) is tested once, in test_worker_server.py."""
 
 from __future__ import annotations
 
@@ -161,6 +161,16 @@ async def test_a_body_over_the_limit_by_its_declared_length_is_refused_before_it
     assert [_status(r) for r in replies] == [413], replies
     assert b"1000000000000 bytes is over the" in replies[0]
     assert not _infers(stub)
+
+
+async def test_a_target_over_the_limit_is_414_and_reaches_no_backend(
+    router_port: tuple[int, StubApp],
+) -> None:
+    port, stub = router_port
+    replies = await _exchange(port, b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nhost: r\r\n\r\n")
+    assert [_status(r) for r in replies] == [414], replies
+    assert b"request target over" in replies[0]
+    assert not [a for a in stub.arrivals if a.path.startswith("/aaa")]
 
 
 async def test_bodies_are_read_whole_and_none_over_the_limit_reaches_a_backend() -> None:
