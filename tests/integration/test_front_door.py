@@ -5,6 +5,7 @@ every worker, one /metrics, the admin token beyond loopback)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ def infer(model: str) -> str:
     return f"/v2/models/{model}/infer"
 
 
+@contextlib.asynccontextmanager
 async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
     supervisor = Supervisor(config)
     await supervisor.start()
@@ -41,7 +43,7 @@ async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
 async def two_workers(tmp_path: Path) -> AsyncIterator[Supervisor]:
     write_model(tmp_path / "repo", "doubler", doubler_config(cache={"enabled": True}))
     config = FleetConfig(repository=str(tmp_path / "repo"), port=0, workers=2, drain_timeout_s=5)
-    async for supervisor in started(config):
+    async with started(config) as supervisor:
         yield supervisor
 
 
@@ -52,15 +54,17 @@ async def test_an_overflowing_queue_answers_503_at_once(tmp_path: Path) -> None:
     policy = FrontDoorPolicy(max_conn=1, max_queue=1)
     config = FleetConfig(repository=str(tmp_path / "repo"), port=0, policy=policy,
                          drain_timeout_s=5)  # fmt: skip
-    async for stack in started(config):
-        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+    async with (
+        started(config) as stack,
+        httpx.AsyncClient(base_url=stack.url, timeout=10) as client,
+    ):
 
-            async def one() -> tuple[int, float, httpx.Response]:
-                begun = time.perf_counter()
-                reply = await client.post(infer("slow"), json=X)
-                return reply.status_code, time.perf_counter() - begun, reply
+        async def one() -> tuple[int, float, httpx.Response]:
+            begun = time.perf_counter()
+            reply = await client.post(infer("slow"), json=X)
+            return reply.status_code, time.perf_counter() - begun, reply
 
-            results = await asyncio.gather(*(one() for _ in range(6)))
+        results = await asyncio.gather(*(one() for _ in range(6)))
     served = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 503]
     assert len(served) == 2 and len(refused) == 4, [r[0] for r in results]
@@ -153,13 +157,15 @@ async def test_beyond_loopback_the_fleets_admin_routes_need_a_token(tmp_path: Pa
     write_model(tmp_path / "repo", "doubler", doubler_config())
     config = FleetConfig(repository=str(tmp_path / "repo"), host="0.0.0.0", port=0,
                          drain_timeout_s=5)  # fmt: skip
-    async for stack in started(config):
-        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
-            refused = await client.post("/v2/cache/invalidate", json={"model": "doubler"})
-            assert refused.status_code == 403
-            assert "--admin-token" in refused.json()["error"]
-            assert (await client.post(infer("doubler"), json=X)).status_code == 200
-            assert (await client.get("/v2/fleet")).status_code == 200
+    async with (
+        started(config) as stack,
+        httpx.AsyncClient(base_url=stack.url, timeout=10) as client,
+    ):
+        refused = await client.post("/v2/cache/invalidate", json={"model": "doubler"})
+        assert refused.status_code == 403
+        assert "--admin-token" in refused.json()["error"]
+        assert (await client.post(infer("doubler"), json=X)).status_code == 200
+        assert (await client.get("/v2/fleet")).status_code == 200
 
 
 async def test_a_front_door_that_dies_is_started_again(two_workers: Supervisor) -> None:
@@ -186,22 +192,24 @@ async def test_a_slow_model_takes_the_hedging_lane_and_a_fast_one_goes_direct(
                                                    slo={"p99_ms": 2000}))  # fmt: skip
     config = FleetConfig(repository=str(repository), port=0, workers=2, drain_timeout_s=5,
                          classify_interval_s=0.2)  # fmt: skip
-    async for stack in started(config):
-        async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+    async with (
+        started(config) as stack,
+        httpx.AsyncClient(base_url=stack.url, timeout=10) as client,
+    ):
 
-            async def laned() -> bool:
-                fleet = (await client.get("/v2/fleet")).json()
-                return fleet["front_door"]["lane"]["models"] == ["slow"]
+        async def laned() -> bool:
+            fleet = (await client.get("/v2/fleet")).json()
+            return fleet["front_door"]["lane"]["models"] == ["slow"]
 
-            await async_wait_for(laned, what="the slow model to take the lane")
+        await async_wait_for(laned, what="the slow model to take the lane")
 
-            async def through_the_lane() -> bool:
-                # The lane (the Python router) names the worker by its URL.
-                reply = await client.post(infer("slow"), json=X)
-                assert reply.status_code == 200, reply.text
-                return reply.headers["x-tailserve-replica"].startswith("http://127.0.0.1:")
+        async def through_the_lane() -> bool:
+            # The lane (the Python router) names the worker by its URL.
+            reply = await client.post(infer("slow"), json=X)
+            assert reply.status_code == 200, reply.text
+            return reply.headers["x-tailserve-replica"].startswith("http://127.0.0.1:")
 
-            await async_wait_for(through_the_lane, what="the slow model's replies from the lane")
-            fast = await client.post(infer("fast"), json=X)
-            assert fast.status_code == 200
-            assert fast.headers["x-tailserve-replica"] in {"worker-0", "worker-1"}
+        await async_wait_for(through_the_lane, what="the slow model's replies from the lane")
+        fast = await client.post(infer("fast"), json=X)
+        assert fast.status_code == 200
+        assert fast.headers["x-tailserve-replica"] in {"worker-0", "worker-1"}

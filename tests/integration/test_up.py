@@ -23,12 +23,13 @@ from tritonclient.utils import triton_to_np_dtype as tensor_dtype
 
 from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
 from tailserve.examples.churn import FIELDS, sample_rows
-from tailserve.fleet.restarts import Backoff
 from tailserve.fleet.processes import ManagedWorker
+from tailserve.fleet.restarts import Backoff
 from tailserve.fleet.supervisor import FleetConfig, Supervisor
 from tailserve.router.frontdoor import FrontDoorPolicy
 
 STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
+ANY_STARTED = re.compile(r"\S+ started \(pid (\d+)\) on")
 FRONT_DOOR = re.compile(r"front door \(HAProxy pid (\d+)\) started")
 
 
@@ -58,6 +59,10 @@ class UpProcess(WorkerProcess):
 
     def worker_urls(self) -> set[str]:
         return {url for _, _, url in STARTED.findall(self.log())}
+
+    def every_pid(self) -> list[int]:
+        """Every process it started (the workers, the lane, the front door)."""
+        return [int(pid) for pid in ANY_STARTED.findall(self.log())] + self.front_door_pids()
 
     def front_door_pids(self) -> list[int]:
         return [int(pid) for pid in FRONT_DOOR.findall(self.log())]
@@ -91,7 +96,7 @@ def tailserve_up(
         if process.poll() is None:
             process.kill()  # its workers and HAProxy are in sessions of their own: them too
             process.wait(timeout=10)
-            for pid in [*running.worker_pids().values(), *running.front_door_pids()]:
+            for pid in running.every_pid():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
 
