@@ -15,11 +15,8 @@
    between configurations, so each starts cold on the same request stream.
 3. **The router's cost.** One ``churn`` worker (cache off), called directly and through the
    router (p2c, no hedging) at the same rate: the p50 the extra hop adds.
-4. **Large bodies.** A model that echoes a 1.5 MiB tensor (v2 binary, both ways): called
-   directly, through the router streaming bodies over 1 MiB (the default), and through a
-   router that reads every body whole: the p50 and p99 each way adds.
 
-    python benchmarks/router.py [--parts tail,affinity,overhead,large] [--duration 30]
+    python benchmarks/router.py [--parts tail,affinity,overhead] [--duration 30]
 """
 
 from __future__ import annotations
@@ -54,36 +51,6 @@ class Model:
         time.sleep(self.service_s)
         return {"y": (inputs["x"] * 2).astype(np.float32)}
 """
-
-
-ECHO = """
-class Model:
-    def __init__(self, version_dir, config):
-        pass
-
-    def predict(self, inputs):
-        return {"y": inputs["x"]}
-"""
-
-# 393,216 FP32 values: 1.5 MiB a body each way, over the router's 1 MiB streaming threshold.
-LARGE_WIDTH = 393_216
-
-
-def echo_repository(root: Path) -> Path:
-    folder = root / "echo"
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    (folder / "1" / "model.py").write_text(ECHO)
-    tensor = {"datatype": "FP32", "shape": [LARGE_WIDTH]}
-    config = {
-        "runtime": "python",
-        "max_batch_size": 1,
-        "inputs": [{"name": "x", **tensor}],
-        "outputs": [{"name": "y", **tensor}],
-        "warmup": {"batch_sizes": [1]},
-        "slo": {"p99_ms": 1000},
-    }
-    (folder / "model.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return root
 
 
 def steady_repository(root: Path, service_ms: float, instances: int = 1) -> Path:
@@ -349,42 +316,9 @@ def print_overhead(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"p50 added by the router: {added * 1e3:.0f} us")
 
 
-# --- 4. large bodies -------------------------------------------------------------------------
-
-
-def large(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    repository = echo_repository(work / "echo-repo")
-    results: dict[str, Any] = {}
-    whole = ["--no-hedge", "--stream-body-bytes", str(1 << 30)]
-    with workers(repository, 1) as urls, contextlib.ExitStack() as stack:
-        targets = {
-            "direct": urls[0],
-            "router-streaming": stack.enter_context(router(urls, "--no-hedge")),
-            "router-whole": stack.enter_context(router(urls, *whole)),
-        }
-        for name, target in targets.items():
-            print(f"\n=== large: {name} ===", flush=True)
-            path = spec(out, f"large-{name}", "echo", target, args.large_rate, args,
-                        protocol="v2-binary", duration_s=args.large_duration)  # fmt: skip
-            result = h.bench(path, out / f"large-{name}.json", "--name", name)
-            results[name] = {k: stats(result)[k] for k in ("p50_ms", "p99_ms", "errors")}
-    return results
-
-
-def print_large(results: dict[str, Any], args: argparse.Namespace) -> None:
-    mib = LARGE_WIDTH * 4 / (1 << 20)
-    print(f"\n4. Large bodies: {mib:g} MiB each way (v2 binary), {args.large_rate:g} req/s")
-    head = f"{'path':18}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}{'p50 added':>11}"
-    print(head + "\n" + "-" * len(head))
-    direct = results.get("direct", {}).get("p50_ms")
-    for name, r in results.items():
-        added = f"{(r['p50_ms'] - direct) * 1e3:.0f} us" if direct and name != "direct" else "-"
-        print(f"{name:18}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['errors']:>8}{added:>11}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="tail,affinity,overhead,large")
+    parser.add_argument("--parts", default="tail,affinity,overhead")
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds a run")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--service-ms", type=float, default=5.0)
@@ -394,8 +328,6 @@ def main() -> None:
     parser.add_argument("--keyspace", type=int, default=20_000)
     parser.add_argument("--l1-entries", type=int, default=1_000)
     parser.add_argument("--overhead-rate", type=float, default=200.0)
-    parser.add_argument("--large-rate", type=float, default=10.0)
-    parser.add_argument("--large-duration", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=h.HERE / "results" / "router")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -409,8 +341,6 @@ def main() -> None:
         summary["affinity"] = affinity(examples, work, args.out, args)
     if "overhead" in parts and examples is not None:
         summary["overhead"] = overhead(examples, work, args.out, args)
-    if "large" in parts:
-        summary["large"] = large(work, args.out, args)
     print("\n\nSummary")
     if "tail" in summary:
         print_tail(summary["tail"], args)
@@ -418,8 +348,6 @@ def main() -> None:
         print_affinity(summary["affinity"], args)
     if "overhead" in summary:
         print_overhead(summary["overhead"], args)
-    if "large" in summary:
-        print_large(summary["large"], args)
     (args.out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     print(f"\nresults and reports: {args.out}")
 
