@@ -196,7 +196,7 @@ class Supervisor:
         # A second one, as with a worker, cuts the drain short: requests in flight fail at once.
         if self._signalled.is_set():
             log.warning("signalled again: killing the workers")
-            for worker in self.workers:
+            for worker in self._slots():
                 worker.kill()
             self.front_door_process.kill()
         self._signalled.set()
@@ -227,8 +227,7 @@ class Supervisor:
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigError(f"the front door cannot start on {where}: {exc}") from None
         self._door_keeper = owned_task(self._keep_front_door(), "keep the front door")
-        slots = [*self.workers, *([self.lane] if self.lane else [])]
-        self._keepers = [owned_task(self._keep(w), f"keep {w.name}") for w in slots]
+        self._keepers = [owned_task(self._keep(w), f"keep {w.name}") for w in self._slots()]
         self._announcer = owned_task(self._announce(), "announce")
         if self.lane is not None and self.config.hedge_lane_ms > 0:
             self._classifier = owned_task(self._classify(), "classify")
@@ -254,8 +253,12 @@ class Supervisor:
         await self._admin_server.drain(1.0)
         await self._admin.close()
 
+    def _slots(self) -> list[ManagedWorker]:
+        """The processes kept: the workers, and the lane where there is one."""
+        return [*self.workers, *([self.lane] if self.lane else [])]
+
     async def _stop_workers(self) -> None:
-        slots = [*self.workers, *([self.lane] if self.lane else [])]
+        slots = self._slots()
         for worker in slots:
             worker.terminate()
         if not self._keepers:
