@@ -646,3 +646,20 @@ def test_a_request_the_shed_let_in_may_queue_for_all_of_its_time_left() -> None:
     b.loop_backlog_s = 0.052  # more than all of its time: refused, screened or not
     refused = b.offer(Item(1, SHORT, 0.0, 0.050, screened=True), 0.0, [0.0])
     assert refused is not None and refused.reason == "deadline"
+
+
+def test_a_request_that_may_be_a_cache_hit_is_shed_for_the_event_loops_backlog_alone() -> None:
+    # A cached model's request may be answered without the model, so its queue does not
+    # refuse it unread; the loop's backlog, which a hit waits for too, does (not shed at all,
+    # churn's requests were refused only once decoded, and under overload the loop fell
+    # behind for good: docs/decisions/0002-admission-without-feedback.md).
+    b = batcher(max_queue=100)
+    seeded(b, COST)
+    for _ in range(100):  # the model's queue full, and seconds of work
+        assert b.offer(Item(1, SHORT, 0.0, 10.0), 0.0, [0.0]) is None
+    assert b.shed(0.0, [0.0], deadline=0.050, priority=1) is not None
+    assert b.shed(0.0, [0.0], deadline=0.050, priority=1, queue=False) is None
+    b.loop_backlog_s = 0.060  # more than the whole budget
+    refused = b.shed(0.0, [0.0], deadline=0.050, priority=1, queue=False)
+    assert refused is not None and refused.reason == "deadline"
+    assert "backlog, 60.0" in refused.message

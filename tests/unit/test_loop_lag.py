@@ -104,3 +104,18 @@ def test_refusals_cost_the_loop_their_share_and_not_the_answered_requests_whole_
     # The requests held wait for their own 2 ms each, stretched by the refusals' share of the
     # loop's time (about a quarter here): far under the 10 ms a request charged the old way.
     assert 10 * per_request < held < 10 * per_request / (1 - 0.5)
+
+
+def test_samples_on_a_fake_clock_learn_the_loop_cpu_a_request_costs() -> None:
+    # (What the admission simulation drives: tests/support/admission_sim.py.)
+    counts = [0, 0, 0]
+    lag = LoopLag(requests=lambda: (counts[0], counts[1], counts[2]))
+    lag.sample(0.0, 0.0, late=0.0)
+    for tick in range(1, 200):  # each 5 ms: 40 requests answered, 4 ms of the loop's CPU
+        counts[1] += 40
+        lag.sample(tick * 0.005, tick * 0.004, late=0.001)
+    counts[0] = 30
+    assert lag.per_request_s == pytest.approx(0.0001, rel=0.01)
+    assert lag.busy == pytest.approx(0.8, rel=0.01)
+    assert lag.lag_s == pytest.approx(0.001, rel=0.01)
+    assert lag.backlog_s == pytest.approx(30 * 0.0001, rel=0.01)

@@ -86,11 +86,19 @@ class Batcher(Protocol):
         ...
 
     def shed(
-        self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
+        self,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        deadline: float,
+        priority: int,
+        queue: bool = True,
     ) -> Rejection | None:
         """Before a request is even read: would the least request of that priority and
         deadline be refused? (Refusing then costs a fraction of refusing after decoding.) The
-        request it lets in is offered later marked `Item.screened`."""
+        request it lets in is offered later marked `Item.screened`. Not ``queue``: the request
+        may not need the model (a cache hit); only what every request waits for counts (the
+        event loop's backlog)."""
         ...
 
     def observe(
@@ -176,9 +184,15 @@ class _Fifo:
         pass
 
     def shed(
-        self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
+        self,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        deadline: float,
+        priority: int,
+        queue: bool = True,
     ) -> Rejection | None:
-        if len(self.queue) >= self.max_queue:
+        if queue and len(self.queue) >= self.max_queue:
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         return None
 

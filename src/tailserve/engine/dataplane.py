@@ -112,19 +112,21 @@ class DataPlane:
         any request of its deadline (the header's, else the SLO). A priority or timeout in
         the body is not known yet: the request is taken to have the highest priority.
 
-        A model with a result cache is not refused here: its request may be a hit, answered
-        without the model (refused for the model's queue, hits were lost under load while
-        misses filled it). A miss meets the same test when it is offered to the scheduler.
+        A model with a result cache is refused here only for the event loop's backlog, which
+        a hit waits for as a miss does: its request may be a hit, answered without the model
+        (refused for the model's queue, hits were lost under load while misses filled it). A
+        miss meets the model's test when it is offered to the scheduler.
 
-        Returns whether the shed looked at it (and admitted it): the request is *screened*,
-        and its offer to the batcher may give it more of its time left (`Item.screened`).
+        Returns True: the shed looked at it (and admitted it), so the request is *screened*,
+        and its offer to the batcher may give it more of its time left (`Item.screened`): read
+        and decoded, refusing it saves little, and the headroom for the requests not yet read
+        was kept when it was shed (a hit and a miss alike, for the loop's backlog).
         """
         served = self.manager.get(name, version)
-        if served.cache is not None and self.cache is not None:
-            return False
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
-        served.scheduler.shed(deadline=received_at + budget, priority=1)
+        cached = served.cache is not None and self.cache is not None
+        served.scheduler.shed(deadline=received_at + budget, priority=1, queue=not cached)
         return True
 
     def refused(self, name: str, version: str | None) -> None:

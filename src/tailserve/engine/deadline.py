@@ -344,12 +344,25 @@ class DeadlineBatcher:
         return None
 
     def shed(
-        self, now: float, free_at: Sequence[float], *, deadline: float, priority: int
+        self,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        deadline: float,
+        priority: int,
+        queue: bool = True,
     ) -> Rejection | None:
+        budget = deadline - now
+        if not queue:
+            # It may be a cache hit, answered without the model; it still waits for the event
+            # loop to read, decode and answer what it holds. (Let in unread, a cached model's
+            # requests were refused only once decoded, at nearly the cost of serving them:
+            # under overload the loop fell behind, the requests it had not read piled up where
+            # no estimate sees them, and it went on refusing them long after.)
+            return self._refused_unread(budget, self.loop_backlog_s, self.loop_delay_s)
         if self._queued >= self.max_queue:
             self._count(refused=True)
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
-        budget = deadline - now
         # The last offer's count of the work queued, if recent, is a high one for this
         # request: since then work has only been taken (or has expired), and that offer's
         # priority let no more ahead of it than the highest does. When it admits, that is the
@@ -360,6 +373,11 @@ class DeadlineBatcher:
             if ahead <= (budget - self._learnt(now)[1] - self.loop_delay_s) * self._share:
                 return None
         queueing, _, delays = self._wait_estimate(priority, 0, None, now, free_at)
+        return self._refused_unread(budget, queueing, delays)
+
+    def _refused_unread(self, budget: float, queueing: float, delays: float) -> Rejection | None:
+        """The shed's answer for a request with ``budget`` left, ``queueing`` ahead of it and
+        ``delays`` besides."""
         if queueing > (budget - delays) * self._share:
             rejection = self._unmeetable(budget, queueing, delays)
             if self._share > self.admission_target + 1e-9:

@@ -174,14 +174,15 @@ class Scheduler:
         """A warm-up batch's time, so the cost model starts from a measurement."""
         self._batcher.observe(bucket, rows, seconds, -1.0)
 
-    def shed(self, *, deadline: float, priority: int = 1) -> None:
-        """Refuse now, before the request is read, if even its least form would be refused."""
+    def shed(self, *, deadline: float, priority: int = 1, queue: bool = True) -> None:
+        """Refuse now, before the request is read, if even its least form would be refused
+        (not ``queue``: for the event loop's backlog alone; it may be a cache hit)."""
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
         now = self._clock()
         self._read_loop()
         rejection = self._batcher.shed(
-            now, self._free_times(now), deadline=deadline, priority=priority
+            now, self._free_times(now), deadline=deadline, priority=priority, queue=queue
         )
         if rejection is not None:
             self._refuse(rejection, deadline=deadline, now=now)

@@ -106,9 +106,14 @@ class LoopLag:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        late = max(0.0, now - self._due)
+        self.sample(now, time.thread_time(), late=max(0.0, now - self._due))
+        self._schedule()
+
+    def sample(self, now: float, cpu: float, *, late: float) -> None:
+        """One tick: the loop ran it ``late`` seconds after it was due, at ``now``, its thread
+        having used ``cpu`` seconds so far. (The timer calls it with the real clocks; a
+        simulation, with its own.)"""
         self.lag_s += 0.1 * (late - self.lag_s)
-        cpu = time.thread_time()
         if now > self._wall:
             used, wall = cpu - self._cpu, now - self._wall
             self.busy += 0.05 * (min(1.0, used / wall) - self.busy)
@@ -117,4 +122,3 @@ class LoopLag:
         self._cpu, self._wall = cpu, now
         if self.on_sample is not None:
             self.on_sample(late)
-        self._schedule()
