@@ -195,9 +195,6 @@ def _global(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
         f"    nbthread {policy.threads}",
         f"    maxconn {policy.max_connections}",
         f"    hard-stop-after {_ms(listen.drain_timeout_s * 1000)}",
-        # Requests and their bodies are read into buffers this big (a body the affinity
-        # hash reads, and a retry's copy).
-        "    tune.bufsize 32768",
         *([f"    server-state-file {listen.state_file}"] if listen.state_file else []),
         "",
     ]
@@ -213,7 +210,6 @@ def _defaults(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
         # request, answered with "Connection: close": closed while idle, a request the client
         # was sending would be lost.
         "    option idle-close-on-response",
-        "    option forwardfor",
         f"    timeout connect {policy.connect_timeout_ms}ms",
         f"    timeout client {_ms(policy.keep_alive_s * 1000)}",
         f"    timeout http-keep-alive {_ms(policy.keep_alive_s * 1000)}",
