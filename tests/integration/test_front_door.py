@@ -213,3 +213,24 @@ async def test_a_slow_model_takes_the_hedging_lane_and_a_fast_one_goes_direct(
         fast = await client.post(infer("fast"), json=X)
         assert fast.status_code == 200
         assert fast.headers["x-tailserve-replica"] in {"worker-0", "worker-1"}
+
+
+async def test_affinity_sends_one_key_to_one_worker_and_spreads_the_keys(tmp_path: Path) -> None:
+    write_model(tmp_path / "repo", "doubler", doubler_config())
+    config = FleetConfig(repository=str(tmp_path / "repo"), port=0, workers=2, drain_timeout_s=5,
+                         policy=FrontDoorPolicy(balance="affinity"))  # fmt: skip
+    async with started(config) as stack, httpx.AsyncClient(base_url=stack.url, timeout=10) as c:
+        by_key: dict[str, set[str]] = {}
+        for key in (f"user-{n}" for n in range(40)):
+            for _ in range(3):
+                reply = await c.post(infer("doubler"), json=X, headers={"X-Affinity-Key": key})
+                assert reply.status_code == 200
+                by_key.setdefault(key, set()).add(reply.headers["x-tailserve-replica"])
+        # Without the header, the body is the key: the same body, the same worker.
+        bodies = {
+            (await c.post(infer("doubler"), json=X)).headers["x-tailserve-replica"]
+            for _ in range(10)
+        }
+    assert all(len(workers) == 1 for workers in by_key.values()), by_key
+    assert {next(iter(w)) for w in by_key.values()} == {"worker-0", "worker-1"}
+    assert len(bodies) == 1
