@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -160,11 +161,16 @@ def test_sigterm_drains_the_stack_and_exits_0(
         (door,) = up.front_door_pids()
         assert len(pids) == 2
         assert all(alive(pid) for pid in [*pids.values(), door])
+        # The fleet's /metrics reads HAProxy's exporter: that connection must not hold the
+        # drain open until its timeout (30 s).
+        assert httpx.get(f"{up.url}/metrics").status_code == 200
+        begun = time.monotonic()
         if to_group:  # as a supervisor or `make` passes it on: every process of the group
             os.killpg(up.process.pid, signal.SIGTERM)
         else:
             up.process.send_signal(signal.SIGTERM)
         assert up.process.wait(timeout=60) == 0, up.log()
+        assert time.monotonic() - begun < 15, "the drain waited for an idle connection"
         assert not [pid for pid in [*pids.values(), door] if alive(pid)]
         log = up.log()
         assert all(f"{name} (pid {pid}) exited with 0" in log for name, pid in pids.items())

@@ -117,7 +117,10 @@ class AdminLane:
         if self.fleet.stats_port:
             sources.append(("frontdoor", "127.0.0.1", self.fleet.stats_port))
         pages = await asyncio.gather(
-            *(self._get(host, port, "/metrics") for _, host, port in sources)
+            *(
+                self._get(host, port, "/metrics", close=name == "frontdoor")
+                for name, host, port in sources
+            )
         )
         named = zip((name for name, _, _ in sources), pages, strict=True)
         merged = merge_metrics((name, page) for name, page in named if page is not None)
@@ -173,8 +176,11 @@ class AdminLane:
             payload = reply.body.decode(errors="replace")
         return reply.status, payload
 
-    async def _get(self, host: str, port: int, path: str) -> str | None:
-        data = frame_request("GET", path, f"{host}:{port}")
+    async def _get(self, host: str, port: int, path: str, *, close: bool = False) -> str | None:
+        """``close``: ask for the connection to close after the reply (HAProxy's own: a
+        draining HAProxy keeps an idle client connection open until its next request)."""
+        headers = [("connection", "close")] if close else []
+        data = frame_request("GET", path, f"{host}:{port}", headers=headers)
         with contextlib.suppress(UpstreamError):
             reply = await self._pool(host, port).request(data, SCRAPE_TIMEOUT_S)
             if reply.status == 200:
