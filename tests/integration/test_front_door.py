@@ -18,8 +18,11 @@ import pytest
 
 from support.models import doubler_config, write_model
 from support.servers import async_wait_for
+from support.stub import StubApp, run_stub
+from tailserve.fleet.haproxy import HAProxy
+from tailserve.fleet.processes import free_ports
 from tailserve.fleet.supervisor import FleetConfig, Supervisor
-from tailserve.router.frontdoor import FrontDoorPolicy
+from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]}]}
 
@@ -234,3 +237,23 @@ async def test_affinity_sends_one_key_to_one_worker_and_spreads_the_keys(tmp_pat
     assert all(len(workers) == 1 for workers in by_key.values()), by_key
     assert {next(iter(w)) for w in by_key.values()} == {"worker-0", "worker-1"}
     assert len(bodies) == 1
+
+
+async def test_a_worker_that_keeps_failing_is_ejected(tmp_path: Path) -> None:
+    # Both answer their readiness checks; one fails every request. HAProxy alone, in front of
+    # two stubs, with the rendered config: `observe layer7` takes the failing one out after
+    # `error_limit` errors in a row, well before its next check.
+    with run_stub(StubApp()) as good, run_stub(StubApp(status=500)) as bad:
+        members = [Member("good", "127.0.0.1", good.port), Member("bad", "127.0.0.1", bad.port)]
+        port = free_ports(1)[0]
+        policy = FrontDoorPolicy(error_limit=3, check_interval_ms=5000, max_connections=500)
+        door = HAProxy(tmp_path)
+        await door.start(render(Listen(host="127.0.0.1", port=port), members, {}, policy))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                statuses = [(await client.post(infer("m"), json=X)).status_code
+                            for _ in range(60)]  # fmt: skip
+        finally:
+            await door.drain(1.0)
+    assert 3 <= statuses.count(500) <= 4, statuses
+    assert statuses[-30:] == [200] * 30
