@@ -156,7 +156,9 @@ async def test_one_metrics_page_holds_every_worker_and_the_front_door(
     assert page.count("# HELP tailserve_request_duration_seconds ") == 1
 
 
-async def test_beyond_loopback_the_fleets_admin_routes_need_a_token(tmp_path: Path) -> None:
+async def test_beyond_loopback_the_fleets_admin_routes_need_a_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     write_model(tmp_path / "repo", "doubler", doubler_config())
     config = FleetConfig(repository=str(tmp_path / "repo"), host="0.0.0.0", port=0,
                          drain_timeout_s=5)  # fmt: skip
@@ -169,6 +171,8 @@ async def test_beyond_loopback_the_fleets_admin_routes_need_a_token(tmp_path: Pa
         assert "--admin-token" in refused.json()["error"]
         assert (await client.post(infer("doubler"), json=X)).status_code == 200
         assert (await client.get("/v2/fleet")).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("admin routes closed" in message for message in warnings)
 
 
 async def test_a_front_door_that_dies_is_started_again(two_workers: Supervisor) -> None:

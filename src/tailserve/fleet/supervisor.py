@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailserve.admin import admin_access
+from tailserve.admin import AdminAccess, admin_access
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet.admin import AdminLane, Slot
 from tailserve.fleet.haproxy import HAProxy
@@ -226,6 +226,10 @@ class Supervisor:
             await self._close_admin()
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigError(f"the front door cannot start on {where}: {exc}") from None
+        if self._admin.access is AdminAccess.CLOSED:
+            log.warning("admin routes closed: the front door listens on %s, beyond loopback, "
+                        "with no admin token (set --admin-token or TAILSERVE_ADMIN_TOKEN to use "
+                        "them)", self.config.host)  # fmt: skip
         self._door_keeper = owned_task(self._keep_front_door(), "keep the front door")
         self._keepers = [owned_task(self._keep(w), f"keep {w.name}") for w in self._slots()]
         self._announcer = owned_task(self._announce(), "announce")
