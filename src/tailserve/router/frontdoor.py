@@ -42,9 +42,6 @@ REPLICA_HEADER = "x-tailserve-replica"
 # The routes the supervisor answers itself (its admin lane), by path prefix or path.
 ADMIN_PATHS = ("/metrics", "/v2/fleet")
 ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/")
-# A worker that is down (starting, loading a model) is checked this often, so that it takes
-# requests soon after it is ready.
-_DOWN_INTER_MS = 200
 # What HAProxy may put in a backend's name and a path's ACL without quoting.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ERRORS = {
@@ -86,6 +83,9 @@ class FrontDoorPolicy:
     # Errors in a row from one worker that mark it down until its checks pass again.
     error_limit: int = 10
     check_interval_ms: int = 1000
+    # A worker that is down (starting, loading a model, ejected) is checked this often, so
+    # that it takes requests soon after it is ready again.
+    down_check_interval_ms: int = 200
     connect_timeout_ms: int = 1000
     # A request with no deadline of its own gets this long from its worker.
     request_timeout_s: float = 30.0
@@ -164,8 +164,7 @@ def render(
             f"    timeout queue {_ms(fallback_slo * policy.queue_share)}",
             "    option httpchk GET /v2/health/ready",
             "    http-check expect status 200",
-            f"    server lane 127.0.0.1:{listen.lane_port} check inter "
-            f"{policy.check_interval_ms}ms downinter {_DOWN_INTER_MS}ms",
+            f"    server lane 127.0.0.1:{listen.lane_port} {_checks(policy)}",
             "",
         ]
     if listen.admin_port:
@@ -295,8 +294,7 @@ def _backend(
             f"    hash-balance-factor {policy.hash_balance_factor}",
         ]
     lines.append(
-        f"    default-server check inter {policy.check_interval_ms}ms downinter {_DOWN_INTER_MS}ms "
-        "fall 2 rise 1 "
+        f"    default-server {_checks(policy)} "
         f"maxconn {policy.max_conn} maxqueue {policy.max_queue} "
         f"observe layer7 error-limit {policy.error_limit} on-error mark-down"
     )
@@ -318,8 +316,7 @@ def _grpc(
         f"    timeout queue {_ms(queue_ms)}",
         "    option httpchk GET /v2/health/ready",
         "    http-check expect status 200",
-        f"    default-server check inter {policy.check_interval_ms}ms downinter {_DOWN_INTER_MS}ms "
-        "fall 2 rise 1 "
+        f"    default-server {_checks(policy)} "
         f"maxconn {policy.max_conn} maxqueue {policy.max_queue}",
     ]
     lines += [
@@ -329,6 +326,13 @@ def _grpc(
         if m.grpc_port
     ]
     return [*lines, ""]
+
+
+def _checks(policy: FrontDoorPolicy) -> str:
+    return (
+        f"check inter {policy.check_interval_ms}ms downinter {policy.down_check_interval_ms}ms "
+        "fall 2 rise 1"
+    )
 
 
 def _address(host: str) -> str:
