@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from tailserve.errors import ConfigError
@@ -205,8 +206,11 @@ class HAProxy:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
-    async def _until_workers(self, done: object, timeout_s: float = 15.0) -> None:
-        assert self.process is not None and callable(done)
+    async def _until_workers(
+        self, done: Callable[[list[int]], bool], timeout_s: float = 15.0
+    ) -> None:
+        """Wait until HAProxy's current worker pids satisfy ``done``."""
+        assert self.process is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
