@@ -47,6 +47,7 @@ endif
 
 test: setup-dev
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 

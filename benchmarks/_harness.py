@@ -80,9 +80,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 def worker(repository: Path, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "tailserve.cli", "serve", "--repository", str(repository),
-            "--host", "127.0.0.1", "--http-port", str(port), "--log-level", "warning",
-            *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "serve",
+        "--repository",
+        str(repository),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
 
 
 def examples(directory: Path, *flags: str) -> Path:
@@ -118,8 +130,19 @@ def redis(workdir: Path) -> Iterator[str]:
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
     port = free_port()
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+    command = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     process = subprocess.Popen(command, **QUIET)
     try:
         deadline = time.monotonic() + 10
@@ -191,16 +214,33 @@ def workload(shipped: str, out: Path, where: Path = WORKLOADS, **changes: Any) -
 
 def bench(spec: Path, result: Path, *flags: str, echo: bool = True) -> dict[str, Any]:
     """`tailserve bench` as its own process; the JSON result."""
-    command = [sys.executable, "-m", "tailserve.cli", "bench", str(spec), "--quiet",
-               "--out", str(result), *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "bench",
+        str(spec),
+        "--quiet",
+        "--out",
+        str(result),
+        *flags,
+    ]
     subprocess.run(command, check=True, **({} if echo else QUIET))
     document: dict[str, Any] = orjson.loads(result.read_bytes())
     return document
 
 
 def compare(results: Sequence[Path], report: Path) -> None:
-    command = [sys.executable, "-m", "tailserve.cli", "bench", "compare",
-               *map(str, results), "--report", str(report)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "bench",
+        "compare",
+        *map(str, results),
+        "--report",
+        str(report),
+    ]
     subprocess.run(command, check=True)
 
 

@@ -177,10 +177,20 @@ def run(
         script = Path(tmp) / "churn.lua"
         script.write_text(SCRIPT)
         command = [
-            binary(), f"-t{threads}", f"-c{connections}", f"-d{duration}s",
-            f"-R{max(1, round(rate))}", "--latency", "--timeout", "10s", "-s", str(script),
-            url, "--", *(str(round(t)) for t in (count or (calibration_ms, 1e12))),
-        ]  # fmt: skip
+            binary(),
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{duration}s",
+            f"-R{max(1, round(rate))}",
+            "--latency",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+            "--",
+            *(str(round(t)) for t in (count or (calibration_ms, 1e12))),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"wrk2 failed ({done.returncode}): {done.stderr.strip()}")
@@ -209,5 +219,15 @@ def parse(output: str, rate: float, seconds: float) -> Run:
     socket_errors = sum(int(g) for g in errors.groups()) if errors else 0
     ok, refused, unavailable, other = (int(g) for g in statuses.groups())
     total = re.search(r"(\d+) requests in", output)
-    return Run(rate, seconds, ok, refused, unavailable, other, socket_errors, tuple(spectrum),
-               answered, int(total[1]) if total else 0)  # fmt: skip
+    return Run(
+        rate,
+        seconds,
+        ok,
+        refused,
+        unavailable,
+        other,
+        socket_errors,
+        tuple(spectrum),
+        answered,
+        int(total[1]) if total else 0,
+    )

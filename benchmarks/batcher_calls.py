@@ -97,8 +97,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=7500.0)
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--loop-busy", type=float, default=0.6,
-                        help="the event loop's busy share the batchers are told")  # fmt: skip
+    parser.add_argument(
+        "--loop-busy",
+        type=float,
+        default=0.6,
+        help="the event loop's busy share the batchers are told",
+    )
     args = parser.parse_args()
     results: dict[str, list[float]] = {"deadline": [], "size-or-timeout-2ms": []}
     rows: dict[str, float] = {}
@@ -115,13 +119,17 @@ def main() -> None:
             results[policy].append(simulation.spent / args.requests * 1e6)
             rows[policy] = simulation.rows / max(simulation.batches, 1)
     base = min(results["size-or-timeout-2ms"])
-    print(f"{args.rate:,.0f} req/s, {args.requests:,} requests a round, loop busy "
-          f"{args.loop_busy:.0%}; the batcher's calls, µs a request (each round), best over "
-          "size-or-timeout's best")  # fmt: skip
+    print(
+        f"{args.rate:,.0f} req/s, {args.requests:,} requests a round, loop busy "
+        f"{args.loop_busy:.0%}; the batcher's calls, µs a request (each round), best over "
+        "size-or-timeout's best"
+    )
     for policy, times in results.items():
         rounds = ", ".join(f"{t:.2f}" for t in times)
-        print(f"{policy:<22}{rounds:>20}   {min(times) / base:5.2f}x   "
-              f"rows a batch {rows[policy]:.1f}")  # fmt: skip
+        print(
+            f"{policy:<22}{rounds:>20}   {min(times) / base:5.2f}x   "
+            f"rows a batch {rows[policy]:.1f}"
+        )
 
 
 if __name__ == "__main__":

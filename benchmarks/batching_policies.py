@@ -57,8 +57,15 @@ STEP_SEED = 1000
 class Policy:
     """One policy's worker serving one model, and its runs of `tailserve bench`."""
 
-    def __init__(self, model: str, policy: str, examples: Path, work: Path, out: Path,
-                 args: argparse.Namespace) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        policy: str,
+        examples: Path,
+        work: Path,
+        out: Path,
+        args: argparse.Namespace,
+    ) -> None:
         self.model, self.policy, self.out, self.args = model, policy, out, args
         workload_file, start_rps, _ = MODELS[model]
         # The SLO the workload states (its p99 is what the searches hold the policies to).
@@ -66,8 +73,9 @@ class Policy:
             yaml.safe_load((h.WORKLOADS / workload_file).read_text())["slo"]["p99_ms"]
         )
         # No result cache: this compares batchers on work that must be computed.
-        self.repo = h.one_model(examples / model, work / f"{model}-{policy}", POLICIES[policy],
-                                cache={})  # fmt: skip
+        self.repo = h.one_model(
+            examples / model, work / f"{model}-{policy}", POLICIES[policy], cache={}
+        )
         self.port = h.free_port()
         self.name = f"{model}-{policy}"
         self.workload_file = workload_file
@@ -77,13 +85,18 @@ class Policy:
     def run(self, rate: float, result: Path) -> dict[str, Any]:
         """One run at ``rate`` req/s, new arrivals each time; its result document."""
         self.steps += 1
-        spec = h.workload(self.workload_file, self.out, name=self.name,
-                          target=f"http://127.0.0.1:{self.port}",
-                          schedule={"kind": "poisson", "rate": rate},
-                          seed=1 + STEP_SEED * self.steps)  # fmt: skip
+        spec = h.workload(
+            self.workload_file,
+            self.out,
+            name=self.name,
+            target=f"http://127.0.0.1:{self.port}",
+            schedule={"kind": "poisson", "rate": rate},
+            seed=1 + STEP_SEED * self.steps,
+        )
         timing = ["--duration", str(self.args.duration), "--warmup", str(self.args.warmup)]
-        document = h.bench(spec, result, "--rate", f"{rate:.0f}", "--name", self.policy,
-                           *timing, echo=False)  # fmt: skip
+        document = h.bench(
+            spec, result, "--rate", f"{rate:.0f}", "--name", self.policy, *timing, echo=False
+        )
         self.drain()
         return document
 
@@ -97,8 +110,11 @@ class Policy:
         self.search.record(step)
         verdict = "pass" if step.passes(self.search.slo_ms, self.search.min_achieved) else "fail"
         p99 = f"{step.p99_ms:,.1f}" if document["overall"]["p99_ms"] is not None else "-"
-        print(f"{self.policy:22}{rate:>9,.0f}{step.achieved_rps:>10,.0f}{p99:>10}"
-              f"{step.errors:>9,}  {verdict}", flush=True)  # fmt: skip
+        print(
+            f"{self.policy:22}{rate:>9,.0f}{step.achieved_rps:>10,.0f}{p99:>10}"
+            f"{step.errors:>9,}  {verdict}",
+            flush=True,
+        )
         return True
 
     def drain(self, timeout_s: float = 30.0) -> None:
@@ -113,8 +129,9 @@ class Policy:
             time.sleep(0.1)
 
 
-def measure(model: str, policies: list[str], examples: Path, work: Path, out: Path,
-            args: argparse.Namespace) -> dict[str, dict[str, Any]]:  # fmt: skip
+def measure(
+    model: str, policies: list[str], examples: Path, work: Path, out: Path, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
     """Every policy's figures for one model, the policies taking turns (module doc)."""
     _, start_rps, max_rows = MODELS[model]
     runs = [Policy(model, p, examples, work, out, args) for p in policies]
@@ -191,8 +208,12 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
     parser.add_argument("--warmup", type=float, default=1.5)
-    parser.add_argument("--max-rate", type=float, default=15000.0,
-                        help="the most one generator process is asked to offer")  # fmt: skip
+    parser.add_argument(
+        "--max-rate",
+        type=float,
+        default=15000.0,
+        help="the most one generator process is asked to offer",
+    )
     parser.add_argument("--out", type=Path, default=h.HERE / "results" / "batching_policies")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -204,8 +225,10 @@ def main() -> None:
         results = measure(model, policies, examples, work, args.out, args)
         summary[model] = results
         if len(results) > 1:
-            h.compare([args.out / f"{model}-{p}.json" for p in results],
-                      args.out / f"{model}-compare.html")  # fmt: skip
+            h.compare(
+                [args.out / f"{model}-{p}.json" for p in results],
+                args.out / f"{model}-compare.html",
+            )
     print("\n\nSummary")
     for model, results in summary.items():
         report(model, results)

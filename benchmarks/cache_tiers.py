@@ -71,8 +71,9 @@ FLAGS = {"redis-only": ["--redis-client", "redis-py"]}
 RANKER_KEYS = {"space": "zipf", "size": 100_000, "s": 1.0}
 
 
-def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
-            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def measure(
+    name: str, examples: Path, work: Path, out: Path, redis_url: str, args: argparse.Namespace
+) -> dict[str, Any]:
     cache = CONFIGS.get(name)
     if cache is not None and args.l1_entries and name != "hit-path":
         cache = {**cache, "l1": {**cache["l1"], "max_entries": args.l1_entries}}
@@ -89,16 +90,28 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
         if name == TUTORIAL:  # it has no config route: the generator reads the model.yaml
             keys["model_config"] = str(repo / model / "model.yaml")
         shipped = "churn-zipf1m.yaml"
-    spec = h.workload(shipped, out, name=f"{model}-{name}",
-                      target=f"http://127.0.0.1:{port}", **keys)  # fmt: skip
+    spec = h.workload(
+        shipped, out, name=f"{model}-{name}", target=f"http://127.0.0.1:{port}", **keys
+    )
     timing = ["--duration", str(args.duration), "--warmup", str(args.warmup)]
     needs_redis = cache or model == "ranker"
     flags = ["--redis-url", redis_url, *FLAGS.get(name, [])] if needs_redis else []
     print(f"\n=== {model}: {name} ===", flush=True)
     command, env = h.worker(repo, port, *flags), None
     if name == TUTORIAL:
-        command = [sys.executable, "-m", "uvicorn", "fastapi_naive:app", "--host", "127.0.0.1",
-                   "--port", str(port), "--no-access-log", "--log-level", "warning"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "fastapi_naive:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
         env = {
             **os.environ,
             "BASELINE_MODEL_DIR": str(repo / model),
@@ -108,12 +121,28 @@ def measure(name: str, examples: Path, work: Path, out: Path, redis_url: str,
     with h.serving(command, port, env=env):
         if name == "hit-path":
             prefill(shipped, out, model, port, KEYS[name]["size"])
-        capacity = h.bench(spec, out / f"{model}-{name}.json", "--find-capacity", "--name", name,
-                           "--report", str(out / f"{model}-{name}.html"), *timing)  # fmt: skip
+        capacity = h.bench(
+            spec,
+            out / f"{model}-{name}.json",
+            "--find-capacity",
+            "--name",
+            name,
+            "--report",
+            str(out / f"{model}-{name}.html"),
+            *timing,
+        )
         rps = (capacity["capacity"] or {}).get("rps") or 50.0
         before = server_histogram(port, name)
-        half = h.bench(spec, out / f"{model}-{name}-half.json", "--rate", f"{rps / 2:.0f}",
-                       "--name", name, *timing, echo=False)  # fmt: skip
+        half = h.bench(
+            spec,
+            out / f"{model}-{name}-half.json",
+            "--rate",
+            f"{rps / 2:.0f}",
+            "--name",
+            name,
+            *timing,
+            echo=False,
+        )
         after = server_histogram(port, name)
     server = half.get("server") or {}
     tiers = server.get("cache") or {}
@@ -156,15 +185,30 @@ def floor(measured: dict[str, Any], out: Path, args: argparse.Namespace) -> dict
     port = h.free_port()
     rate = measured["half_rps"]
     # The fixed reply has no configuration route: the generator reads the model.yaml.
-    spec = h.workload(Path(measured["spec"]).name, out, name="floor",
-                      target=f"http://127.0.0.1:{port}", model_config=measured["model_config"],
-                      where=out)  # fmt: skip
+    spec = h.workload(
+        Path(measured["spec"]).name,
+        out,
+        name="floor",
+        target=f"http://127.0.0.1:{port}",
+        model_config=measured["model_config"],
+        where=out,
+    )
     command = [sys.executable, str(h.HERE / "baselines" / "fixed_reply.py"), "--port", str(port)]
     print(f"\n=== measuring floor: a fixed reply at {rate:,.0f} req/s ===", flush=True)
     with h.serving(command, port):
-        result = h.bench(spec, out / "floor.json", "--rate", f"{rate:.0f}", "--name", "floor",
-                         "--duration", str(args.duration), "--warmup", str(args.warmup),
-                         echo=False)  # fmt: skip
+        result = h.bench(
+            spec,
+            out / "floor.json",
+            "--rate",
+            f"{rate:.0f}",
+            "--name",
+            "floor",
+            "--duration",
+            str(args.duration),
+            "--warmup",
+            str(args.warmup),
+            echo=False,
+        )
     overall: dict[str, Any] = result["overall"]
     return overall
 
@@ -172,13 +216,27 @@ def floor(measured: dict[str, Any], out: Path, args: argparse.Namespace) -> dict
 def prefill(shipped: str, out: Path, model: str, port: int, size: int) -> None:
     """Ask for each of the first ``size`` keys once ("unique" keys count up from 0)."""
     rate = PREFILL_RPS[model]
-    spec = h.workload(shipped, out, name=f"{model}-prefill", target=f"http://127.0.0.1:{port}",
-                      keys={"space": "unique"},
-                      schedule={"kind": "constant", "rate": rate})  # fmt: skip
+    spec = h.workload(
+        shipped,
+        out,
+        name=f"{model}-prefill",
+        target=f"http://127.0.0.1:{port}",
+        keys={"space": "unique"},
+        schedule={"kind": "constant", "rate": rate},
+    )
     seconds = size / rate * 1.02
     print(f"filling the cache: {size:,} keys at {rate:,.0f} req/s", flush=True)
-    h.bench(spec, out / f"{model}-prefill.json", "--rate", str(rate), "--duration",
-            f"{seconds:.2f}", "--warmup", "0", echo=False)  # fmt: skip
+    h.bench(
+        spec,
+        out / f"{model}-prefill.json",
+        "--rate",
+        str(rate),
+        "--duration",
+        f"{seconds:.2f}",
+        "--warmup",
+        "0",
+        echo=False,
+    )
 
 
 def load_features(model_dir: Path, redis_url: str) -> None:
@@ -187,12 +245,16 @@ def load_features(model_dir: Path, redis_url: str) -> None:
 
 
 def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
-    head = (f"{'config':18}{'capacity':>10}{'vs redis':>9}{'vs tutor':>9}{'p99@half':>9}"
-            f"{'server':>8}{'L1 hit':>8}{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}"
-            f"{'L2 p99':>8}")  # fmt: skip
+    head = (
+        f"{'config':18}{'capacity':>10}{'vs redis':>9}{'vs tutor':>9}{'p99@half':>9}"
+        f"{'server':>8}{'L1 hit':>8}{'L2 hit':>8}{'miss':>7}{'L1 p99':>8}"
+        f"{'L2 p99':>8}"
+    )
     if model == "ranker":
-        print("\nranker, 500 candidates, Zipf(1.0) over 100,000 request keys: SLO p99 <= 30 ms;"
-              " at half of each capacity")  # fmt: skip
+        print(
+            "\nranker, 500 candidates, Zipf(1.0) over 100,000 request keys: SLO p99 <= 30 ms;"
+            " at half of each capacity"
+        )
     else:
         print("\nchurn, Zipf(1.0) over 1M customers: SLO p99 <= 50 ms; at half of each capacity")
     print(head)
@@ -216,22 +278,30 @@ def report(results: dict[str, dict[str, Any]], model: str = "churn") -> None:
             f"{r['hits']['l1']:>8.1%}{r['hits']['l2']:>8.1%}"
             f"{r['miss']:>7.1%}{ms(r['l1_p99_ms']):>8}{ms(r['l2_p99_ms']):>8}"
         )
-    print("p99@half: as the generator measures it; server: the worker's own p99 (received to "
-          "reply ready)")  # fmt: skip
+    print(
+        "p99@half: as the generator measures it; server: the worker's own p99 (received to "
+        "reply ready)"
+    )
     base = results.get("floor")
     if base is not None:
-        print(f"measuring floor, a fixed reply on the same HTTP stack at {base['offered_rps']:,.0f}"
-              f" req/s (the hit path's half): p50 {base['p50_ms']:.2f} ms, p99 "
-              f"{base['p99_ms']:.2f} ms")  # fmt: skip
+        print(
+            f"measuring floor, a fixed reply on the same HTTP stack at {base['offered_rps']:,.0f}"
+            f" req/s (the hit path's half): p50 {base['p50_ms']:.2f} ms, p99 "
+            f"{base['p99_ms']:.2f} ms"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("churn", "ranker"), default="churn")
     parser.add_argument("--configs", help="comma-separated (default: all of them)")
-    parser.add_argument("--l1-entries", type=int, default=0,
-                        help="L1 size (default 100,000); smaller than the keys a run touches, "
-                        "LRU and W-TinyLFU differ")  # fmt: skip
+    parser.add_argument(
+        "--l1-entries",
+        type=int,
+        default=0,
+        help="L1 size (default 100,000); smaller than the keys a run touches, "
+        "LRU and W-TinyLFU differ",
+    )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per step")
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/cache_tiers[-ranker]")
@@ -252,8 +322,9 @@ def main() -> None:
     hit_path = results.get("hit-path")
     if hit_path is not None and hit_path["capacity"]:
         results["floor"] = floor(hit_path, args.out, args)
-    compared = [args.out / f"{args.model}-{n}.json" for n in results
-                if n not in KEYS and n != "floor"]  # fmt: skip
+    compared = [
+        args.out / f"{args.model}-{n}.json" for n in results if n not in KEYS and n != "floor"
+    ]
     if len(compared) > 1:
         h.compare(compared, args.out / "compare.html")
     print("\n\nSummary")

@@ -74,9 +74,22 @@ def lone_worker(repository: Path) -> Iterator[Target]:
 def stack(repository: Path) -> Iterator[Target]:
     """`tailserve up --workers 2`, as `make run` starts it on these 2 cores."""
     port = free_port()
-    command = [sys.executable, "-m", "tailserve.cli", "up", "--repository", str(repository),
-               "--port", str(port), "--grpc-port", "0", "--workers", "2",
-               "--log-level", "warning"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "up",
+        "--repository",
+        str(repository),
+        "--port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--workers",
+        "2",
+        "--log-level",
+        "warning",
+    ]
     with process(command, port):
         url = f"http://127.0.0.1:{port}"
         master = get_json(f"{url}/v2/fleet")["front_door"]["pid"]
@@ -97,19 +110,37 @@ def routed(repository: Path) -> Iterator[Target]:
         for port in ports:
             stack_.enter_context(process(worker(repository, port, "--grpc-port", "0"), port))
         port = free_port()
-        command = [sys.executable, "-m", "tailserve.cli", "route", "--host", "127.0.0.1",
-                   "--port", str(port), "--grpc-port", "0", "--log-level", "warning",
-                   *(f"--backend=http://127.0.0.1:{p}" for p in ports)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "tailserve.cli",
+            "route",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "0",
+            "--log-level",
+            "warning",
+            *(f"--backend=http://127.0.0.1:{p}" for p in ports),
+        ]
         router = stack_.enter_context(process(command, port))
-        yield Target("router", f"http://127.0.0.1:{port}", lambda: router.pid,
-                     direct=f"http://127.0.0.1:{ports[0]}")  # fmt: skip
+        yield Target(
+            "router",
+            f"http://127.0.0.1:{port}",
+            lambda: router.pid,
+            direct=f"http://127.0.0.1:{ports[0]}",
+        )
 
 
 @contextlib.contextmanager
 def neighbours(count: int = 2) -> Iterator[None]:
     """Processes that each burn half a core (5 ms busy, 5 ms asleep)."""
-    code = ("import time\nwhile True:\n    t = time.perf_counter()\n"
-            "    while time.perf_counter() - t < 0.005: pass\n    time.sleep(0.005)\n")  # fmt: skip
+    code = (
+        "import time\nwhile True:\n    t = time.perf_counter()\n"
+        "    while time.perf_counter() - t < 0.005: pass\n    time.sleep(0.005)\n"
+    )
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
     try:
         yield
@@ -123,8 +154,11 @@ def step(target: Target, rate: float, seconds: float) -> Step:
     run = _wrk2.run(target.url, rate, seconds, connections=64)
     achieved = run.answered / run.seconds if run.seconds else 0.0
     p99 = run.quantile(0.99)
-    print(f"  {target.name:7} {rate:8.0f} req/s: p99 {p99:8.2f} ms, errors {run.errors}, "
-          f"achieved {achieved:8.0f}", flush=True)  # fmt: skip
+    print(
+        f"  {target.name:7} {rate:8.0f} req/s: p99 {p99:8.2f} ms, errors {run.errors}, "
+        f"achieved {achieved:8.0f}",
+        flush=True,
+    )
     return Step(rate, achieved, p99, run.errors)
 
 
@@ -155,8 +189,10 @@ def hop_costs(targets: list[Target], rate: float, seconds: float) -> dict[str, t
             run = _wrk2.run(target.url, rate, seconds, connections=64)
             hop.append(run.quantile(0.5))
             cpu.append((cpu_seconds(pid) - before) / max(run.total, 1) * 1e6 if pid else 0.0)
-        out[target.name] = (statistics.median(hop) - statistics.median(direct),
-                            statistics.median(cpu))  # fmt: skip
+        out[target.name] = (
+            statistics.median(hop) - statistics.median(direct),
+            statistics.median(cpu),
+        )
     return out
 
 
@@ -165,22 +201,41 @@ def overload(target: Target, capacity: float, seconds: float, factors: tuple[flo
         run = _wrk2.run(target.url, capacity * factor, seconds, connections=1000)
         target.runs[f"{factor:g}x"] = run
         time.sleep(5.0)  # the overload is over: 5 s later, half the capacity
-        target.runs[f"after {factor:g}x"] = _wrk2.run(target.url, capacity / 2, seconds, 64,
-                                                      count=(0.0, 1e12))  # fmt: skip
+        target.runs[f"after {factor:g}x"] = _wrk2.run(
+            target.url, capacity / 2, seconds, 64, count=(0.0, 1e12)
+        )
 
 
 def bench_beside(url: str, rate: float, seconds: float, out: Path) -> dict[str, float]:
     """`tailserve bench` at ``rate`` (the Python generator, one process)."""
     workload = Path(__file__).resolve().parent / "workloads" / "churn-unique.yaml"
-    command = [sys.executable, "-m", "tailserve.cli", "bench", str(workload), "--target", url,
-               "--rate", str(rate), "--duration", str(seconds), "--warmup", "0",
-               "--out", str(out), "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "bench",
+        str(workload),
+        "--target",
+        url,
+        "--rate",
+        str(rate),
+        "--duration",
+        str(seconds),
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     subprocess.run(command, check=True, **QUIET)
     import orjson
 
     overall = orjson.loads(out.read_bytes())["overall"]
-    return {"p99_ms": overall["p99_ms"] or 0.0, "errors": overall["errors"],
-            "achieved_rps": overall["achieved_rps"]}  # fmt: skip
+    return {
+        "p99_ms": overall["p99_ms"] or 0.0,
+        "errors": overall["errors"],
+        "achieved_rps": overall["achieved_rps"],
+    }
 
 
 def contention(repository: Path, clean: float, seconds: float) -> dict[str, _wrk2.Run]:
@@ -189,16 +244,18 @@ def contention(repository: Path, clean: float, seconds: float) -> dict[str, _wrk
     with lone_worker(repository) as fresh:
         with neighbours():
             runs["with neighbours"] = _wrk2.run(fresh.url, 0.6 * clean, seconds, 64)
-        runs["first 5 s after"] = _wrk2.run(fresh.url, 0.6 * clean, seconds, 64,
-                                            count=(0.0, 5000.0))  # fmt: skip
+        runs["first 5 s after"] = _wrk2.run(
+            fresh.url, 0.6 * clean, seconds, 64, count=(0.0, 5000.0)
+        )
     return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds a run")
-    parser.add_argument("--step-seconds", type=float, default=5.0,
-                        help="measured seconds a capacity step")  # fmt: skip
+    parser.add_argument(
+        "--step-seconds", type=float, default=5.0, help="measured seconds a capacity step"
+    )
     parser.add_argument("--skip-contention", action="store_true")
     args = parser.parse_args()
     _wrk2.binary()
@@ -232,8 +289,9 @@ def report(
     for target in targets:
         added, cpu = costs.get(target.name, (0.0, 0.0))
         hop = f"{added * 1000:+.0f} us | {cpu:.0f} us" if target.name in costs else "- | -"
-        print(f"| {target.name} | {caps[target.name]:,.0f} | {caps[target.name] / one:.2f}x "
-              f"| {hop} |")  # fmt: skip
+        print(
+            f"| {target.name} | {caps[target.name]:,.0f} | {caps[target.name] / one:.2f}x | {hop} |"
+        )
     print(
         "\nOverload over 1,000 connections (goodput: 200s within the SLO a second, / one "
         "worker's capacity); then half of one worker's capacity, 5 s later, 64 connections:"
@@ -243,20 +301,28 @@ def report(
     for target in targets:
         for label, run in target.runs.items():
             good = run.goodput(SLO_MS)
-            print(f"| {target.name} {label} | {run.rate:,.0f} | {good:,.0f} | {good / one:.2f} | "
-                  f"{run.quantile(0.99):.1f} ms | {run.refused} | {run.unavailable} | "
-                  f"{run.other + run.socket_errors} |")  # fmt: skip
-    print(f"\n`tailserve bench` beside it (stack, {one / 2:,.0f} req/s): p99 "
-          f"{bench['p99_ms']:.1f} ms, errors {bench['errors']}, achieved "
-          f"{bench['achieved_rps']:,.0f} req/s")  # fmt: skip
+            print(
+                f"| {target.name} {label} | {run.rate:,.0f} | {good:,.0f} | {good / one:.2f} | "
+                f"{run.quantile(0.99):.1f} ms | {run.refused} | {run.unavailable} | "
+                f"{run.other + run.socket_errors} |"
+            )
+    print(
+        f"\n`tailserve bench` beside it (stack, {one / 2:,.0f} req/s): p99 "
+        f"{bench['p99_ms']:.1f} ms, errors {bench['errors']}, achieved "
+        f"{bench['achieved_rps']:,.0f} req/s"
+    )
     if squeezed:
         print("\nA fresh worker at 0.6x its clean capacity:")
         during = squeezed["with neighbours"]
-        print(f"  with neighbours: goodput / offered {during.goodput(SLO_MS) / during.rate:.2f}, "
-              f"p99 {during.quantile(0.99):.1f} ms, 429 {during.refused}")  # fmt: skip
+        print(
+            f"  with neighbours: goodput / offered {during.goodput(SLO_MS) / during.rate:.2f}, "
+            f"p99 {during.quantile(0.99):.1f} ms, 429 {during.refused}"
+        )
         after = squeezed["first 5 s after"]
-        print(f"  after they stop: 429 in the first 5 s {after.refused} (200s {after.ok}), "
-              f"p99 of the window after {after.quantile(0.99):.1f} ms")  # fmt: skip
+        print(
+            f"  after they stop: 429 in the first 5 s {after.refused} (200s {after.ok}), "
+            f"p99 of the window after {after.quantile(0.99):.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -43,24 +43,49 @@ FIELDS = ("p50_ms", "p99_ms", "p999_ms")
 
 def prefill(spec: Path, out: Path, port: int) -> None:
     """Ask for each customer twice: L1 takes the first answer, the reply memo the second."""
-    fill = h.workload(spec.name, out, where=spec.parent, name="prefill",
-                      target=f"http://127.0.0.1:{port}", keys={"space": "unique"})  # fmt: skip
+    fill = h.workload(
+        spec.name,
+        out,
+        where=spec.parent,
+        name="prefill",
+        target=f"http://127.0.0.1:{port}",
+        keys={"space": "unique"},
+    )
     seconds = CUSTOMERS / PREFILL_RPS * 1.02
     for _ in range(2):
-        h.bench(fill, out / "prefill.json", "--rate", str(PREFILL_RPS), "--duration",
-                f"{seconds:.2f}", "--warmup", "0", echo=False)  # fmt: skip
+        h.bench(
+            fill,
+            out / "prefill.json",
+            "--rate",
+            str(PREFILL_RPS),
+            "--duration",
+            f"{seconds:.2f}",
+            "--warmup",
+            "0",
+            echo=False,
+        )
 
 
-def one(server: str, timer: str, index: int, work: Path, redis_url: str,
-        args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def one(
+    server: str, timer: str, index: int, work: Path, redis_url: str, args: argparse.Namespace
+) -> dict[str, Any]:
     port = h.free_port()
     model_config = work / "repo" / "churn" / "model.yaml"
-    spec = h.workload("churn-zipf1m.yaml", args.out, name=f"{server}-{timer}-{index}",
-                      target=f"http://127.0.0.1:{port}", model_config=str(model_config),
-                      keys={"space": "zipf", "size": CUSTOMERS, "s": 1.0})  # fmt: skip
+    spec = h.workload(
+        "churn-zipf1m.yaml",
+        args.out,
+        name=f"{server}-{timer}-{index}",
+        target=f"http://127.0.0.1:{port}",
+        model_config=str(model_config),
+        keys={"space": "zipf", "size": CUSTOMERS, "s": 1.0},
+    )
     if server == "fixed-reply":
-        command = [sys.executable, str(h.HERE / "baselines" / "fixed_reply.py"),
-                   "--port", str(port)]  # fmt: skip
+        command = [
+            sys.executable,
+            str(h.HERE / "baselines" / "fixed_reply.py"),
+            "--port",
+            str(port),
+        ]
     else:
         h.redis_command(redis_url, "FLUSHALL")
         command = h.worker(work / "repo", port, "--redis-url", redis_url)
@@ -69,10 +94,21 @@ def one(server: str, timer: str, index: int, work: Path, redis_url: str,
             prefill(spec, args.out, port)
         pid = process.pid
         cpu_before = h.cpu_seconds(pid)
-        result = h.bench(spec, args.out / f"{server}-{timer}-{index}.json", "--rate",
-                         str(args.rate), "--duration", str(args.duration), "--warmup",
-                         str(args.warmup), "--timer", timer, "--name", f"{server}-{timer}",
-                         echo=False)  # fmt: skip
+        result = h.bench(
+            spec,
+            args.out / f"{server}-{timer}-{index}.json",
+            "--rate",
+            str(args.rate),
+            "--duration",
+            str(args.duration),
+            "--warmup",
+            str(args.warmup),
+            "--timer",
+            timer,
+            "--name",
+            f"{server}-{timer}",
+            echo=False,
+        )
         cpu = h.cpu_seconds(pid) - cpu_before
     overall, generator = result["overall"], result["generator"]
     sent = overall["count"] * (1.0 + args.warmup / args.duration)
@@ -81,8 +117,11 @@ def one(server: str, timer: str, index: int, work: Path, redis_url: str,
     row["generator_cpu"] = generator["cpu_share"]
     row["lag_p99_ms"] = generator["lag_p99_ms"]
     row["server_cpu_us"] = cpu / max(sent, 1.0) * 1e6
-    print(f"{server:12} {timer:5} round {index + 1}: "
-          + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)  # fmt: skip
+    print(
+        f"{server:12} {timer:5} round {index + 1}: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in row.items()),
+        flush=True,
+    )
     return row
 
 
@@ -119,13 +158,19 @@ def main() -> None:
     for (server, timer), results in rows.items():
         medians[server, timer] = {c: statistics.median(r[c] for r in results) for c in columns}
         errors = sum(int(r["errors"]) for r in results)
-        print(f"{server:13}{timer:7}" + "".join(f"{medians[server, timer][c]:>15.3g}"
-                                                for c in columns) + f"{errors:>8}")  # fmt: skip
+        print(
+            f"{server:13}{timer:7}"
+            + "".join(f"{medians[server, timer][c]:>15.3g}" for c in columns)
+            + f"{errors:>8}"
+        )
     for server in SERVERS:
         loop, fine = medians[server, "loop"], medians[server, "fine"]
-        print(f"{server}: loop timer / fine timer: " + ", ".join(
-            f"{field} {loop[field] / fine[field]:.2f}x" for field in FIELDS if fine[field]
-        ))  # fmt: skip
+        print(
+            f"{server}: loop timer / fine timer: "
+            + ", ".join(
+                f"{field} {loop[field] / fine[field]:.2f}x" for field in FIELDS if fine[field]
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,16 @@ from tailserve.tensors import to_binary
 from tailserve.transport.http1 import Pool, frame_request
 
 FIELDS = {
-    "tenure_months": "INT64", "monthly_spend": "FP32", "support_tickets": "INT64",
-    "feature_usage_pct": "FP32", "last_login_days_ago": "INT64", "num_integrations": "INT64",
-    "contract_type": "BYTES", "plan_tier": "BYTES", "is_enterprise": "INT64",
-}  # fmt: skip
+    "tenure_months": "INT64",
+    "monthly_spend": "FP32",
+    "support_tickets": "INT64",
+    "feature_usage_pct": "FP32",
+    "last_login_days_ago": "INT64",
+    "num_integrations": "INT64",
+    "contract_type": "BYTES",
+    "plan_tier": "BYTES",
+    "is_enterprise": "INT64",
+}
 PROTOCOLS = ("http-json", "http-binary", "grpc", "router-http-binary", "router-grpc")
 DISTINCT = 64
 
@@ -74,8 +80,9 @@ def http_requests(port: int, binary: bool) -> list[bytes]:
         headers = [("content-type", "application/octet-stream" if binary else "application/json")]
         if json_size is not None:
             headers.append(("inference-header-content-length", str(json_size)))
-        framed.append(frame_request("POST", "/v2/models/churn/infer", f"127.0.0.1:{port}",
-                                    body, headers))  # fmt: skip
+        framed.append(
+            frame_request("POST", "/v2/models/churn/infer", f"127.0.0.1:{port}", body, headers)
+        )
     return framed
 
 
@@ -91,8 +98,9 @@ def grpc_requests() -> list[bytes]:
     return messages
 
 
-async def closed_loop(call: Any, requests: list[bytes], concurrency: int,
-                      seconds: float) -> list[float]:  # fmt: skip
+async def closed_loop(
+    call: Any, requests: list[bytes], concurrency: int, seconds: float
+) -> list[float]:
     """``concurrency`` callers, each sending its next request as soon as the last answered;
     answers every latency (seconds)."""
     latencies: list[float] = []
@@ -110,8 +118,9 @@ async def closed_loop(call: Any, requests: list[bytes], concurrency: int,
     return latencies
 
 
-async def round_of(protocol: str, ports: dict[str, int], pids: dict[str, int],
-                   args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
+async def round_of(
+    protocol: str, ports: dict[str, int], pids: dict[str, int], args: argparse.Namespace
+) -> dict[str, float]:
     routed = protocol.startswith("router-")
     side = "router" if routed else "worker"
     http_port, grpc_port = ports[f"{side}-http"], ports[f"{side}-grpc"]
@@ -162,13 +171,27 @@ def main() -> None:
         work = Path(tmp)
         examples = h.examples(work / "examples")
         repo = h.one_model(examples / "churn", work / "repo", cache={})
-        ports = {name: h.free_port() for name in
-                 ("worker-http", "worker-grpc", "router-http", "router-grpc")}  # fmt: skip
+        ports = {
+            name: h.free_port()
+            for name in ("worker-http", "worker-grpc", "router-http", "router-grpc")
+        }
         command = h.worker(repo, ports["worker-http"], "--grpc-port", str(ports["worker-grpc"]))
-        route = [sys.executable, "-m", "tailserve.cli", "route", "--host", "127.0.0.1",
-                 "--port", str(ports["router-http"]), "--grpc-port", str(ports["router-grpc"]),
-                 "--no-hedge", "--log-level", "warning",
-                 f"--backend=http://127.0.0.1:{ports['worker-http']}"]  # fmt: skip
+        route = [
+            sys.executable,
+            "-m",
+            "tailserve.cli",
+            "route",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["router-http"]),
+            "--grpc-port",
+            str(ports["router-grpc"]),
+            "--no-hedge",
+            "--log-level",
+            "warning",
+            f"--backend=http://127.0.0.1:{ports['worker-http']}",
+        ]
         with (
             h.server_process(command, ports["worker-http"]) as (_, worker),
             h.server_process(route, ports["router-http"]) as (_, router),
@@ -180,11 +203,13 @@ def main() -> None:
                 for protocol in order:
                     result = asyncio.run(round_of(protocol, ports, pids, args))
                     results[protocol].append(result)
-                    print(f"round {index + 1} {protocol:18} {result['rps']:8,.0f} req/s  "
-                          f"p50 {result['p50_ms']:6.2f} ms  p99 {result['p99_ms']:6.2f} ms  "
-                          f"worker CPU {result['cpu_us']:6.0f} µs/req  "
-                          f"router CPU {result['router_cpu_us']:5.0f} µs/req",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"round {index + 1} {protocol:18} {result['rps']:8,.0f} req/s  "
+                        f"p50 {result['p50_ms']:6.2f} ms  p99 {result['p99_ms']:6.2f} ms  "
+                        f"worker CPU {result['cpu_us']:6.0f} µs/req  "
+                        f"router CPU {result['router_cpu_us']:5.0f} µs/req",
+                        flush=True,
+                    )
     print(f"\nmedians of {args.rounds} rounds, {args.concurrency} in flight, churn, one worker:")
     medians = {
         p: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for p, rs in results.items()

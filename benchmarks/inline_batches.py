@@ -43,14 +43,28 @@ def repository(examples: Path, into: Path, model: str, bound_ms: float) -> Path:
 
 def one(repo: Path, out: Path, name: str, args: argparse.Namespace, index: int) -> dict[str, Any]:
     port = h.free_port()
-    spec = h.workload(MODELS[args.model][0], out, name=f"{args.model}-{name}-{index}",
-                      target=f"http://127.0.0.1:{port}",
-                      schedule={"kind": "poisson", "rate": args.rate})  # fmt: skip
+    spec = h.workload(
+        MODELS[args.model][0],
+        out,
+        name=f"{args.model}-{name}-{index}",
+        target=f"http://127.0.0.1:{port}",
+        schedule={"kind": "poisson", "rate": args.rate},
+    )
     with h.server_process(h.worker(repo, port), port) as (url, process):
         before = h.cpu_seconds(process.pid)
-        result = h.bench(spec, out / f"{args.model}-{name}-{index}.json", "--rate", str(args.rate),
-                         "--duration", str(args.duration), "--warmup", str(args.warmup),
-                         "--name", name, echo=False)  # fmt: skip
+        result = h.bench(
+            spec,
+            out / f"{args.model}-{name}-{index}.json",
+            "--rate",
+            str(args.rate),
+            "--duration",
+            str(args.duration),
+            "--warmup",
+            str(args.warmup),
+            "--name",
+            name,
+            echo=False,
+        )
         used = h.cpu_seconds(process.pid) - before
         batching = h.get_json(f"{url}/v2/models/{args.model}/stats")["model_stats"][0]
     overall, server = result["overall"], result.get("server") or {}
@@ -67,15 +81,22 @@ def one(repo: Path, out: Path, name: str, args: argparse.Namespace, index: int) 
         "errors": overall["errors"],
         "behind": result["generator"]["behind"],
     }
-    print(f"{name:8} round {index + 1}: " + ", ".join(
-        f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-    ), flush=True)  # fmt: skip
+    print(
+        f"{name:8} round {index + 1}: "
+        + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+        flush=True,
+    )
     return row
 
 
 def main() -> None:
-    parser = h.rounds_parser(__doc__, list(MODELS), "inline_batches", duration=10.0,
-                             rate_help="default: churn 2,400, sentiment 5,000")  # fmt: skip
+    parser = h.rounds_parser(
+        __doc__,
+        list(MODELS),
+        "inline_batches",
+        duration=10.0,
+        rate_help="default: churn 2,400, sentiment 5,000",
+    )
     parser.add_argument("--bound-ms", type=float, default=0.2, help="the loop's bound")
     args = h.rounds_args(parser, {model: rate for model, (_, rate) in MODELS.items()})
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,8 +107,10 @@ def main() -> None:
             "thread": repository(examples, work / "thread", args.model, 0.0),
         }
         rows = alternate(repos, args)
-    print(f"\n{args.model}, deadline batcher, {args.rate:,.0f} req/s offered, {args.duration:g} s "
-          f"a round, loop bound {args.bound_ms:g} ms; medians of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"\n{args.model}, deadline batcher, {args.rate:,.0f} req/s offered, {args.duration:g} s "
+        f"a round, loop bound {args.bound_ms:g} ms; medians of {args.rounds} rounds"
+    )
     medians = table(rows)
     loop, thread = medians["loop"], medians["thread"]
     print(
@@ -119,8 +142,11 @@ def table(rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     for name, results in rows.items():
         medians[name] = {f: statistics.median(float(r[f]) for r in results) for f in FIELDS}
         errors = sum(int(r["errors"]) for r in results)
-        print(f"{name:{width}}" + "".join(f"{medians[name][f]:>14.2f}" for f in FIELDS)
-              + f"{errors:>8}")  # fmt: skip
+        print(
+            f"{name:{width}}"
+            + "".join(f"{medians[name][f]:>14.2f}" for f in FIELDS)
+            + f"{errors:>8}"
+        )
     return medians
 
 

@@ -46,8 +46,9 @@ CONFIG = {
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
     "slo": {"p99_ms": 1000},
 }
-SMALL = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
-                                  "data": [1.0]}]})  # fmt: skip
+SMALL = orjson.dumps(
+    {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}
+)
 JSON = {"content-type": "application/json"}
 
 
@@ -105,22 +106,30 @@ def main() -> None:
     }
     work = Path(tempfile.mkdtemp(prefix="large-bodies-"))
     port = h.free_port()
-    command = h.worker(repository(work), port, "--max-body-bytes", str(128 * 1024 * 1024),
-                       "--grpc-port", "0")  # fmt: skip
+    command = h.worker(
+        repository(work), port, "--max-body-bytes", str(128 * 1024 * 1024), "--grpc-port", "0"
+    )
     rows = {}
     with h.serving(command, port):
         url = f"http://127.0.0.1:{port}/v2/models/double/infer"
         for name, big in configs.items():
             latencies = run(url, big, args.duration)
-            rows[name] = (len(latencies), latencies[len(latencies) // 2],
-                          latencies[int(len(latencies) * 0.99)], latencies[-1])  # fmt: skip
+            rows[name] = (
+                len(latencies),
+                latencies[len(latencies) // 2],
+                latencies[int(len(latencies) * 0.99)],
+                latencies[-1],
+            )
             print(f"{name}: {rows[name][0]} small requests", flush=True)
     alone = rows["alone"]
-    print(f"\n{'small requests':28} {'answered':>9} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}"
-          f" {'p50 / alone':>12}")  # fmt: skip
+    print(
+        f"\n{'small requests':28} {'answered':>9} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}"
+        f" {'p50 / alone':>12}"
+    )
     for name, (count, p50, p99, worst) in rows.items():
-        print(f"{name:28} {count:>9,} {p50:>9.2f} {p99:>9.2f} {worst:>9.1f}"
-              f" {p50 / alone[1]:>11.1f}x")  # fmt: skip
+        print(
+            f"{name:28} {count:>9,} {p50:>9.2f} {p99:>9.2f} {worst:>9.1f} {p50 / alone[1]:>11.1f}x"
+        )
 
 
 if __name__ == "__main__":

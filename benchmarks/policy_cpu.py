@@ -22,10 +22,16 @@ from inline_batches import MODELS, alternate, table
 
 
 def main() -> None:
-    parser = h.rounds_parser(__doc__, list(MODELS), "policy_cpu", duration=6.0,
-                             rate_help="default: churn 4,000, sentiment 2,000")  # fmt: skip
-    parser.add_argument("--policies", default="deadline,size-or-timeout-2ms",
-                        help=f"of {', '.join(POLICIES)}")  # fmt: skip
+    parser = h.rounds_parser(
+        __doc__,
+        list(MODELS),
+        "policy_cpu",
+        duration=6.0,
+        rate_help="default: churn 4,000, sentiment 2,000",
+    )
+    parser.add_argument(
+        "--policies", default="deadline,size-or-timeout-2ms", help=f"of {', '.join(POLICIES)}"
+    )
     parser.set_defaults(rounds=2)
     args = h.rounds_args(parser, {"churn": 4000.0, "sentiment": 2000.0})
     policies = args.policies.split(",")
@@ -37,13 +43,17 @@ def main() -> None:
             for name in policies
         }
         rows = alternate(repos, args)
-    print(f"\n{args.model}, {args.rate:,.0f} req/s offered, {args.duration:g} s a round; "
-          f"medians of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"\n{args.model}, {args.rate:,.0f} req/s offered, {args.duration:g} s a round; "
+        f"medians of {args.rounds} rounds"
+    )
     medians = table(rows)
     first = medians[policies[0]]
     for name in policies[1:]:
-        print(f"CPU a request, {policies[0]} / {name}: "
-              f"{first['cpu_us'] / medians[name]['cpu_us']:.2f}x")  # fmt: skip
+        print(
+            f"CPU a request, {policies[0]} / {name}: "
+            f"{first['cpu_us'] / medians[name]['cpu_us']:.2f}x"
+        )
     if any(r["behind"] for results in rows.values() for r in results):
         print("(the load generator fell behind in a round: rerun before reading the figures)")
 

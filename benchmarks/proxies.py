@@ -44,8 +44,9 @@ def haproxy(port: int, upstream: str, tmp: Path) -> list[str]:
 
 
 def nginx(port: int, upstream: str, tmp: Path) -> list[str] | None:
-    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
-                                       else None)  # fmt: skip
+    binary = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
     if binary is None:
         return None
     config = tmp / "nginx.conf"
@@ -117,8 +118,9 @@ def main() -> None:
                 for name, (command, proxy_port) in proxies.items():
                     with running(command, proxy_port) as pid:
                         before = cpu_seconds(pid)
-                        run = _wrk2.run(f"http://127.0.0.1:{proxy_port}", args.rate,
-                                        args.seconds, 64)  # fmt: skip
+                        run = _wrk2.run(
+                            f"http://127.0.0.1:{proxy_port}", args.rate, args.seconds, 64
+                        )
                         cpu = (cpu_seconds(pid) - before) / max(run.total, 1) * 1e6
                     results.setdefault(name, []).append((run.quantile(0.5), cpu))
     base = statistics.median(p50 for p50, _ in results["direct"])

@@ -71,30 +71,51 @@ def steady_repository(root: Path, service_ms: float, instances: int = 1) -> Path
     return root
 
 
-def spec(out: Path, name: str, model: str, target: str, rate: float, args: argparse.Namespace,
-         **extra: Any) -> Path:  # fmt: skip
+def spec(
+    out: Path,
+    name: str,
+    model: str,
+    target: str,
+    rate: float,
+    args: argparse.Namespace,
+    **extra: Any,
+) -> Path:
     document = {
-        "name": name, "target": target, "protocol": "v2-json", "model": model,
-        "keys": {"space": "unique"}, "classes": [{"name": "single", "weight": 1, "rows": 1}],
-        "schedule": {"kind": "poisson", "rate": rate}, "duration_s": args.duration,
-        "warmup_s": args.warmup, "slo": {"p99_ms": 500}, **extra,
-    }  # fmt: skip
+        "name": name,
+        "target": target,
+        "protocol": "v2-json",
+        "model": model,
+        "keys": {"space": "unique"},
+        "classes": [{"name": "single", "weight": 1, "rows": 1}],
+        "schedule": {"kind": "poisson", "rate": rate},
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "slo": {"p99_ms": 500},
+        **extra,
+    }
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
 
 
 @contextlib.contextmanager
-def workers(repository: Path, count: int, slow: int | None = None,
-            flags: Sequence[str] = ()) -> Iterator[list[str]]:  # fmt: skip
+def workers(
+    repository: Path, count: int, slow: int | None = None, flags: Sequence[str] = ()
+) -> Iterator[list[str]]:
     """``count`` workers (the ``slow``-th with the fault), all ready; yields their URLs."""
     with contextlib.ExitStack() as stack:
         ports = [h.free_port() for _ in range(count)]
         processes = []
         for i, port in enumerate(ports):
             fault = ["--fault-slow-fraction", "0.05", "--fault-slow-factor", "20"]
-            command = h.worker(repository, port, "--grpc-port", str(h.free_port()), *flags,
-                               *(fault if i == slow else []))  # fmt: skip
+            command = h.worker(
+                repository,
+                port,
+                "--grpc-port",
+                str(h.free_port()),
+                *flags,
+                *(fault if i == slow else []),
+            )
             process = subprocess.Popen(command, **h.QUIET)
             stack.callback(_stop, process)
             processes.append(process)
@@ -112,9 +133,22 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def router(backends: Sequence[str], *flags: str) -> Iterator[str]:
     port = h.free_port()
-    command = [sys.executable, "-m", "tailserve.cli", "route", "--host", "127.0.0.1",
-               "--port", str(port), "--grpc-port", "0", "--log-level", "warning",
-               *(f"--backend={url}" for url in backends), *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "route",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--log-level",
+        "warning",
+        *(f"--backend={url}" for url in backends),
+        *flags,
+    ]
     with h.serving(command, port) as url:
         yield url
 
@@ -191,10 +225,14 @@ def ejections(target: str) -> dict[str, int]:
 
 
 def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\n1. Tail: 4 workers, {args.service_ms:g} ms per batch, {args.tail_instances} "
-          f"instance(s) each, one slow (5% x 20); {args.tail_rate:g} req/s offered")  # fmt: skip
-    head = (f"{'policy':14}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'errors':>8}{'extra':>8}"
-            f"{'no token':>10}{'late':>6}{'suspect':>9}")  # fmt: skip
+    print(
+        f"\n1. Tail: 4 workers, {args.service_ms:g} ms per batch, {args.tail_instances} "
+        f"instance(s) each, one slow (5% x 20); {args.tail_rate:g} req/s offered"
+    )
+    head = (
+        f"{'policy':14}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'errors':>8}{'extra':>8}"
+        f"{'no token':>10}{'late':>6}{'suspect':>9}"
+    )
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():
         if name == "healthy":
@@ -206,8 +244,10 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
             if hedging
             else ("-", "-", "-")
         )
-        print(f"{name:14}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['p999_ms']:>10.2f}"
-              f"{r['errors']:>8}{extra:>8}{refused:>10}{late:>6}{suspect:>9}")  # fmt: skip
+        print(
+            f"{name:14}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['p999_ms']:>10.2f}"
+            f"{r['errors']:>8}{extra:>8}{refused:>10}{late:>6}{suspect:>9}"
+        )
     for name, r in results.items():
         if r.get("ejections"):
             reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(r["ejections"].items()))
@@ -215,8 +255,10 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
     base, hedged = results.get("round-robin"), results.get("p2c+hedging")
     default = results.get("default")
     if base and default and default["p999_ms"]:
-        print(f"p99.9 round-robin / default (hedging and ejection): "
-              f"{base['p999_ms'] / default['p999_ms']:.1f}x")  # fmt: skip
+        print(
+            f"p99.9 round-robin / default (hedging and ejection): "
+            f"{base['p999_ms'] / default['p999_ms']:.1f}x"
+        )
     if base and hedged and hedged["p999_ms"]:
         print(f"p99.9 round-robin / p2c+hedging: {base['p999_ms'] / hedged['p999_ms']:.1f}x")
     p2c = results.get("p2c")
@@ -227,18 +269,22 @@ def print_tail(results: dict[str, Any], args: argparse.Namespace) -> None:
         # A slow reply is hedged only after the delay, and the copy then takes a normal
         # reply's time: no hedge after the p95 answers sooner than their sum.
         floor = delay + hedged["p50_ms"]
-        print(f"hedge delay (the recent p95) {delay:.2f} ms + p50 {hedged['p50_ms']:.2f} ms = "
-              f"{floor:.2f} ms, the least a hedged slow request can take: while over 0.1% of "
-              f"requests meet a slow reply, the most p99.9 can drop is round-robin / that = "
-              f"{base['p999_ms'] / floor:.1f}x (below it only where p2c keeps them off the "
-              "slow replica)")  # fmt: skip
+        print(
+            f"hedge delay (the recent p95) {delay:.2f} ms + p50 {hedged['p50_ms']:.2f} ms = "
+            f"{floor:.2f} ms, the least a hedged slow request can take: while over 0.1% of "
+            f"requests meet a slow reply, the most p99.9 can drop is round-robin / that = "
+            f"{base['p999_ms'] / floor:.1f}x (below it only where p2c keeps them off the "
+            "slow replica)"
+        )
     healthy = results.get("healthy")
     if base and healthy and healthy["p999_ms"]:
         best = base["p999_ms"] / healthy["p999_ms"]
-        print(f"healthy reference (no replica slow, p2c): p50 {healthy['p50_ms']:.2f} ms, p99 "
-              f"{healthy['p99_ms']:.2f} ms, p99.9 {healthy['p999_ms']:.2f} ms: no policy gets "
-              f"below the healthy replicas' own tail, so round-robin / that = {best:.1f}x is "
-              "the most any can achieve")  # fmt: skip
+        print(
+            f"healthy reference (no replica slow, p2c): p50 {healthy['p50_ms']:.2f} ms, p99 "
+            f"{healthy['p99_ms']:.2f} ms, p99.9 {healthy['p999_ms']:.2f} ms: no policy gets "
+            f"below the healthy replicas' own tail, so round-robin / that = {best:.1f}x is "
+            "the most any can achieve"
+        )
 
 
 # --- 2. affinity -----------------------------------------------------------------------------
@@ -260,8 +306,16 @@ def affinity(examples: Path, work: Path, out: Path, args: argparse.Namespace) ->
         print(f"\n=== affinity: {name} ===", flush=True)
         with workers(repository, count) as urls, contextlib.ExitStack() as stack:
             target = urls[0] if flags is None else stack.enter_context(router(urls, *flags))
-            path = spec(out, f"affinity-{name}", "churn", target, args.affinity_rate, args,
-                        keys=keys, fields=fields)  # fmt: skip
+            path = spec(
+                out,
+                f"affinity-{name}",
+                "churn",
+                target,
+                args.affinity_rate,
+                args,
+                keys=keys,
+                fields=fields,
+            )
             result = h.bench(path, out / f"affinity-{name}.json", "--name", name)
         tiers = (result.get("server") or {}).get("cache") or {}
         total = max(1, sum(tiers.values()))
@@ -274,8 +328,10 @@ def affinity(examples: Path, work: Path, out: Path, args: argparse.Namespace) ->
 
 
 def print_affinity(results: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\n2. Affinity: churn, Zipf(1.0) over {args.keyspace:,} keys, L1 "
-          f"{args.l1_entries:,} entries per worker; {args.affinity_rate:g} req/s")  # fmt: skip
+    print(
+        f"\n2. Affinity: churn, Zipf(1.0) over {args.keyspace:,} keys, L1 "
+        f"{args.l1_entries:,} entries per worker; {args.affinity_rate:g} req/s"
+    )
     head = f"{'config':18}{'L1 hit':>8}{'p99 ms':>9}{'errors':>8}"
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():

@@ -60,20 +60,40 @@ def command(server: str, model: str, repos: dict[str, Path], port: int) -> list[
             only.mkdir()
             shutil.copytree(repo / model, only / model)
         return h.worker(only, port)
-    return [sys.executable, "-m", "uvicorn", "fastapi_naive:app", "--host", "127.0.0.1",
-            "--port", str(port), "--no-access-log", "--log-level", "warning"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "fastapi_naive:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+    ]
 
 
-def bench(server: str, model: str, repos: dict[str, Path], out: Path,
-          args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def bench(
+    server: str, model: str, repos: dict[str, Path], out: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     port = h.free_port()
-    spec = h.workload("churn-unique.yaml", out, name=f"{model}-{server}", model=model,
-                      target=f"http://127.0.0.1:{port}",
-                      model_config=str(repos["batched"] / model / "model.yaml"),
-                      schedule={"kind": "poisson", "rate": args.start_rate},
-                      connections=args.connections)  # fmt: skip
-    env = {**os.environ, "BASELINE_MODEL_DIR": str(repos["batched"] / model),
-           "PYTHONPATH": str(h.HERE / "baselines")}  # fmt: skip
+    spec = h.workload(
+        "churn-unique.yaml",
+        out,
+        name=f"{model}-{server}",
+        model=model,
+        target=f"http://127.0.0.1:{port}",
+        model_config=str(repos["batched"] / model / "model.yaml"),
+        schedule={"kind": "poisson", "rate": args.start_rate},
+        connections=args.connections,
+    )
+    env = {
+        **os.environ,
+        "BASELINE_MODEL_DIR": str(repos["batched"] / model),
+        "PYTHONPATH": str(h.HERE / "baselines"),
+    }
     print(f"\n=== {model}: {server} ===", flush=True)
     with h.serving(command(server, model, repos, port), port, env=env):
         return h.bench(
@@ -97,8 +117,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per step")
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--start-rate", type=float, default=200.0)
-    parser.add_argument("--connections", type=int, default=256,
-                        help="generator connections (the figures in docs used 256)")  # fmt: skip
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=256,
+        help="generator connections (the figures in docs used 256)",
+    )
     parser.add_argument("--out", type=Path, default=h.HERE / "results" / "worker_vs_baseline")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,8 +131,10 @@ def main() -> None:
     for model in args.models.split(","):
         results = {server: bench(server, model, repos, args.out, args) for server in SERVERS}
         print(f"\n=== {model}: tailserve bench compare ===", flush=True)
-        h.compare([args.out / f"{model}-{server}.json" for server in SERVERS],
-                  args.out / f"{model}-compare.html")  # fmt: skip
+        h.compare(
+            [args.out / f"{model}-{server}.json" for server in SERVERS],
+            args.out / f"{model}-compare.html",
+        )
         summary.append((model, results))
     print("\n\nSummary: SLO capacity (p99 <= 50 ms, no errors), unique inputs, open loop")
     print(f"{'model':15}" + "".join(f"{s:>22}" for s in SERVERS) + f"{'(a)/(c)':>10}")

@@ -39,8 +39,9 @@ def _load() -> Any:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
-        session = ort.InferenceSession(str(version / "model.onnx"), options,
-                                       providers=["CPUExecutionProvider"])  # fmt: skip
+        session = ort.InferenceSession(
+            str(version / "model.onnx"), options, providers=["CPUExecutionProvider"]
+        )
         types = {i.name: i.type for i in session.get_inputs()}
 
         def predict_onnx(columns: dict[str, list[Any]]) -> list[float]:
@@ -123,6 +124,12 @@ def _score(request: InferRequest) -> dict[str, Any]:
     probabilities = predict(columns)
     return {
         "model_name": NAME,
-        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [len(probabilities), 1],
-                     "data": probabilities}],
-    }  # fmt: skip
+        "outputs": [
+            {
+                "name": OUTPUT,
+                "datatype": "FP32",
+                "shape": [len(probabilities), 1],
+                "data": probabilities,
+            }
+        ],
+    }

@@ -50,9 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the most a cache lookup waits for Redis before it counts as a miss (5)",
     )
     serve.add_argument(
-        "--redis-client", choices=("lean", "redis-py"),
+        "--redis-client",
+        choices=("lean", "redis-py"),
         help="the cache's MGET/SET path on a single Redis (lean)",
-    )  # fmt: skip
+    )
     serve.add_argument("--worker-id", help="name in cache lineage (default host:pid)")
     serve.add_argument(
         "--admin-token",
@@ -83,18 +84,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
     serve.add_argument(
-        "--gil-switch-interval-ms", type=float,
+        "--gil-switch-interval-ms",
+        type=float,
         help="how long the event loop may keep the GIL from a model's thread (0.5; 0: Python's)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--gc-full-interval-s", type=float,
+        "--gc-full-interval-s",
+        type=float,
         help="seconds between full garbage collections, run by the event loop (30; 0: "
-             "Python's own schedule)",
-    )  # fmt: skip
+        "Python's own schedule)",
+    )
     serve.add_argument(
-        "--fault-slow-fraction", type=float,
+        "--fault-slow-fraction",
+        type=float,
         help="TEST ONLY: this fraction of inference requests is made slow (0)",
-    )  # fmt: skip
+    )
     serve.add_argument(
         "--fault-slow-factor", type=float, help="TEST ONLY: how many times slower (20)"
     )
@@ -131,20 +135,37 @@ def _parser() -> argparse.ArgumentParser:
 
     fleet.add_parser(commands)
     _add_cache_commands(commands)
-    return parser  # fmt: skip
+    return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
     overrides = {
         key: getattr(args, key)
         for key in (
-            "repository", "host", "http_port", "grpc_port", "redis_url", "redis_cluster",
-            "cache_l2_budget_ms", "redis_client", "reply_memo_mb", "worker_id", "admin_token",
-            "max_body_bytes", "drain_timeout_s", "strict_readiness", "log_level", "access_log",
-            "trace_file", "trace_sample", "fault_slow_fraction", "fault_slow_factor",
-            "gil_switch_interval_ms", "gc_full_interval_s",
+            "repository",
+            "host",
+            "http_port",
+            "grpc_port",
+            "redis_url",
+            "redis_cluster",
+            "cache_l2_budget_ms",
+            "redis_client",
+            "reply_memo_mb",
+            "worker_id",
+            "admin_token",
+            "max_body_bytes",
+            "drain_timeout_s",
+            "strict_readiness",
+            "log_level",
+            "access_log",
+            "trace_file",
+            "trace_sample",
+            "fault_slow_fraction",
+            "fault_slow_factor",
+            "gil_switch_interval_ms",
+            "gc_full_interval_s",
         )
-    }  # fmt: skip
+    }
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -191,9 +212,12 @@ def _add_cache_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     precompute.add_argument("--repository", type=Path, required=True, help="model repository")
     precompute.add_argument("--model", required=True, help="the model to score with")
     precompute.add_argument(
-        "--input", type=Path, required=True, metavar="FILE.jsonl",
+        "--input",
+        type=Path,
+        required=True,
+        metavar="FILE.jsonl",
         help='one request a line, as a record: {"field": value, ...}',
-    )  # fmt: skip
+    )
     precompute.add_argument("--redis-url", required=True, help="the workers' Redis")
     precompute.add_argument(
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
@@ -209,13 +233,15 @@ def _add_cache_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
         "--version", type=int, help="model version (default: the newest that serves)"
     )
     precompute.add_argument(
-        "--skip-bad", action="store_true",
+        "--skip-bad",
+        action="store_true",
         help="count bad lines and go on (default: stop at the first, naming it)",
-    )  # fmt: skip
+    )
     precompute.add_argument(
-        "--parameters", metavar="JSON",
+        "--parameters",
+        metavar="JSON",
         help="request parameters of every line, as a JSON object (for cache.key.parameters)",
-    )  # fmt: skip
+    )
     precompute.add_argument("--quiet", action="store_true", help="no progress line")
     precompute.set_defaults(handler=_precompute)
 
@@ -249,11 +275,18 @@ def _precompute(args: argparse.Namespace) -> int:
         if not isinstance(parameters, dict):
             raise ConfigError('--parameters must be a JSON object: {"name": value, ...}')
     job = Job(
-        repository=args.repository, model=args.model, input=args.input,
-        redis_url=args.redis_url, cluster=args.redis_cluster, batch_size=args.batch_size,
-        ttl_s=args.ttl_s, checkpoint=args.checkpoint, version=args.version,
-        skip_bad=args.skip_bad, parameters=parameters,
-    )  # fmt: skip
+        repository=args.repository,
+        model=args.model,
+        input=args.input,
+        redis_url=args.redis_url,
+        cluster=args.redis_cluster,
+        batch_size=args.batch_size,
+        ttl_s=args.ttl_s,
+        checkpoint=args.checkpoint,
+        version=args.version,
+        skip_bad=args.skip_bad,
+        parameters=parameters,
+    )
     try:
         report = run(precompute(job, progress=None if args.quiet else sys.stderr))
     except KeyboardInterrupt:
@@ -277,9 +310,14 @@ def _warm(args: argparse.Namespace) -> int:
     from tailserve.loops import run
 
     report = run(
-        warm(args.trace, args.target, top=args.top, concurrency=args.concurrency,
-             timeout_s=args.timeout_s)
-    )  # fmt: skip
+        warm(
+            args.trace,
+            args.target,
+            top=args.top,
+            concurrency=args.concurrency,
+            timeout_s=args.timeout_s,
+        )
+    )
     print(summary(report))
     for sample in report.error_samples:
         print(f"tailserve: warm: {sample}", file=sys.stderr)

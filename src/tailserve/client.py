@@ -135,9 +135,16 @@ class Client:
         if self.dispatcher.wants_key(model):
             key = affinity_key if affinity_key is not None else body_key(body)
         outcome = await self._send(
-            model, "POST", f"{path}/infer", body, headers, key=key,
-            cost=cost_class(len(body)), deadline_ms=deadline_ms, hedge=True,
-        )  # fmt: skip
+            model,
+            "POST",
+            f"{path}/infer",
+            body,
+            headers,
+            key=key,
+            cost=cost_class(len(body)),
+            deadline_ms=deadline_ms,
+            hedge=True,
+        )
         if outcome.status != 200:
             raise InferenceError(outcome.status, error_message(outcome.body), outcome.backend)
         return decode_response(outcome)
@@ -173,9 +180,13 @@ def encode_request(
     for name, value in inputs.items():
         array = np.asarray(value)
         tensors.append(
-            {"name": name, "datatype": datatype_of(array), "shape": list(array.shape),
-             "data": to_json_data(array.reshape(-1))}
-        )  # fmt: skip
+            {
+                "name": name,
+                "datatype": datatype_of(array),
+                "shape": list(array.shape),
+                "data": to_json_data(array.reshape(-1)),
+            }
+        )
     request: dict[str, Any] = {"inputs": tensors}
     if outputs is not None:
         request["outputs"] = [{"name": name} for name in outputs]

@@ -54,11 +54,12 @@ class Worker:
         self.metrics = Metrics()
         self.loop_lag = LoopLag(on_sample=self.metrics.loop_lag.child().observe)
         self.collections = (
-            FullCollections(settings.gc_full_interval_s,
-                            on_pause=self.metrics.gc_full_pause.child().observe)
+            FullCollections(
+                settings.gc_full_interval_s, on_pause=self.metrics.gc_full_pause.child().observe
+            )
             if settings.gc_full_interval_s > 0
             else None
-        )  # fmt: skip
+        )
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.cache = ResultCache(
             redis=self._redis_tier(), worker_id=self.worker_id, observer=self.metrics
@@ -154,8 +155,9 @@ class Worker:
         for state in self.manager.states():
             for version, served in list(state.versions.items()):
                 for label, cost in served.scheduler.batcher.costs().items():
-                    rows.append(CostRow(state.name, str(version), label, cost.fixed_s,
-                                        cost.per_row_s))  # fmt: skip
+                    rows.append(
+                        CostRow(state.name, str(version), label, cost.fixed_s, cost.per_row_s)
+                    )
         return rows
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -177,17 +179,24 @@ class Worker:
                 read_timeout_s=self.settings.read_timeout_s,
                 access_log=self.settings.access_log,
             )
-            await self._http.start(self.settings.host, self.settings.http_port, sockets=sockets,
-                                   backlog=self.settings.backlog)  # fmt: skip
+            await self._http.start(
+                self.settings.host,
+                self.settings.http_port,
+                sockets=sockets,
+                backlog=self.settings.backlog,
+            )
             counts: list[traffic.Counts] = [self._http]
             if self._grpc_service is not None:
                 counts.append(self._grpc_service.traffic)
             self.loop_lag.requests = lambda: traffic.total(counts)
             log.info("HTTP on %s:%d", self.settings.host, self._http.port)
             if self.admin_access is AdminAccess.CLOSED:
-                log.warning("admin routes closed: listening on %s, beyond loopback, with no "
-                            "admin token (set --admin-token or TAILSERVE_ADMIN_TOKEN to use "
-                            "them)", self.settings.host)  # fmt: skip
+                log.warning(
+                    "admin routes closed: listening on %s, beyond loopback, with no "
+                    "admin token (set --admin-token or TAILSERVE_ADMIN_TOKEN to use "
+                    "them)",
+                    self.settings.host,
+                )
             await self._exit.wait()
             # No new requests; those in flight finish (up to the drain timeout), then the
             # connections close.
@@ -267,9 +276,13 @@ class Worker:
             return self._grpc_service.handlers()
 
         port = self.settings.grpc_port
-        self._grpc = await serve_or_log(build, self.settings.host, port,
-                                        max_message_bytes=self.settings.max_body_bytes,
-                                        what="worker")  # fmt: skip
+        self._grpc = await serve_or_log(
+            build,
+            self.settings.host,
+            port,
+            max_message_bytes=self.settings.max_body_bytes,
+            what="worker",
+        )
         if self._grpc is None:
             return
         log.info("gRPC (OIP v2) on %s:%d", self.settings.host, port)

@@ -62,13 +62,13 @@ def test_a_constant_rate_is_kept_in_count_and_spacing() -> None:
 
 def _send_gaps_ms(url: str, timer: str) -> Any:
     """Gaps between the generator's sends of 1,000 requests due 0.5 ms apart."""
-    spec = workload(url, schedule={"kind": "constant", "rate": 2000}, duration_s=0.5,
-                    timer=timer)  # fmt: skip
+    spec = workload(url, schedule={"kind": "constant", "rate": 2000}, duration_s=0.5, timer=timer)
     target = url.removeprefix("http://")
     host, port = target.split(":")
     plan = build_plan(spec, CONFIG, target)
-    runner = Runner(plan, host, int(port), connections=64, timeout_s=10.0,
-                    fine_timer=timer == "fine")  # fmt: skip
+    runner = Runner(
+        plan, host, int(port), connections=64, timeout_s=10.0, fine_timer=timer == "fine"
+    )
     samples = run(runner.run())
     assert not np.isnan(samples.done).any()
     return np.diff(samples.dispatched) * 1000.0
@@ -100,8 +100,9 @@ def test_a_stall_shows_in_the_tail_where_a_closed_loop_would_hide_it() -> None:
     # Open loop: the 100th request (at ~1 s) stalls the server for 0.6 s; the ~60 requests
     # scheduled during the stall each wait for its end.
     with run_stub(StubApp(stall_after=100, stall_s=stall_s)) as stub:
-        result = run_bench(workload(stub.url, schedule={"kind": "constant", "rate": 100}),
-                           progress=None)  # fmt: skip
+        result = run_bench(
+            workload(stub.url, schedule={"kind": "constant", "rate": 100}), progress=None
+        )
     overall = result["overall"]
     assert overall["count"] == 200 and overall["errors"] == 0
     assert overall["p99_ms"] >= 0.8 * stall_s * 1000
@@ -123,8 +124,13 @@ def test_a_stall_shows_in_the_tail_where_a_closed_loop_would_hide_it() -> None:
 def test_capacity_search_converges_on_a_known_capacity() -> None:
     # Served one at a time, 10 ms each: no more than 100 req/s can ever be answered.
     with run_stub(StubApp(service_s=0.010)) as stub:
-        w = workload(stub.url, schedule={"kind": "poisson", "rate": 30}, duration_s=2.0,
-                     warmup_s=0.3, slo={"p99_ms": 150})  # fmt: skip
+        w = workload(
+            stub.url,
+            schedule={"kind": "poisson", "rate": 30},
+            duration_s=2.0,
+            warmup_s=0.3,
+            slo={"p99_ms": 150},
+        )
         result = run_bench(w, find_capacity=True, progress=None, capacity_precision=0.1)
     capacity = result["capacity"]["rps"]
     assert capacity is not None
@@ -155,15 +161,23 @@ def test_a_recorded_trace_replays_with_its_timing_and_bodies(tmp_path: Path) -> 
         for i in range(12):
             body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [i]}]}
             sent.append(orjson.dumps(body))
-            response = client.post(f"{running.url}/v2/models/doubler/infer", content=sent[-1],
-                                   headers={"x-deadline-ms": "80"})  # fmt: skip
+            response = client.post(
+                f"{running.url}/v2/models/doubler/infer",
+                content=sent[-1],
+                headers={"x-deadline-ms": "80"},
+            )
             assert response.status_code == 200
             time.sleep(0.05 if i % 2 else 0.02)  # uneven gaps the replay must keep
     recorded = read_trace(trace)
     assert [entry["body"] for entry in recorded] == sent
     with run_stub(StubApp()) as stub:
-        w = workload(stub.url, model="", schedule={"kind": "trace", "trace": str(trace)},
-                     duration_s=None, warmup_s=0.0)  # fmt: skip
+        w = workload(
+            stub.url,
+            model="",
+            schedule={"kind": "trace", "trace": str(trace)},
+            duration_s=None,
+            warmup_s=0.0,
+        )
         result = run_bench(w, progress=None)
         arrivals = stub.app.arrivals
     assert [a.body for a in arrivals] == sent
@@ -194,25 +208,62 @@ def test_cli_writes_result_and_report_and_compares_runs(
 ) -> None:
     spec = tmp_path / "w.yaml"
     with run_stub(StubApp()) as stub:
-        spec.write_text(orjson.dumps({"name": "stub", "target": stub.url, "model": "m",
-                                      "schedule": {"kind": "poisson", "rate": 150},
-                                      "duration_s": 1.0, "warmup_s": 0.2}).decode())  # fmt: skip
+        spec.write_text(
+            orjson.dumps(
+                {
+                    "name": "stub",
+                    "target": stub.url,
+                    "model": "m",
+                    "schedule": {"kind": "poisson", "rate": 150},
+                    "duration_s": 1.0,
+                    "warmup_s": 0.2,
+                }
+            ).decode()
+        )
         for name, rate in (("slow", "100"), ("fast", "200")):
-            code = main(["bench", str(spec), "--rate", rate, "--name", name, "--quiet",
-                         "--out", str(tmp_path / f"{name}.json"),
-                         "--report", str(tmp_path / f"{name}.html")])  # fmt: skip
+            code = main(
+                [
+                    "bench",
+                    str(spec),
+                    "--rate",
+                    rate,
+                    "--name",
+                    name,
+                    "--quiet",
+                    "--out",
+                    str(tmp_path / f"{name}.json"),
+                    "--report",
+                    str(tmp_path / f"{name}.html"),
+                ]
+            )
             assert code == 0
     printed = capsys.readouterr().out
     assert "p99_ms" in printed and "overall" in printed
     result = orjson.loads((tmp_path / "fast.json").read_bytes())
-    for key in ("offered_rps", "achieved_rps", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms",
-                "errors"):  # fmt: skip
+    for key in (
+        "offered_rps",
+        "achieved_rps",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "p999_ms",
+        "max_ms",
+        "errors",
+    ):
         assert key in result["overall"]
         assert key in result["classes"]["default"]
     assert result["overall"]["offered_rps"] == pytest.approx(200, rel=0.3)
 
-    code = main(["bench", "compare", str(tmp_path / "slow.json"), str(tmp_path / "fast.json"),
-                 "--report", str(tmp_path / "compare.html")])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "compare",
+            str(tmp_path / "slow.json"),
+            str(tmp_path / "fast.json"),
+            "--report",
+            str(tmp_path / "compare.html"),
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "slow" in table and "fast" in table and "x)" in table

@@ -96,13 +96,13 @@ def test_a_bad_input_the_key_leaves_out_is_refused_on_a_hit_as_on_a_miss(
     # good one, and must still get the 400 its miss would get, not the cached answer.
     infer(worker.url, body(4.5))
     bad = body(4.5)
-    bad["inputs"].append({"name": "noise", "datatype": "FP32", "shape": [1, 1],
-                          "data": ["loud"]})  # fmt: skip
+    bad["inputs"].append({"name": "noise", "datatype": "FP32", "shape": [1, 1], "data": ["loud"]})
     refused = httpx.post(f"{worker.url}/v2/models/m/infer", json=bad, timeout=30)
     assert refused.status_code == 400 and "noise" in refused.json()["error"], refused.text
     wrong_shape = body(4.5)
-    wrong_shape["inputs"].append({"name": "noise", "datatype": "FP32", "shape": [2, 1],
-                                  "data": [1.0, 2.0]})  # fmt: skip
+    wrong_shape["inputs"].append(
+        {"name": "noise", "datatype": "FP32", "shape": [2, 1], "data": [1.0, 2.0]}
+    )
     refused = httpx.post(f"{worker.url}/v2/models/m/infer", json=wrong_shape, timeout=30)
     assert refused.status_code == 400, refused.text
     assert source(infer(worker.url, body(4.5, noise=1.0))) == "l1"
@@ -128,8 +128,10 @@ def test_identical_concurrent_requests_run_the_model_once(tmp_path: Path) -> Non
         with concurrent.futures.ThreadPoolExecutor(max_workers=100) as pool:
             futures = [pool.submit(infer, running.url, body(4.0)) for _ in range(100)]
             # Every request is in (one computing, 99 waiting on it) before the model may finish.
-            wait_for(lambda: _metric(running.url, "tailserve_cache_coalesced_requests") >= 99,
-                     what="99 requests coalesced")  # fmt: skip
+            wait_for(
+                lambda: _metric(running.url, "tailserve_cache_coalesced_requests") >= 99,
+                what="99 requests coalesced",
+            )
             gate.touch()
             sources = [source(f.result()) for f in futures]
         assert sources.count("miss") == 1 and sources.count("coalesced") == 99
@@ -138,8 +140,7 @@ def test_identical_concurrent_requests_run_the_model_once(tmp_path: Path) -> Non
 
 def test_a_hit_is_answered_while_the_model_is_too_busy_for_a_miss(tmp_path: Path) -> None:
     config = cached_config()
-    config.update(parameters={"delay": 0.05}, max_batch_size=4,
-                  batching={"max_queue_size": 64})  # fmt: skip
+    config.update(parameters={"delay": 0.05}, max_batch_size=4, batching={"max_queue_size": 64})
     write_model(tmp_path, "m", config)
     with run_worker(Settings(repository=str(tmp_path))) as running:
         url = running.url
@@ -153,11 +154,23 @@ def test_a_hit_is_answered_while_the_model_is_too_busy_for_a_miss(tmp_path: Path
         tight = {"X-Deadline-Ms": "100"}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             # Eight 4-row misses, ~50 ms a batch: ~400 ms of work queued ahead.
-            misses = [{"inputs": [{"name": "x", "datatype": "FP32", "shape": [4, 1],
-                                   "data": [float(i), 0.5, 0.25, 0.125]}]}
-                      for i in range(8)]  # fmt: skip
-            backlog = [pool.submit(httpx.post, f"{url}/v2/models/m/infer", json=m, timeout=30)
-                       for m in misses]  # fmt: skip
+            misses = [
+                {
+                    "inputs": [
+                        {
+                            "name": "x",
+                            "datatype": "FP32",
+                            "shape": [4, 1],
+                            "data": [float(i), 0.5, 0.25, 0.125],
+                        }
+                    ]
+                }
+                for i in range(8)
+            ]
+            backlog = [
+                pool.submit(httpx.post, f"{url}/v2/models/m/infer", json=m, timeout=30)
+                for m in misses
+            ]
             wait_for(lambda: queued() >= 4, what="a backlog to build")
             hit = httpx.post(f"{url}/v2/models/m/infer", json=body(9.0), headers=tight)
             miss = httpx.post(f"{url}/v2/models/m/infer", json=body(10.0), headers=tight)
@@ -211,8 +224,11 @@ def test_invalidation_is_an_admin_route(repository: Path) -> None:
     with run_worker(Settings(repository=str(repository), admin_token="s3cret")) as running:
         denied = httpx.post(f"{running.url}/v2/cache/invalidate", json={"model": "m"})
         assert denied.status_code == 401
-        allowed = httpx.post(f"{running.url}/v2/cache/invalidate", json={"model": "m"},
-                             headers={"authorization": "Bearer s3cret"})  # fmt: skip
+        allowed = httpx.post(
+            f"{running.url}/v2/cache/invalidate",
+            json={"model": "m"},
+            headers={"authorization": "Bearer s3cret"},
+        )
         assert allowed.status_code == 200
 
 
@@ -254,15 +270,20 @@ def test_invalidation_reaches_the_other_workers_l1(repository: Path, redis: Redi
         run_worker(with_redis(repository, redis, worker_id="a")) as a,
         run_worker(with_redis(repository, redis, worker_id="b")) as b,
     ):
-        wait_for(lambda: a.worker.cache.subscribed.is_set() and b.worker.cache.subscribed.is_set(),
-                 what="both workers subscribed")  # fmt: skip
+        wait_for(
+            lambda: a.worker.cache.subscribed.is_set() and b.worker.cache.subscribed.is_set(),
+            what="both workers subscribed",
+        )
         infer(a.url, body(8.5))
         infer(b.url, body(8.5))
         assert source(infer(b.url, body(8.5))) == "l1"
         report = httpx.post(f"{a.url}/v2/cache/invalidate", json={"model": "m", "version": 1})
         assert report.json()["published"] is True and report.json()["l2"] >= 1
-        wait_for(lambda: b.worker.cache.invalidations_received >= 1, timeout=1.0,
-                 what="the invalidation to reach worker b within a second")  # fmt: skip
+        wait_for(
+            lambda: b.worker.cache.invalidations_received >= 1,
+            timeout=1.0,
+            what="the invalidation to reach worker b within a second",
+        )
         assert source(infer(b.url, body(8.5))) == "miss"
 
 
@@ -279,8 +300,10 @@ def test_a_redis_lease_coalesces_across_workers(tmp_path: Path, redis: RedisServ
             first = pool.submit(infer, a.url, body(9.0))
             wait_for(lambda: _busy(a.url) > 0, what="a to compute")
             second = pool.submit(infer, b.url, body(9.0))
-            wait_for(lambda: _metric(b.url, "tailserve_cache_lookups", 'tier="l2"') >= 1,
-                     what="b to miss L2 and find the lease taken")  # fmt: skip
+            wait_for(
+                lambda: _metric(b.url, "tailserve_cache_lookups", 'tier="l2"') >= 1,
+                what="b to miss L2 and find the lease taken",
+            )
             gate.touch()
             assert source(first.result()) == "miss"
             assert source(second.result()) == "coalesced"
@@ -339,8 +362,9 @@ def _keys(redis: RedisServer) -> int:
 
 def _busy(url: str) -> int:
     document = httpx.get(f"{url}/v2/models/m/stats", timeout=10).json()
-    return sum(d["batching"]["queued"] + d["batching"]["busy_instances"]
-               for d in document["model_stats"])  # fmt: skip
+    return sum(
+        d["batching"]["queued"] + d["batching"]["busy_instances"] for d in document["model_stats"]
+    )
 
 
 def test_redis_killed_and_restarted_costs_no_request(tmp_path: Path, repository: Path) -> None:
@@ -383,8 +407,19 @@ def test_redis_killed_and_restarted_costs_no_request(tmp_path: Path, repository:
 def _start_redis(workdir: Path, port: int) -> subprocess.Popen[bytes]:
     binary = shutil.which("redis-server")
     assert binary is not None, "redis-server is not installed"
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+    command = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: _redis_keys(f"redis://127.0.0.1:{port}/0") >= 0, what="redis-server")
     return process
@@ -426,13 +461,19 @@ def test_workers_share_results_and_invalidations_on_a_redis_cluster(
     def settings(worker_id: str, node: int) -> Settings:
         # As with_redis: a generous budget, since this checks sharing, not the cluster's speed
         # (a loaded machine made b's first lookup, which opens a connection, a skipped miss).
-        return Settings(repository=str(repository), redis_url=redis_cluster.node_url(node),
-                        redis_cluster=True, worker_id=worker_id,
-                        cache_l2_budget_ms=1000)  # fmt: skip
+        return Settings(
+            repository=str(repository),
+            redis_url=redis_cluster.node_url(node),
+            redis_cluster=True,
+            worker_id=worker_id,
+            cache_l2_budget_ms=1000,
+        )
 
     with run_worker(settings("a", 0)) as a, run_worker(settings("b", 2)) as b:
-        wait_for(lambda: a.worker.cache.subscribed.is_set() and b.worker.cache.subscribed.is_set(),
-                 what="both workers subscribed")  # fmt: skip
+        wait_for(
+            lambda: a.worker.cache.subscribed.is_set() and b.worker.cache.subscribed.is_set(),
+            what="both workers subscribed",
+        )
         assert source(infer(a.url, body(12.5))) == "miss"
         assert _breaker(a.url) == "closed"
         wait_for(lambda: _cluster_has_result(redis_cluster), what="a's write to reach the cluster")
@@ -440,8 +481,11 @@ def test_workers_share_results_and_invalidations_on_a_redis_cluster(
         assert source(infer(b.url, body(12.5))) == "l1"
         report = httpx.post(f"{a.url}/v2/cache/invalidate", json={"model": "m"}).json()
         assert report["published"] is True and report["l2"] == 1
-        wait_for(lambda: b.worker.cache.invalidations_received >= 1, timeout=1.0,
-                 what="the invalidation to reach worker b within a second")  # fmt: skip
+        wait_for(
+            lambda: b.worker.cache.invalidations_received >= 1,
+            timeout=1.0,
+            what="the invalidation to reach worker b within a second",
+        )
         assert source(infer(b.url, body(12.5))) == "miss"
 
 

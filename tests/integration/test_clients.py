@@ -102,11 +102,15 @@ def test_kserve_v1_records_match_v2(worker: RunningWorker) -> None:
     assert reply.headers["x-model-version"] == "1"
     v2 = {
         "inputs": [
-            {"name": name, "datatype": FIELDS[name], "shape": [4, 1],
-             "data": [record[name] for record in instances]}
+            {
+                "name": name,
+                "datatype": FIELDS[name],
+                "shape": [4, 1],
+                "data": [record[name] for record in instances],
+            }
             for name in FIELDS
         ]
-    }  # fmt: skip
+    }
     expected = httpx.post(f"{worker.url}/v2/models/churn/infer", json=v2).json()
     np.testing.assert_allclose(predictions, expected["outputs"][0]["data"], rtol=1e-6)
     status = httpx.get(f"{worker.url}/v1/models/churn").json()

@@ -72,28 +72,52 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> Iterator[Any]:
     repo = tmp_path_factory.mktemp("repo")
-    write_model(repo, "slow", doubler_config(
-        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 1000},
-        batching={"priority_levels": 2, "max_queue_size": 64},
-        warmup={"batch_sizes": [1, 4], "repeat": 3},
-    ))  # fmt: skip
-    write_model(repo, "tight", doubler_config(
-        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 200},
-        batching={"max_queue_size": 64}, warmup={"batch_sizes": [1, 4], "repeat": 3},
-    ))  # fmt: skip
-    write_model(repo, "held", doubler_config(
-        parameters={"gate": str(files["gate"]), "marks": str(files["marks"])},
-        warmup={"batch_sizes": [1], "repeat": 2}, slo={"p99_ms": 5000},
-    ), code=HELD)  # fmt: skip
-    write_model(repo, "counter", {
-        "runtime": "python",
-        "max_batch_size": 8,
-        "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1]}],
-        "outputs": [{"name": "count", "datatype": "INT64", "shape": [1]}],
-        "batching": {"pad_value": 0, "cost": {"by": "tokens", "edges": [8, 32]}},
-        "warmup": {"batch_sizes": [1, 2], "repeat": 2},
-        "parameters": {"shapes": str(files["shapes"])},
-    }, code=COUNTER)  # fmt: skip
+    write_model(
+        repo,
+        "slow",
+        doubler_config(
+            parameters={"delay": 0.05},
+            max_batch_size=4,
+            slo={"p99_ms": 1000},
+            batching={"priority_levels": 2, "max_queue_size": 64},
+            warmup={"batch_sizes": [1, 4], "repeat": 3},
+        ),
+    )
+    write_model(
+        repo,
+        "tight",
+        doubler_config(
+            parameters={"delay": 0.05},
+            max_batch_size=4,
+            slo={"p99_ms": 200},
+            batching={"max_queue_size": 64},
+            warmup={"batch_sizes": [1, 4], "repeat": 3},
+        ),
+    )
+    write_model(
+        repo,
+        "held",
+        doubler_config(
+            parameters={"gate": str(files["gate"]), "marks": str(files["marks"])},
+            warmup={"batch_sizes": [1], "repeat": 2},
+            slo={"p99_ms": 5000},
+        ),
+        code=HELD,
+    )
+    write_model(
+        repo,
+        "counter",
+        {
+            "runtime": "python",
+            "max_batch_size": 8,
+            "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1]}],
+            "outputs": [{"name": "count", "datatype": "INT64", "shape": [1]}],
+            "batching": {"pad_value": 0, "cost": {"by": "tokens", "edges": [8, 32]}},
+            "warmup": {"batch_sizes": [1, 2], "repeat": 2},
+            "parameters": {"shapes": str(files["shapes"])},
+        },
+        code=COUNTER,
+    )
     with run_worker(Settings(repository=str(repo))) as running:
         yield running
 
@@ -148,8 +172,9 @@ def test_bad_deadlines_and_priorities_are_400_naming_them(
     worker: RunningWorker, kwargs: dict[str, Any], message: str
 ) -> None:
     document = body([1.0], **kwargs.get("parameters", {}))
-    reply = httpx.post(f"{worker.url}/v2/models/slow/infer", json=document,
-                       headers=kwargs.get("headers", {}))  # fmt: skip
+    reply = httpx.post(
+        f"{worker.url}/v2/models/slow/infer", json=document, headers=kwargs.get("headers", {})
+    )
     assert reply.status_code == 400, reply.text
     assert message in reply.json()["error"]
     ok = httpx.post(f"{worker.url}/v2/models/slow/infer", json=body([1.0], priority=1))
@@ -164,9 +189,11 @@ def test_deadlines_far_beyond_any_need_are_served_and_the_model_keeps_serving(
     url = f"{worker.url}/v2/models/slow/infer"
     huge = httpx.post(url, json=body([1.0]), headers={"X-Deadline-Ms": "1e308"})
     assert huge.status_code == 200, huge.text
-    endless = httpx.post(url, content=b'{"inputs": [{"name": "x", "datatype": "FP32", '
-                         b'"shape": [1, 1], "data": [2.0]}], "parameters": {"timeout": '
-                         + b"9" * 400 + b"}}")  # fmt: skip
+    endless = httpx.post(
+        url,
+        content=b'{"inputs": [{"name": "x", "datatype": "FP32", '
+        b'"shape": [1, 1], "data": [2.0]}], "parameters": {"timeout": ' + b"9" * 400 + b"}}",
+    )
     assert endless.status_code == 200, endless.text
     after = httpx.post(url, json=body([3.0]), headers={"X-Deadline-Ms": "900"}, timeout=10)
     assert after.status_code == 200, after.text
@@ -182,8 +209,9 @@ def test_a_client_deadline_expires_in_the_queue_and_an_slo_one_runs_late(
         first = pool.submit(httpx.post, url, json=body([1.0]), timeout=30)
         # The first batch holds the only instance at the gate.
         wait_for(lambda: files["marks"].exists(), what="the first batch to start")
-        hard = pool.submit(httpx.post, url, json=body([2.0]), headers={"X-Deadline-Ms": "150"},
-                           timeout=30)  # fmt: skip
+        hard = pool.submit(
+            httpx.post, url, json=body([2.0]), headers={"X-Deadline-Ms": "150"}, timeout=30
+        )
         soft = pool.submit(httpx.post, url, json=body([3.0]), timeout=30)
         time.sleep(0.3)  # past the 150 ms deadline while the instance is held
         files["gate"].touch()
@@ -202,8 +230,16 @@ def test_different_lengths_batch_in_their_class_padded_within_its_edge(
     lengths = [3, 7, 5, 20, 1, 30, 8, 12]
 
     def call(n: int) -> int:
-        document = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, n],
-                                "data": list(range(1, n + 1))}]}  # fmt: skip
+        document = {
+            "inputs": [
+                {
+                    "name": "tokens",
+                    "datatype": "INT64",
+                    "shape": [1, n],
+                    "data": list(range(1, n + 1)),
+                }
+            ]
+        }
         reply = httpx.post(f"{worker.url}/v2/models/counter/infer", json=document)
         assert reply.status_code == 200, reply.text
         edge = 8 if n <= 8 else 32
@@ -258,8 +294,10 @@ def backlog(worker: RunningWorker, model: str, **parameters: Any) -> Iterator[st
         return count
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        waiting = [pool.submit(httpx.post, url, json=body([1.0] * 4, **parameters), timeout=30)
-                   for _ in range(8)]  # fmt: skip
+        waiting = [
+            pool.submit(httpx.post, url, json=body([1.0] * 4, **parameters), timeout=30)
+            for _ in range(8)
+        ]
         wait_for(lambda: queued() >= 4, what="a backlog to build")
         yield url
         assert all(f.result().status_code == 200 for f in waiting)
@@ -324,9 +362,11 @@ def test_a_refusal_before_the_body_keeps_the_connection_in_step(worker: RunningW
     payload = orjson.dumps(body([1.0]))
 
     def post(deadline_ms: int) -> bytes:
-        return (b"POST /v2/models/slow/infer HTTP/1.1\r\nhost: t\r\n"
-                b"content-type: application/json\r\nx-deadline-ms: %d\r\n"
-                b"content-length: %d\r\n\r\n" % (deadline_ms, len(payload)))  # fmt: skip
+        return (
+            b"POST /v2/models/slow/infer HTTP/1.1\r\nhost: t\r\n"
+            b"content-type: application/json\r\nx-deadline-ms: %d\r\n"
+            b"content-length: %d\r\n\r\n" % (deadline_ms, len(payload))
+        )
 
     with backlog(worker, "slow"):
         host, port = worker.url.removeprefix("http://").split(":")
@@ -345,13 +385,22 @@ def test_an_overloaded_model_answers_a_burst_with_the_refusal_of_a_moment_ago(
     tmp_path: Path,
 ) -> None:
     # A worker of its own: the refusals take this model's admission share to its floor.
-    write_model(tmp_path, "flooded", doubler_config(
-        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 1000},
-        batching={"max_queue_size": 64}, warmup={"batch_sizes": [1, 4], "repeat": 3},
-    ))  # fmt: skip
+    write_model(
+        tmp_path,
+        "flooded",
+        doubler_config(
+            parameters={"delay": 0.05},
+            max_batch_size=4,
+            slo={"p99_ms": 1000},
+            batching={"max_queue_size": 64},
+            warmup={"batch_sizes": [1, 4], "repeat": 3},
+        ),
+    )
     count = 60
-    refused = (b"POST /v2/models/flooded/infer HTTP/1.1\r\nhost: t\r\nx-deadline-ms: 100\r\n"
-               b"content-length: 9\r\n\r\n{not json")  # fmt: skip
+    refused = (
+        b"POST /v2/models/flooded/infer HTTP/1.1\r\nhost: t\r\nx-deadline-ms: 100\r\n"
+        b"content-length: 9\r\n\r\n{not json"
+    )
     # (The backlog's own requests carry a 30 s timeout: let in whatever the share.)
     with (
         run_worker(Settings(repository=str(tmp_path))) as running,
@@ -377,13 +426,21 @@ def test_under_overload_a_request_let_in_before_it_was_read_keeps_its_whole_time
     tmp_path: Path,
 ) -> None:
     # A worker of its own: a flood takes this model's admission share to its floor (0.3).
-    write_model(tmp_path, "crowded", doubler_config(
-        parameters={"delay": 0.05}, max_batch_size=4, slo={"p99_ms": 5000},
-        batching={"priority_levels": 2, "max_queue_size": 64},
-        warmup={"batch_sizes": [1, 4], "repeat": 3},
-    ))  # fmt: skip
-    flood = (b"POST /v2/models/crowded/infer HTTP/1.1\r\nhost: t\r\nx-deadline-ms: 1\r\n"
-             b"content-length: 9\r\n\r\n{not json")  # fmt: skip
+    write_model(
+        tmp_path,
+        "crowded",
+        doubler_config(
+            parameters={"delay": 0.05},
+            max_batch_size=4,
+            slo={"p99_ms": 5000},
+            batching={"priority_levels": 2, "max_queue_size": 64},
+            warmup={"batch_sizes": [1, 4], "repeat": 3},
+        ),
+    )
+    flood = (
+        b"POST /v2/models/crowded/infer HTTP/1.1\r\nhost: t\r\nx-deadline-ms: 1\r\n"
+        b"content-length: 9\r\n\r\n{not json"
+    )
     with run_worker(Settings(repository=str(tmp_path))) as running:
         url = f"{running.url}/v2/models/crowded/infer"
 
@@ -403,8 +460,9 @@ def test_under_overload_a_request_let_in_before_it_was_read_keeps_its_whole_time
             # At the door it is judged at the highest priority, with nothing queued ahead: let
             # in. Offered at its own priority, the backlog is ahead of it: more than the
             # share's 30% of its 1.5 s, less than all of it. Read and decoded, it keeps all.
-            late = httpx.post(url, json=body([2.0], priority=2),
-                              headers={"X-Deadline-Ms": "1500"}, timeout=30)  # fmt: skip
+            late = httpx.post(
+                url, json=body([2.0], priority=2), headers={"X-Deadline-Ms": "1500"}, timeout=30
+            )
             assert late.status_code == 200, late.text
             assert late.json()["outputs"][0]["data"] == [5.0]  # 2x + 1
             assert all(f.result().status_code == 200 for f in waiting)

@@ -127,8 +127,7 @@ async def test_a_paused_store_opens_the_breaker_and_reads_fail_at_once_until_it_
     # three such, the next fail at once, and a probe once Redis is back closes the breaker.
     clock = Clock()
     breaker = Breaker(clock=clock, threshold=3, open_s=1.0)
-    store = FeatureStore(connect(own_redis.url, timeout_s=30.0), timeout_s=0.05,
-                         breaker=breaker)  # fmt: skip
+    store = FeatureStore(connect(own_redis.url, timeout_s=30.0), timeout_s=0.05, breaker=breaker)
     entity = fresh_entity()
     try:
         rows = {i: dict(zip(FIELDS, map(float, table(3)[i]), strict=True)) for i in (1, 2)}
@@ -247,16 +246,21 @@ def test_a_worker_scores_candidates_from_their_ids(
     request = ranker.draw_request(np.random.default_rng(5), 300)
     user, items = int(request["user_id"][0]), request["item_ids"]
     expected = ranker.scores(
-        weights, saved["user"][[user] * len(items)].astype(np.float32),
+        weights,
+        saved["user"][[user] * len(items)].astype(np.float32),
         saved["item"][items].astype(np.float32),
-    )  # fmt: skip
+    )
     body = {
         "inputs": [
             {"name": "user_id", "datatype": "INT64", "shape": [1], "data": [user]},
-            {"name": "item_ids", "datatype": "INT64", "shape": [len(items)],
-             "data": items.tolist()},
+            {
+                "name": "item_ids",
+                "datatype": "INT64",
+                "shape": [len(items)],
+                "data": items.tolist(),
+            },
         ]
-    }  # fmt: skip
+    }
     settings = Settings(repository=str(ranker_repository), redis_url=redis.url)
     with run_worker(settings) as worker:
         response = httpx.post(f"{worker.url}/v2/models/ranker/infer", json=body, timeout=30)
@@ -278,14 +282,20 @@ def test_examples_features_only_fills_a_redis_from_a_written_repository(
     command = [sys.executable, "-m", "tailserve.cli", "examples"]
     empty = subprocess.run(
         [*command, str(tmp_path), "--features-only", "--redis-url", url],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert empty.returncode == 2 and "holds no ranker" in empty.stderr
     assert list(tmp_path.iterdir()) == []
     done = subprocess.run(
         [*command, str(ranker_repository), "--features-only", "--redis-url", url],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "wrote" not in done.stdout and f"{ranker.USERS:,} users" in done.stdout
     assert sorted(path.name for path in ranker_repository.iterdir()) == ["ranker"]

@@ -55,8 +55,9 @@ async def test_an_overflowing_queue_answers_503_at_once(tmp_path: Path) -> None:
     slow = doubler_config(parameters={"delay": 0.4}, slo={"p99_ms": 2000})
     write_model(tmp_path / "repo", "slow", slow)
     policy = FrontDoorPolicy(max_conn=1, max_queue=1)
-    config = FleetConfig(repository=str(tmp_path / "repo"), port=0, policy=policy,
-                         drain_timeout_s=5)  # fmt: skip
+    config = FleetConfig(
+        repository=str(tmp_path / "repo"), port=0, policy=policy, drain_timeout_s=5
+    )
     async with (
         started(config) as stack,
         httpx.AsyncClient(base_url=stack.url, timeout=10) as client,
@@ -160,8 +161,9 @@ async def test_beyond_loopback_the_fleets_admin_routes_need_a_token(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_model(tmp_path / "repo", "doubler", doubler_config())
-    config = FleetConfig(repository=str(tmp_path / "repo"), host="0.0.0.0", port=0,
-                         drain_timeout_s=5)  # fmt: skip
+    config = FleetConfig(
+        repository=str(tmp_path / "repo"), host="0.0.0.0", port=0, drain_timeout_s=5
+    )
     async with (
         started(config) as stack,
         httpx.AsyncClient(base_url=stack.url, timeout=10) as client,
@@ -195,10 +197,12 @@ async def test_a_slow_model_takes_the_hedging_lane_and_a_fast_one_goes_direct(
 ) -> None:
     repository = tmp_path / "repo"
     write_model(repository, "fast", doubler_config())
-    write_model(repository, "slow", doubler_config(parameters={"delay": 0.25},
-                                                   slo={"p99_ms": 2000}))  # fmt: skip
-    config = FleetConfig(repository=str(repository), port=0, workers=2, drain_timeout_s=5,
-                         classify_interval_s=0.2)  # fmt: skip
+    write_model(
+        repository, "slow", doubler_config(parameters={"delay": 0.25}, slo={"p99_ms": 2000})
+    )
+    config = FleetConfig(
+        repository=str(repository), port=0, workers=2, drain_timeout_s=5, classify_interval_s=0.2
+    )
     async with (
         started(config) as stack,
         httpx.AsyncClient(base_url=stack.url, timeout=10) as client,
@@ -224,8 +228,13 @@ async def test_a_slow_model_takes_the_hedging_lane_and_a_fast_one_goes_direct(
 
 async def test_affinity_sends_one_key_to_one_worker_and_spreads_the_keys(tmp_path: Path) -> None:
     write_model(tmp_path / "repo", "doubler", doubler_config())
-    config = FleetConfig(repository=str(tmp_path / "repo"), port=0, workers=2, drain_timeout_s=5,
-                         policy=FrontDoorPolicy(balance="affinity"))  # fmt: skip
+    config = FleetConfig(
+        repository=str(tmp_path / "repo"),
+        port=0,
+        workers=2,
+        drain_timeout_s=5,
+        policy=FrontDoorPolicy(balance="affinity"),
+    )
     async with started(config) as stack, httpx.AsyncClient(base_url=stack.url, timeout=10) as c:
         by_key: dict[str, set[str]] = {}
         for key in (f"user-{n}" for n in range(40)):
@@ -251,14 +260,17 @@ async def test_a_worker_that_keeps_failing_is_ejected(tmp_path: Path) -> None:
         members = [Member("good", "127.0.0.1", good.port), Member("bad", "127.0.0.1", bad.port)]
         port = free_ports(1)[0]
         # Its checks would pass: none comes while the test runs, so only its errors count.
-        policy = FrontDoorPolicy(error_limit=3, check_interval_ms=60_000,
-                                 down_check_interval_ms=60_000, max_connections=500)  # fmt: skip
+        policy = FrontDoorPolicy(
+            error_limit=3,
+            check_interval_ms=60_000,
+            down_check_interval_ms=60_000,
+            max_connections=500,
+        )
         door = HAProxy(tmp_path)
         await door.start(render(Listen(host="127.0.0.1", port=port), members, {}, policy))
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                statuses = [(await client.post(infer("m"), json=X)).status_code
-                            for _ in range(60)]  # fmt: skip
+                statuses = [(await client.post(infer("m"), json=X)).status_code for _ in range(60)]
         finally:
             await door.drain(1.0)
     assert 3 <= statuses.count(500) <= 4, statuses

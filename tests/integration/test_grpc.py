@@ -51,10 +51,19 @@ def test_the_messages_are_the_protocols_field_for_field() -> None:
             found[nested.name] = (fields(nested), nested.GetOptions().map_entry)
         return found
 
-    names = ["ServerLiveResponse", "ServerReadyResponse", "ModelReadyRequest",
-             "ModelReadyResponse", "ServerMetadataResponse", "ModelMetadataRequest",
-             "ModelMetadataResponse", "ModelInferRequest", "ModelInferResponse",
-             "InferParameter", "InferTensorContents"]  # fmt: skip
+    names = [
+        "ServerLiveResponse",
+        "ServerReadyResponse",
+        "ModelReadyRequest",
+        "ModelReadyResponse",
+        "ServerMetadataResponse",
+        "ModelMetadataRequest",
+        "ModelMetadataResponse",
+        "ModelInferRequest",
+        "ModelInferResponse",
+        "InferParameter",
+        "InferTensorContents",
+    ]
     for name in names:
         theirs = service_pb2.DESCRIPTOR.message_types_by_name[name]
         assert fields(schema.message(name).DESCRIPTOR) == fields(theirs), name
@@ -79,9 +88,12 @@ def test_grpc_answers_as_http_does(worker: tuple[RunningWorker, str], model: str
     running, address = worker
     data = columns(6, seed=5)
     client = triton_grpc.InferenceServerClient(address)
-    result = client.infer(model, grpc_inputs(data), outputs=[
-        triton_grpc.InferRequestedOutput(OUTPUT)
-    ], request_id="r-1")  # fmt: skip
+    result = client.infer(
+        model,
+        grpc_inputs(data),
+        outputs=[triton_grpc.InferRequestedOutput(OUTPUT)],
+        request_id="r-1",
+    )
     over_grpc = result.as_numpy(OUTPUT)
     response = result.get_response(as_json=True)
     client.close()

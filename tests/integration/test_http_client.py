@@ -15,8 +15,13 @@ from tailserve.transport.http1 import Pool, Response, Ticket, frame_request
 
 
 def infer(port: int) -> bytes:
-    return frame_request("POST", "/v2/models/m/infer", f"127.0.0.1:{port}", b"{}",
-                         [("content-type", "application/json")])  # fmt: skip
+    return frame_request(
+        "POST",
+        "/v2/models/m/infer",
+        f"127.0.0.1:{port}",
+        b"{}",
+        [("content-type", "application/json")],
+    )
 
 
 async def test_keep_alive_connections_are_reused_up_to_the_limit() -> None:
@@ -112,8 +117,9 @@ async def test_a_ticket_that_waited_lets_go_of_its_deadline_timer_once_sent() ->
         pool = Pool("127.0.0.1", stub.port, max_connections=1)
         try:
             results: list[Response | Exception] = []
-            tickets: list[Ticket] = [pool.submit(infer(stub.port), results.append, 30.0)
-                                     for _ in range(3)]  # fmt: skip
+            tickets: list[Ticket] = [
+                pool.submit(infer(stub.port), results.append, 30.0) for _ in range(3)
+            ]
             assert all(t.expiry is not None for t in tickets)  # all wait: none is connected
 
             async def answered() -> bool:

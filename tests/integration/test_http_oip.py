@@ -191,14 +191,22 @@ def test_bytes_and_fp16_tensors_round_trip_json_and_binary(worker: RunningWorker
     header = orjson.dumps(
         {
             "inputs": [
-                {"name": "text", "datatype": "BYTES", "shape": [2, 1],
-                 "parameters": {"binary_data_size": len(encoded)}},
-                {"name": "half", "datatype": "FP16", "shape": [2, 2],
-                 "parameters": {"binary_data_size": half.nbytes}},
+                {
+                    "name": "text",
+                    "datatype": "BYTES",
+                    "shape": [2, 1],
+                    "parameters": {"binary_data_size": len(encoded)},
+                },
+                {
+                    "name": "half",
+                    "datatype": "FP16",
+                    "shape": [2, 2],
+                    "parameters": {"binary_data_size": half.nbytes},
+                },
             ],
             "parameters": {"binary_data_output": True},
         }
-    )  # fmt: skip
+    )
     reply = httpx.post(
         f"{worker.url}/v2/models/echo/infer",
         content=header + encoded + half.tobytes(),

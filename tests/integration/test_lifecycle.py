@@ -96,8 +96,10 @@ def test_sigterm_finishes_every_request_in_flight_and_exits_zero(tmp_path: Path)
             futures = [pool.submit(call, i) for i in range(8)]
             # Every request has arrived (the worker logs each one it receives) and the first
             # batch is running, the rest queued behind it, before the signal.
-            wait_for(lambda: trace.exists() and trace.read_text().count("\n") == 8,
-                     what="all 8 requests to arrive")  # fmt: skip
+            wait_for(
+                lambda: trace.exists() and trace.read_text().count("\n") == 8,
+                what="all 8 requests to arrive",
+            )
             wait_for(lambda: marks.exists(), what="the first batch to start")
             code = proc.terminate(timeout=30)
             replies = [f.result() for f in futures]

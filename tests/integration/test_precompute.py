@@ -62,14 +62,27 @@ def repository(tmp_path: Path) -> Path:
 
 
 def write_lines(path: Path, lines: list[Any]) -> Path:
-    path.write_bytes(b"".join((x if isinstance(x, bytes) else orjson.dumps(x)) + b"\n"
-                             for x in lines))  # fmt: skip
+    path.write_bytes(
+        b"".join((x if isinstance(x, bytes) else orjson.dumps(x)) + b"\n" for x in lines)
+    )
     return path
 
 
 def precompute(repository: Path, model: str, source: Path, redis: RedisServer, *extra: str) -> int:
-    return main(["precompute", "--repository", str(repository), "--model", model,
-                 "--input", str(source), "--redis-url", redis.url, *extra])  # fmt: skip
+    return main(
+        [
+            "precompute",
+            "--repository",
+            str(repository),
+            "--model",
+            model,
+            "--input",
+            str(source),
+            "--redis-url",
+            redis.url,
+            *extra,
+        ]
+    )
 
 
 def keys(redis: RedisServer, model: str = "m") -> int:
@@ -121,16 +134,29 @@ def test_precomputed_results_are_served_without_running_the_model(
         assert document["parameters"]["cache_computed_by"] == "precompute"
         assert document["outputs"][0]["data"] == [8.0]  # 2 * 3.5 + bias 1
         # The same request as KServe v1 records, and as binary tensors, finds the same key.
-        v1 = httpx.post(f"{worker.url}/v1/models/m:predict",
-                        json={"instances": [{"x": 39.5}]}, timeout=30)  # fmt: skip
+        v1 = httpx.post(
+            f"{worker.url}/v1/models/m:predict", json={"instances": [{"x": 39.5}]}, timeout=30
+        )
         assert v1.status_code == 200, v1.text
         assert (v1.headers["x-cache"], v1.json()["predictions"]) == ("precomputed", [80.0])
-        header = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
-                                           "parameters": {"binary_data_size": 4}}]})  # fmt: skip
+        header = orjson.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": [1, 1],
+                        "parameters": {"binary_data_size": 4},
+                    }
+                ]
+            }
+        )
         binary = httpx.post(
-            f"{worker.url}/v2/models/m/infer", content=header + struct.pack("<f", 17.5),
-            headers={"Inference-Header-Content-Length": str(len(header))}, timeout=30,
-        )  # fmt: skip
+            f"{worker.url}/v2/models/m/infer",
+            content=header + struct.pack("<f", 17.5),
+            headers={"Inference-Header-Content-Length": str(len(header))},
+            timeout=30,
+        )
         assert binary.status_code == 200, binary.text
         assert binary.headers["x-cache"] == "precomputed"
         assert executions(worker.url) == 0
@@ -146,16 +172,19 @@ def test_every_datatype_keys_as_the_worker_does(
     source = write_lines(tmp_path / "in.jsonl", records)
     assert precompute(repository, "mixed", source, redis, "--quiet") == 0
     with run_worker(serving(repository, redis)) as worker:
-        request = {"inputs": [
-            {"name": "n", "datatype": "INT64", "shape": [1, 1], "data": [7]},
-            {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["abcd"]},
-            {"name": "v", "datatype": "FP32", "shape": [1, 3], "data": [1.0, 2.0, 3.0]},
-        ]}  # fmt: skip
+        request = {
+            "inputs": [
+                {"name": "n", "datatype": "INT64", "shape": [1, 1], "data": [7]},
+                {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["abcd"]},
+                {"name": "v", "datatype": "FP32", "shape": [1, 3], "data": [1.0, 2.0, 3.0]},
+            ]
+        }
         answer = infer(worker.url, request, "mixed").json()
         assert answer["parameters"]["cache"] == "precomputed"
         assert answer["outputs"][0]["data"] == [17.0]  # 7 + 4 + 6
-        v1 = httpx.post(f"{worker.url}/v1/models/mixed:predict",
-                        json={"instances": records[:1]}, timeout=30)  # fmt: skip
+        v1 = httpx.post(
+            f"{worker.url}/v1/models/mixed:predict", json={"instances": records[:1]}, timeout=30
+        )
         assert (v1.headers["x-cache"], v1.json()["predictions"]) == ("precomputed", [8.0])
         assert executions(worker.url, "mixed") == 0
 
@@ -219,8 +248,12 @@ def test_skip_bad_counts_bad_lines_and_stores_the_rest(
     out = capsys.readouterr()
     assert "precomputed 2 results" in out.out
     assert "4 bad lines passed over" in out.out
-    for expected in (":2: unknown field 'z'", ":3: missing field 'v'", ":4: input 'n': value 500",
-                     ":5: not valid JSON"):  # fmt: skip
+    for expected in (
+        ":2: unknown field 'z'",
+        ":3: missing field 'v'",
+        ":4: input 'n': value 500",
+        ":5: not valid JSON",
+    ):
         assert expected in out.err
     assert keys(redis, "mixed") == 2
 
@@ -267,9 +300,24 @@ def test_a_signal_stops_after_the_batch_in_hand_and_the_checkpoint_resumes(
     write_model(repository, "slow", slow)
     source = write_lines(tmp_path / "in.jsonl", [{"x": float(i)} for i in range(300)])
     checkpoint = tmp_path / "done.json"
-    command = [sys.executable, "-m", "tailserve.cli", "precompute", "--repository",
-               str(repository), "--model", "slow", "--input", str(source), "--redis-url",
-               redis.url, "--batch-size", "1", "--checkpoint", str(checkpoint)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "precompute",
+        "--repository",
+        str(repository),
+        "--model",
+        "slow",
+        "--input",
+        str(source),
+        "--redis-url",
+        redis.url,
+        "--batch-size",
+        "1",
+        "--checkpoint",
+        str(checkpoint),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: checkpoint.exists() or process.poll() is not None, what="a first batch")
@@ -303,8 +351,9 @@ class Model:
 def test_a_model_failure_names_the_lines_of_its_batch(
     tmp_path: Path, redis: RedisServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    write_model(tmp_path / "repo", "picky", doubler_config(cache={"enabled": True}),
-                code=FAILS_ON_NEGATIVE)  # fmt: skip
+    write_model(
+        tmp_path / "repo", "picky", doubler_config(cache={"enabled": True}), code=FAILS_ON_NEGATIVE
+    )
     source = write_lines(tmp_path / "in.jsonl", [{"x": 1.0}, {"x": 2.0}, {"x": 3.0}, {"x": -1.0}])
     assert precompute(tmp_path / "repo", "picky", source, redis, "--batch-size", "2") == 2
     error = capsys.readouterr().err
@@ -321,18 +370,27 @@ def test_entity_ids_are_scored_through_the_feature_store_and_served_as_precomput
     repo = tmp_path / "repo"
     shutil.copytree(example_repository / "ranker", repo / "ranker")
     load_features(repo / "ranker", redis.url)
-    lines = [{"user_id": 7, "item_ids": [1, 2, 3]}, {"user_id": [8], "item_ids": 4},
-             {"user_id": 9, "item_ids": [5, 999_999]}]  # fmt: skip
+    lines = [
+        {"user_id": 7, "item_ids": [1, 2, 3]},
+        {"user_id": [8], "item_ids": 4},
+        {"user_id": 9, "item_ids": [5, 999_999]},
+    ]
     source = write_lines(tmp_path / "ids.jsonl", lines)
     assert precompute(repo, "ranker", source, redis, "--skip-bad") == 0
     assert keys(redis, "ranker") == 2  # the third names an item the store does not hold
     with run_worker(serving(repo, redis)) as worker:
         for user, items in ((7, [1, 2, 3]), (8, [4])):
-            body = {"inputs": [
-                {"name": "user_id", "datatype": "INT64", "shape": [1, 1], "data": [user]},
-                {"name": "item_ids", "datatype": "INT64", "shape": [len(items), 1],
-                 "data": items},
-            ]}  # fmt: skip
+            body = {
+                "inputs": [
+                    {"name": "user_id", "datatype": "INT64", "shape": [1, 1], "data": [user]},
+                    {
+                        "name": "item_ids",
+                        "datatype": "INT64",
+                        "shape": [len(items), 1],
+                        "data": items,
+                    },
+                ]
+            }
             hit = infer(worker.url, body, "ranker")
             assert hit.headers["x-cache"] == "precomputed", hit.text
             fresh = infer(worker.url, {**body, "parameters": {"cache": "bypass"}}, "ranker")

@@ -170,8 +170,9 @@ def test_a_replayed_gzip_request_is_traced_as_the_whole_path_traces_it(tmp_path:
     payload = gzip.compress(orjson.dumps(body(7.0)))
     with run_worker(settings) as running:
         for _ in range(3):
-            reply = httpx.post(running.url + URL, content=payload, timeout=30,
-                               headers={"content-encoding": "gzip"})  # fmt: skip
+            reply = httpx.post(
+                running.url + URL, content=payload, timeout=30, headers={"content-encoding": "gzip"}
+            )
             assert reply.status_code == 200, reply.text
         assert _memo_hits(running) == 1
     traced = [e["body"] for e in read_trace(trace)]  # read_trace decodes base64

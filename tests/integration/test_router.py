@@ -38,8 +38,9 @@ async def _until(predicate: Callable[[], bool], what: str) -> None:
 
 
 def _infer_body(x: float) -> bytes:
-    return orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
-                                     "data": [x]}]})  # fmt: skip
+    return orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [x]}]}
+    )
 
 
 async def _infer(client: httpx.AsyncClient, url: str, x: float, **kwargs: Any) -> httpx.Response:
@@ -89,11 +90,15 @@ async def test_affinity_keeps_a_key_on_one_replica_and_spreads_keys(pair: Any) -
         _router(urls, balance="affinity", hedge=False) as router,
         httpx.AsyncClient() as client,
     ):
-        same = {(await _infer(client, router.url, 3.0)).headers["x-tailserve-replica"]
-                for _ in range(20)}  # fmt: skip
+        same = {
+            (await _infer(client, router.url, 3.0)).headers["x-tailserve-replica"]
+            for _ in range(20)
+        }
         assert len(same) == 1, router.state()
-        spread = {(await _infer(client, router.url, float(i))).headers["x-tailserve-replica"]
-                  for i in range(40)}  # fmt: skip
+        spread = {
+            (await _infer(client, router.url, float(i))).headers["x-tailserve-replica"]
+            for i in range(40)
+        }
         assert spread == set(urls)
         # An explicit affinity key wins over the body.
         keyed = []
@@ -123,8 +128,9 @@ async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
         # most the one it had already started: the rest left its queue without running.
         await _until(lambda: _cancelled(urls[0]) >= 1, what="a cancellation on the worker")
         slowable.slow(tmp_path, 0, 0)
-        assert (await client.post(f"{urls[0]}/v2/models/m/infer",
-                                  content=_infer_body(99.0))).status_code == 200  # fmt: skip
+        assert (
+            await client.post(f"{urls[0]}/v2/models/m/infer", content=_infer_body(99.0))
+        ).status_code == 200
         ran_after = slowable.ran(tmp_path, 0)[before:]
         assert ran_after[-1] == 99.0
         assert len(ran_after[:-1]) <= 1, f"cancelled copies ran anyway: {ran_after}"
@@ -166,9 +172,10 @@ async def _hedging(
     ``ratio`` of the requests; yields the workers' URLs, the router and a client."""
     with slowable.workers(tmp, 2) as workers:
         urls = [w.url for w in workers]
-        async with _router(
-            urls, balance=balance, hedge_min_samples=5, hedge_ratio=ratio
-        ) as router, httpx.AsyncClient(timeout=30) as client:  # fmt: skip
+        async with (
+            _router(urls, balance=balance, hedge_min_samples=5, hedge_ratio=ratio) as router,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
             yield urls, router, client
 
 
@@ -197,13 +204,16 @@ async def test_a_hedge_that_finds_the_budget_empty_goes_out_with_the_next_token(
         stuck = asyncio.ensure_future(
             _infer(client, router.url, 1.0, headers={"x-affinity-key": slow_key})
         )
-        await _until(lambda: dispatcher.hedges_waiting == 1,
-                     what="the stuck request's hedge to wait for a token")  # fmt: skip
+        await _until(
+            lambda: dispatcher.hedges_waiting == 1,
+            what="the stuck request's hedge to wait for a token",
+        )
         assert dispatcher.hedge_budget.refused >= 1 and dispatcher.late_hedges == late
         earning = 0
         while not stuck.done() and earning < 40:  # each request earns 0.04 of a token
-            reply = await _infer(client, router.url, 50.0 + earning,
-                                 headers={"x-affinity-key": fast_key})  # fmt: skip
+            reply = await _infer(
+                client, router.url, 50.0 + earning, headers={"x-affinity-key": fast_key}
+            )
             assert reply.status_code == 200
             earning += 1
         reply = await stuck
@@ -230,8 +240,7 @@ async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
         late = dispatcher.late_hedges
         slowable.slow(tmp_path, 0, 3.0)
         started = time.monotonic()
-        reply = await _infer(client, router.url, 1.0,
-                             headers={"x-affinity-key": home[urls[0]]})  # fmt: skip
+        reply = await _infer(client, router.url, 1.0, headers={"x-affinity-key": home[urls[0]]})
         took = time.monotonic() - started
         assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
         assert took < 2.0, f"the rationed hedge should have gone out when overdue: {took}"
@@ -273,10 +282,16 @@ async def test_a_replica_that_keeps_losing_to_hedges_has_its_late_requests_hedge
 async def test_a_failing_backend_is_ejected_then_readmitted() -> None:
     good, bad = StubApp(), StubApp(status=500)
     with run_stub(good) as g, run_stub(bad) as b:
-        async with _router(
-            [g.url, b.url], balance="round-robin", hedge=False, eject_after_failures=3,
-            eject_base_s=0.5,
-        ) as router, httpx.AsyncClient() as client:  # fmt: skip
+        async with (
+            _router(
+                [g.url, b.url],
+                balance="round-robin",
+                hedge=False,
+                eject_after_failures=3,
+                eject_base_s=0.5,
+            ) as router,
+            httpx.AsyncClient() as client,
+        ):
             statuses = [(await _infer(client, router.url, 1.0)).status_code for _ in range(12)]
             assert statuses.count(500) == 3  # then it is out
             assert statuses[-4:] == [200] * 4
@@ -301,9 +316,15 @@ async def test_a_client_cannot_get_healthy_replicas_ejected() -> None:
     # request for many times its usual reply time does.
     slow, unavailable = StubApp(service_s=0.05), StubApp(status=503)
     with run_stub(slow) as s, run_stub(unavailable) as u:
-        async with _router(
-            [s.url, u.url], balance="round-robin", hedge=False, eject_after_failures=3,
-        ) as router, httpx.AsyncClient() as client:  # fmt: skip
+        async with (
+            _router(
+                [s.url, u.url],
+                balance="round-robin",
+                hedge=False,
+                eject_after_failures=3,
+            ) as router,
+            httpx.AsyncClient() as client,
+        ):
             backends = {url: router.dispatcher.upstreams[url].backend for url in (s.url, u.url)}
             unavailable.status = 200
             for _ in range(4):  # the slow one's usual reply time: 50 ms
@@ -401,17 +422,19 @@ async def test_membership_follows_a_watched_file(pair: Any, tmp_path: Path) -> N
     _, workers = pair
     members = tmp_path / "backends.txt"
     write_members(members, [workers[0].url])
-    async with _router(
-        [], backends_file=str(members), file_interval_s=0.05
-    ) as router, httpx.AsyncClient() as client:  # fmt: skip
+    async with (
+        _router([], backends_file=str(members), file_interval_s=0.05) as router,
+        httpx.AsyncClient() as client,
+    ):
         assert [b.id for b in router.dispatcher.backends] == [workers[0].url]
         write_members(members, [workers[0].url, workers[1].url])
         await _until(lambda: len(router.dispatcher.backends) == 2, what="2nd backend")
         await _until(lambda: all(b.healthy for b in router.dispatcher.backends), what="its check")
         write_members(members, [workers[1].url])
         await _until(lambda: len(router.dispatcher.backends) == 1, what="a backend left")
-        replicas = {(await _infer(client, router.url, 1.0)).headers["x-tailserve-replica"]
-                    for _ in range(6)}  # fmt: skip
+        replicas = {
+            (await _infer(client, router.url, 1.0)).headers["x-tailserve-replica"] for _ in range(6)
+        }
         assert replicas == {workers[1].url}
 
 

@@ -101,8 +101,9 @@ async def test_pipelined_requests_sent_on_and_answered_here_keep_their_order(
     )
     replies = await _exchange(port, data)
     assert [_status(r) for r in replies] == [200] * 7, replies
-    named = [any(line.startswith(b"x-tailserve-replica:") for line in _head_lines(r))
-             for r in replies]  # fmt: skip
+    named = [
+        any(line.startswith(b"x-tailserve-replica:") for line in _head_lines(r)) for r in replies
+    ]
     assert named == [True, False] * 3 + [False]
 
 
@@ -121,8 +122,10 @@ async def test_nothing_is_written_after_a_reply_that_closed_the_connection(
 ) -> None:
     port, _ = router_port
     # Sent on and answered by the router itself alike: one reply, then the connection ends.
-    for first in (INFER + b"connection: close\r\n\r\n" + BODY,
-                  b"GET /v2/health/live HTTP/1.1\r\nconnection: close\r\n\r\n"):  # fmt: skip
+    for first in (
+        INFER + b"connection: close\r\n\r\n" + BODY,
+        b"GET /v2/health/live HTTP/1.1\r\nconnection: close\r\n\r\n",
+    ):
         replies = await _exchange(port, first + LIVE)
         assert [_status(r) for r in replies] == [200], replies
         assert b"connection: close" in replies[0]
@@ -155,8 +158,10 @@ async def test_a_body_over_the_limit_by_its_declared_length_is_refused_before_it
     router_port: tuple[int, StubApp],
 ) -> None:
     port, stub = router_port
-    head = (b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: 1000000000000\r\n"
-            b"expect: 100-continue\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: 1000000000000\r\n"
+        b"expect: 100-continue\r\n\r\n"
+    )
     replies = await _exchange(port, head)
     assert [_status(r) for r in replies] == [413], replies
     assert b"1000000000000 bytes is over the" in replies[0]
@@ -290,8 +295,9 @@ async def test_a_retry_skips_a_replica_that_left_since_the_request_began() -> No
         dispatcher.set_members([dead, leaving, stub.url], healthy=True)
         head = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n{}"
         done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        exchange = dispatcher.dispatch(model="m", frame=lambda _: head, on_done=done.set_result,
-                                       idempotent=True)  # fmt: skip
+        exchange = dispatcher.dispatch(
+            model="m", frame=lambda _: head, on_done=done.set_result, idempotent=True
+        )
         assert [b.id for b in exchange.tried] == [dead]
         dispatcher.set_members([dead, stub.url], healthy=True)
         outcome = await asyncio.wait_for(done, 10)

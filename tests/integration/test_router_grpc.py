@@ -125,8 +125,15 @@ async def test_grpc_calls_reach_the_workers_through_the_router(
                 }
 
         seen = await asyncio.to_thread(with_tritonclient)
-        assert seen == {"live": True, "ready": True, "model": True, "unknown": False,
-                        "server": "tailserve", "inputs": ["x"], "y": [[8.0]]}  # fmt: skip
+        assert seen == {
+            "live": True,
+            "ready": True,
+            "model": True,
+            "unknown": False,
+            "server": "tailserve",
+            "inputs": ["x"],
+            "y": [[8.0]],
+        }
         metrics = router.metrics.render().decode()
         assert 'tailserve_router_requests_total{model="m",status="200"} 6.0' in metrics
 
@@ -172,7 +179,7 @@ async def test_a_grpc_call_is_hedged_to_another_replica(
         urls = [w.url for w in workers]
         async with _routed(
             urls, balance="round-robin", hedge_min_samples=5, hedge_ratio=1.0
-        ) as router:  # fmt: skip
+        ) as router:
             caller = caller_factory(router)
             for i in range(20):  # the model's p95, learnt (milliseconds)
                 await caller.call(request(100.0 + i))

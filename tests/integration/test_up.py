@@ -78,8 +78,20 @@ def tailserve_up(
     port = free_port()
     log_path = log_dir / f"up-{port}.log"
     grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
-    command = [sys.executable, "-m", "tailserve.cli", "up", "--repository", str(repository),
-               "--host", "127.0.0.1", "--port", str(port), *grpc, *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "up",
+        "--repository",
+        str(repository),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *grpc,
+        *extra,
+    ]
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
@@ -114,8 +126,16 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
     example_repository: Path, tmp_path: Path
 ) -> None:
     grpc_port = free_port()
-    options = ("--workers", "2", "--balance", "round-robin", "--drain-timeout", "5",
-               "--grpc-port", str(grpc_port))  # fmt: skip
+    options = (
+        "--workers",
+        "2",
+        "--balance",
+        "round-robin",
+        "--drain-timeout",
+        "5",
+        "--grpc-port",
+        str(grpc_port),
+    )
     with tailserve_up(example_repository, tmp_path, *options) as up:
         ready = f"tailserve up: front door on {up.url} (gRPC on port {grpc_port}), 2 workers ready"
         assert ready in up.log()
@@ -137,8 +157,9 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
         inputs = []
         for f in FIELDS:
             tensor = triton_grpc.InferInput(f.name, [2, 1], f.datatype)
-            tensor.set_data_from_numpy(np.asarray(sample[f.name], dtype=tensor_dtype(f.datatype))
-                                       .reshape(2, 1))  # fmt: skip
+            tensor.set_data_from_numpy(
+                np.asarray(sample[f.name], dtype=tensor_dtype(f.datatype)).reshape(2, 1)
+            )
             inputs.append(tensor)
         with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
             assert client.is_server_ready() and client.is_model_ready("churn")
@@ -189,8 +210,18 @@ def test_up_on_a_taken_port_says_so(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        command = [sys.executable, "-m", "tailserve.cli", "up", "--host", "127.0.0.1",
-                   "--port", str(port), "--repository", str(tmp_path)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "tailserve.cli",
+            "up",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--repository",
+            str(tmp_path),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert f"the front door cannot start on 127.0.0.1:{port}" in done.stderr
@@ -200,12 +231,16 @@ def test_up_on_a_taken_port_says_so(tmp_path: Path) -> None:
 
 async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) -> None:
     config = FleetConfig(
-        repository=str(example_repository), host="127.0.0.1", port=0, workers=2,
-        drain_timeout_s=5.0, backoff=Backoff(first_s=0.1),
+        repository=str(example_repository),
+        host="127.0.0.1",
+        port=0,
+        workers=2,
+        drain_timeout_s=5.0,
+        backoff=Backoff(first_s=0.1),
         # Round-robin, so that the last check sees the front door send to it again whatever
         # its latency.
         policy=FrontDoorPolicy(balance="round-robin"),
-    )  # fmt: skip
+    )
     supervisor = Supervisor(config)
     await supervisor.start()
     try:

@@ -68,8 +68,9 @@ def stored(redis: RedisServer) -> int:
 def trace(repository: Path, redis: RedisServer, tmp_path: Path) -> Iterator[Path]:
     """Skewed traffic recorded by a worker that shares the test's Redis."""
     path = tmp_path / "trace.jsonl"
-    settings = Settings(repository=str(repository), redis_url=redis.url, trace_file=str(path),
-                        trace_sample=1.0)  # fmt: skip
+    settings = Settings(
+        repository=str(repository), redis_url=redis.url, trace_file=str(path), trace_sample=1.0
+    )
     with run_worker(settings) as recorder:
         for x, count in SKEW.items():
             for i in range(count):
@@ -121,8 +122,12 @@ def test_warm_counts_errors_and_names_a_bad_trace_line(
     def line(path: str, x: float) -> bytes:
         encoded = base64.b64encode(orjson.dumps(body(x))).decode()
         headers = {"content-type": "application/json"}
-        return orjson.dumps({"t": 1.0, "method": "POST", "path": path, "headers": headers,
-                             "body": encoded}) + b"\n"  # fmt: skip
+        return (
+            orjson.dumps(
+                {"t": 1.0, "method": "POST", "path": path, "headers": headers, "body": encoded}
+            )
+            + b"\n"
+        )
 
     trace = tmp_path / "trace.jsonl"
     trace.write_bytes(line("/v2/models/absent/infer", 1.0) * 3 + line("/v2/models/m/infer", 1.0))

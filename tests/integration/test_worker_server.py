@@ -370,8 +370,9 @@ async def test_pipelined_bodies_pause_reading_by_their_bytes(
     app.release.set()
     for _ in range(41):
         await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        await asyncio.wait_for(reader.readuntil(b"waited") if _ == 0 else
-                               reader.readexactly(5 + len(body)), 10)  # fmt: skip
+        await asyncio.wait_for(
+            reader.readuntil(b"waited") if _ == 0 else reader.readexactly(5 + len(body)), 10
+        )
     writer.close()
     server.close()
 
@@ -496,6 +497,7 @@ async def test_many_pipelined_requests_in_large_reads_are_all_answered(
     # against the one head's limit.
     server, _ = served
     count = 10_000
-    replies = await _replies(server.port, b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n" * count,
-                             count=count)  # fmt: skip
+    replies = await _replies(
+        server.port, b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n" * count, count=count
+    )
     assert len(replies) == count and all(body == b"now" for _, body in replies)

@@ -389,8 +389,9 @@ class Worker:
         self._read_loop()
         deadline = self.now + self.slo_s
         queue = self.shed == "model"
-        rejection = self.batcher.shed(self.now, [self.now], deadline=deadline, priority=1,
-                                      queue=queue)  # fmt: skip
+        rejection = self.batcher.shed(
+            self.now, [self.now], deadline=deadline, priority=1, queue=queue
+        )
         if rejection is None:
             return True
         if rejection.reusable_s:

@@ -116,8 +116,20 @@ def worker_process(
     port = free_port()
     log_path = log_dir / f"worker-{port}.log"
     grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
-    command = [sys.executable, "-m", "tailserve.cli", "serve", "--repository", str(repository),
-               "--host", "127.0.0.1", "--http-port", str(port), *grpc, *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "serve",
+        "--repository",
+        str(repository),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        *grpc,
+        *extra,
+    ]
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     running = WorkerProcess(process, f"http://127.0.0.1:{port}", log_path)
@@ -160,8 +172,19 @@ def redis_server(workdir: Path) -> Iterator[RedisServer]:
             "(Debian/Ubuntu: apt-get install redis-server)"
         )
     port = free_port()
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+    command = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: process.poll() is not None or _pings(port), what="redis-server")
@@ -196,8 +219,20 @@ def start_redis(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes
             "redis-server is not installed: the Redis tests need it on PATH "
             "(Debian/Ubuntu: apt-get install redis-server)"
         )
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(workdir), *extra]  # fmt: skip
+    command = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        *extra,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: process.poll() is not None or _pings(port), what=f"redis-server :{port}")
@@ -294,8 +329,14 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[RunningRedisCluster
         for port, bus_port in zip(client_ports, bus_ports, strict=True):
             directory = workdir / f"node-{port}"
             directory.mkdir()
-            options = ["--cluster-enabled", "yes", "--cluster-port", str(bus_port),
-                       "--cluster-config-file", str(directory / "nodes.conf")]  # fmt: skip
+            options = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                str(bus_port),
+                "--cluster-config-file",
+                str(directory / "nodes.conf"),
+            ]
             processes.append(start_redis(port, directory, *options))
         clients = [redis_py.Redis(host="127.0.0.1", port=p, socket_timeout=5) for p in client_ports]
         try:

@@ -91,9 +91,16 @@ class StubApp:
 
 
 async def _reply(send: Any, body: bytes, status: int = 200) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -111,8 +118,15 @@ def run_stub(app: StubApp) -> Iterator[RunningStub]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, http="httptools", loop="none", log_config=None,
-                            access_log=False, log_level="warning", backlog=2048)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        loop="none",
+        log_config=None,
+        access_log=False,
+        log_level="warning",
+        backlog=2048,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: run(server.serve(sockets=[sock])), daemon=True)
     thread.start()

@@ -8,8 +8,16 @@ import pytest
 from tailserve.admin import AdminAccess, admin_access, is_loopback
 
 LOOPBACK = ["127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost", "LOCALHOST", "::ffff:127.0.0.1"]
-BEYOND = ["0.0.0.0", "::", "", "192.168.1.20", "10.0.0.5", "fe80::1", "::ffff:10.0.0.5",
-          "worker-3.internal"]  # fmt: skip
+BEYOND = [
+    "0.0.0.0",
+    "::",
+    "",
+    "192.168.1.20",
+    "10.0.0.5",
+    "fe80::1",
+    "::ffff:10.0.0.5",
+    "worker-3.internal",
+]
 
 
 @pytest.mark.parametrize("host", LOOPBACK)

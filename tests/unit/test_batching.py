@@ -35,22 +35,31 @@ def test_lone_request_waits_until_its_delay_runs_out() -> None:
 
 
 def test_full_batch_goes_at_once() -> None:
-    batcher = filled(SizeOrTimeout(max_rows=4, max_delay_s=1.0, max_queue=10),
-                     *(item(1, 0.0) for _ in range(6)))  # fmt: skip
+    batcher = filled(
+        SizeOrTimeout(max_rows=4, max_delay_s=1.0, max_queue=10), *(item(1, 0.0) for _ in range(6))
+    )
     assert rows_of(batcher.poll(0.0, FREE)) == [1, 1, 1, 1]
     assert len(batcher) == 2
 
 
 def test_rows_not_requests_fill_the_batch_and_requests_are_never_split() -> None:
-    batcher = filled(SizeOrTimeout(max_rows=8, max_delay_s=1.0, max_queue=10),
-                     item(3, 0.0), item(3, 0.0), item(3, 0.0))  # fmt: skip
+    batcher = filled(
+        SizeOrTimeout(max_rows=8, max_delay_s=1.0, max_queue=10),
+        item(3, 0.0),
+        item(3, 0.0),
+        item(3, 0.0),
+    )
     # 3 + 3 fit, the third would make 9 rows: the batch is complete at two requests.
     assert rows_of(batcher.poll(0.0, FREE)) == [3, 3]
 
 
 def test_classes_never_mix_and_a_different_class_closes_the_batch() -> None:
-    batcher = filled(SizeOrTimeout(max_rows=8, max_delay_s=1.0, max_queue=10),
-                     item(1, 0.0), item(1, 0.0), item(1, 0.0, B))  # fmt: skip
+    batcher = filled(
+        SizeOrTimeout(max_rows=8, max_delay_s=1.0, max_queue=10),
+        item(1, 0.0),
+        item(1, 0.0),
+        item(1, 0.0, B),
+    )
     poll = batcher.poll(0.0, FREE)
     assert [it.bucket for it in poll.batch] == [A, A]
 
@@ -61,8 +70,9 @@ def test_draining_sends_what_is_queued_without_waiting() -> None:
 
 
 def test_a_full_queue_refuses() -> None:
-    batcher = filled(SizeOrTimeout(max_rows=8, max_delay_s=5.0, max_queue=2),
-                     item(1, 0.0), item(1, 0.0))  # fmt: skip
+    batcher = filled(
+        SizeOrTimeout(max_rows=8, max_delay_s=5.0, max_queue=2), item(1, 0.0), item(1, 0.0)
+    )
     refused = batcher.offer(item(1, 0.0), 0.0, FREE)
     assert refused is not None and refused.reason == "queue_full"
 

@@ -12,13 +12,23 @@ from tailserve.loadgen.runner import CONNECT, TIMEOUT, Samples
 from tailserve.loadgen.stats import generator_account, summarize
 
 
-def samples(latencies_ms: list[float], *, rate: float = 100.0, status: list[int] | None = None,
-            classes: list[int] | None = None) -> Samples:  # fmt: skip
+def samples(
+    latencies_ms: list[float],
+    *,
+    rate: float = 100.0,
+    status: list[int] | None = None,
+    classes: list[int] | None = None,
+) -> Samples:
     n = len(latencies_ms)
     offsets = np.arange(n) / rate
-    plan = Plan(offsets=offsets, requests=[b""] * n,
-                classes=np.array(classes or [0] * n, dtype=np.int32),
-                class_names=["a", "b"], warmup_s=0.0, end_s=n / rate)  # fmt: skip
+    plan = Plan(
+        offsets=offsets,
+        requests=[b""] * n,
+        classes=np.array(classes or [0] * n, dtype=np.int32),
+        class_names=["a", "b"],
+        warmup_s=0.0,
+        end_s=n / rate,
+    )
     result = Samples.empty(plan)
     result.dispatched[:] = offsets
     result.done[:] = offsets + np.array(latencies_ms) / 1000.0

@@ -19,11 +19,13 @@ def config(**batching: Any) -> ModelConfig:
         "name": "seq",
         "runtime": "python",
         "max_batch_size": 32,
-        "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1]},
-                   {"name": "lang", "datatype": "INT64", "shape": [1]}],
+        "inputs": [
+            {"name": "tokens", "datatype": "INT64", "shape": [-1]},
+            {"name": "lang", "datatype": "INT64", "shape": [1]},
+        ],
         "outputs": [{"name": "score", "datatype": "FP32", "shape": [1]}],
         "batching": batching,
-    }  # fmt: skip
+    }
     return parse_model_config(raw, source="seq/model.yaml")
 
 
@@ -75,8 +77,10 @@ def test_a_padded_input_with_no_rule_is_classed_by_its_length_automatically() ->
 
 
 def test_pad_parts_widens_only_the_padded_input() -> None:
-    parts = [{"tokens": np.array([[1, 2]]), "lang": np.array([[7]])},
-             {"tokens": np.array([[3, 4, 5]]), "lang": np.array([[8]])}]  # fmt: skip
+    parts = [
+        {"tokens": np.array([[1, 2]]), "lang": np.array([[7]])},
+        {"tokens": np.array([[3, 4, 5]]), "lang": np.array([[8]])},
+    ]
     longest = pad_parts(parts, Pad("tokens", 1, None, 0))
     assert longest[0]["tokens"].tolist() == [[1, 2, 0]] and longest[1] is parts[1]
     edge = pad_parts(parts, Pad("tokens", 1, 5, -1))

@@ -20,8 +20,13 @@ class Clock:
 @pytest.mark.parametrize("policy", ["lru", "tinylfu", "fifo"])
 def test_entries_and_bytes_stay_within_bounds(policy: str) -> None:
     evicted: list[int] = []
-    cache = MemoryCache(max_entries=50, max_bytes=1000, policy=policy,  # type: ignore[arg-type]
-                        clock=Clock(), on_evict=evicted.append)  # fmt: skip
+    cache = MemoryCache(
+        max_entries=50,
+        max_bytes=1000,
+        policy=policy,  # type: ignore[arg-type]
+        clock=Clock(),
+        on_evict=evicted.append,
+    )
     rng = random.Random(1)
     for i in range(2000):
         cache.put(f"k{rng.randrange(300)}", i, rng.randrange(1, 60), ttl_s=100)
@@ -33,8 +38,12 @@ def test_entries_and_bytes_stay_within_bounds(policy: str) -> None:
 @pytest.mark.parametrize("policy", ["lru", "tinylfu", "fifo"])
 def test_ttl_then_grace_then_expired(policy: str) -> None:
     clock = Clock()
-    cache = MemoryCache(max_entries=10, max_bytes=10_000, policy=policy,  # type: ignore[arg-type]
-                        clock=clock)  # fmt: skip
+    cache = MemoryCache(
+        max_entries=10,
+        max_bytes=10_000,
+        policy=policy,  # type: ignore[arg-type]
+        clock=clock,
+    )
     cache.put("k", "v", 10, ttl_s=5, grace_s=2)
     clock.now = 4.9
     assert cache.get("k")[0] is Lookup.HIT
@@ -80,8 +89,12 @@ def test_drop_prefix_drops_exactly_the_matching_keys() -> None:
 
 
 def _hit_ratio(policy: str, stream: list[int], size: int) -> float:
-    cache = MemoryCache(max_entries=size, max_bytes=10**9, policy=policy,  # type: ignore[arg-type]
-                        clock=Clock())  # fmt: skip
+    cache = MemoryCache(
+        max_entries=size,
+        max_bytes=10**9,
+        policy=policy,  # type: ignore[arg-type]
+        clock=Clock(),
+    )
     hits = 0
     for item in stream:
         key = str(item)
@@ -125,8 +138,12 @@ def test_get_many_answers_what_get_would_and_leaves_the_same_cache(policy: str) 
     # Two caches fed the same stream, one read key by key and the other in batches: every
     # answer, every miss kind and every later eviction must agree.
     def cache(clock: Clock) -> MemoryCache:
-        return MemoryCache(max_entries=40, max_bytes=10_000, policy=policy,  # type: ignore[arg-type]
-                           clock=clock)  # fmt: skip
+        return MemoryCache(
+            max_entries=40,
+            max_bytes=10_000,
+            policy=policy,  # type: ignore[arg-type]
+            clock=clock,
+        )
 
     clock = Clock()
     one, many = cache(clock), cache(clock)

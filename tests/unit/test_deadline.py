@@ -58,8 +58,12 @@ class Outcome:
 def batcher(
     instances: int = 1, max_queue: int = 10_000, admission_target: float = 0.5
 ) -> DeadlineBatcher:
-    return DeadlineBatcher(max_rows=MAX_ROWS, instances=instances, max_queue=max_queue,
-                           admission_target=admission_target)  # fmt: skip
+    return DeadlineBatcher(
+        max_rows=MAX_ROWS,
+        instances=instances,
+        max_queue=max_queue,
+        admission_target=admission_target,
+    )
 
 
 def seeded(b: DeadlineBatcher, cost: Callable[[Bucket, int], float], *buckets: Bucket) -> None:
@@ -531,10 +535,14 @@ def test_the_model_and_the_event_loop_drain_their_queues_at_once() -> None:
 def test_polling_only_when_asked_serves_as_polling_after_every_arrival(rate: int) -> None:
     rng = np.random.default_rng(rate)
     arrivals = [
-        Arrival(a.at, budget=float(rng.uniform(0.020, 0.100)), priority=int(rng.integers(1, 3)),
-                bucket=SHORT if rng.random() < 0.8 else LONG)
+        Arrival(
+            a.at,
+            budget=float(rng.uniform(0.020, 0.100)),
+            priority=int(rng.integers(1, 3)),
+            bucket=SHORT if rng.random() < 0.8 else LONG,
+        )
         for a in poisson(rate, 0.5, budget=0.0, seed=rate)
-    ]  # fmt: skip
+    ]
     cost = linear(0.0005, 0.00002)
     outcomes = []
     for lazy in (False, True):

@@ -40,8 +40,12 @@ def test_a_request_becomes_the_binary_extension_the_worker_decodes() -> None:
     assert [bytes(v) for v in decoded.inputs[1].data.tolist()] == WORDS
     assert decoded.inputs[1].parameters["note"] == "kept"
     # The request's options go as they came; every output is asked back raw.
-    assert decoded.parameters == {"priority": 2, "timeout": 30_000, "cache": "bypass",
-                                  "binary_data_output": True}  # fmt: skip
+    assert decoded.parameters == {
+        "priority": 2,
+        "timeout": 30_000,
+        "cache": "bypass",
+        "binary_data_output": True,
+    }
     assert decoded.outputs is None
 
 
@@ -112,22 +116,34 @@ def test_a_binary_reply_becomes_raw_outputs_with_its_parameters() -> None:
     labels = to_binary(np.array([b"no", b"yes"], object))
     outcome = _reply(
         {
-            "model_name": "m", "model_version": "3", "id": "r7",
+            "model_name": "m",
+            "model_version": "3",
+            "id": "r7",
             "outputs": [
-                {"name": "y", "datatype": "FP32", "shape": [2, 1],
-                 "parameters": {"binary_data_size": len(y)}},
-                {"name": "label", "datatype": "BYTES", "shape": [2],
-                 "parameters": {"binary_data_size": len(labels), "classes": 2}},
+                {
+                    "name": "y",
+                    "datatype": "FP32",
+                    "shape": [2, 1],
+                    "parameters": {"binary_data_size": len(y)},
+                },
+                {
+                    "name": "label",
+                    "datatype": "BYTES",
+                    "shape": [2],
+                    "parameters": {"binary_data_size": len(labels), "classes": 2},
+                },
             ],
             "parameters": {"cache": "l1", "batch_size": 4, "lineage": {"computed_by": "w1"}},
         },
-        y, labels,
-    )  # fmt: skip
+        y,
+        labels,
+    )
     message = infer_response(outcome)
     assert (message.model_name, message.model_version, message.id) == ("m", "3", "r7")
     assert [(o.name, o.datatype, list(o.shape)) for o in message.outputs] == [
-        ("y", "FP32", [2, 1]), ("label", "BYTES", [2])
-    ]  # fmt: skip
+        ("y", "FP32", [2, 1]),
+        ("label", "BYTES", [2]),
+    ]
     assert list(message.raw_output_contents) == [y, labels]
     assert parameters_of(message.outputs[1].parameters) == {"classes": 2}
     parameters = parameters_of(message.parameters)
@@ -136,8 +152,13 @@ def test_a_binary_reply_becomes_raw_outputs_with_its_parameters() -> None:
 
 
 def test_a_json_reply_is_sent_on_raw() -> None:
-    outcome = _reply({"model_name": "m", "model_version": 1, "outputs": [
-        {"name": "y", "datatype": "INT32", "shape": [1, 2], "data": [4, -5]}]})  # fmt: skip
+    outcome = _reply(
+        {
+            "model_name": "m",
+            "model_version": 1,
+            "outputs": [{"name": "y", "datatype": "INT32", "shape": [1, 2], "data": [4, -5]}],
+        }
+    )
     message = infer_response(outcome)
     assert message.model_version == "1"
     assert np.frombuffer(message.raw_output_contents[0], np.int32).tolist() == [4, -5]

@@ -33,8 +33,11 @@ def test_a_request_becomes_the_engines_with_its_parameters() -> None:
     request = decode_request(request_with_parameters())
     assert (request.model, request.version, request.id) == ("m", "2", "a")
     assert request.parameters == {
-        "timeout": 250_000, "cache": "bypass", "binary_data_output": True, "weight": 0.5,
-    }  # fmt: skip
+        "timeout": 250_000,
+        "cache": "bypass",
+        "binary_data_output": True,
+        "weight": 0.5,
+    }
     (tensor,) = request.inputs
     assert tensor.name == "x" and tensor.parameters == {"note": "raw"}
     assert tensor.data.tolist() == [[1.5], [2.5]]
@@ -61,12 +64,23 @@ def test_typed_contents_that_cannot_be_read_are_refused(datatype: str, message: 
 
 
 def test_a_response_goes_back_raw_with_its_parameters() -> None:
-    outputs = [Tensor("y", "FP32", np.array([[0.25], [0.75]], dtype=np.float32)),
-               Tensor("label", "BYTES", np.array([b"a", b"bc"], dtype=object))]  # fmt: skip
-    response = InferResponse(model="m", version="2", outputs=outputs, id="a", parameters={
-        "batch_size": 4, "cache": "l1", "hedged": False, "queue_us": 12.5,
-        "lineage": {"computed_by": "w1"},
-    })  # fmt: skip
+    outputs = [
+        Tensor("y", "FP32", np.array([[0.25], [0.75]], dtype=np.float32)),
+        Tensor("label", "BYTES", np.array([b"a", b"bc"], dtype=object)),
+    ]
+    response = InferResponse(
+        model="m",
+        version="2",
+        outputs=outputs,
+        id="a",
+        parameters={
+            "batch_size": 4,
+            "cache": "l1",
+            "hedged": False,
+            "queue_us": 12.5,
+            "lineage": {"computed_by": "w1"},
+        },
+    )
     message = schema.ModelInferResponse.FromString(encode_response(response).SerializeToString())
     assert [o.name for o in message.outputs] == ["y", "label"]
     assert list(message.outputs[0].shape) == [2, 1] and message.outputs[1].datatype == "BYTES"

@@ -84,9 +84,19 @@ def test_variable_lengths_are_drawn_per_request_and_pass_the_servers_checks() ->
 
     config = {"name": "sentiment", **sentiment_config()}
     plan = InputPlan(parse_model_config(config, source="sentiment"))
-    w = parse_workload({"model": "sentiment", "protocol": "v2-binary", "fields": {
-        "token_ids": {"int": [1, 1999], "length": {"lognormal": [3.18, 0.95], "clip": [1, 512]}},
-    }}, source="test")  # fmt: skip
+    w = parse_workload(
+        {
+            "model": "sentiment",
+            "protocol": "v2-binary",
+            "fields": {
+                "token_ids": {
+                    "int": [1, 1999],
+                    "length": {"lognormal": [3.18, 0.95], "clip": [1, 512]},
+                },
+            },
+        },
+        source="test",
+    )
     prepared = prepare(w, fields_for(config, w.fields), 400)
     lengths = []
     for item in prepared:
@@ -123,9 +133,18 @@ async def test_a_feature_store_model_is_sent_a_user_id_and_one_item_id_a_row() -
         async def read(self, entity: str, version: str, ids: Any, fields: Any) -> Any:
             return np.tile(np.asarray(ids, np.float32)[:, None], (1, len(fields)))
 
-    w = parse_workload({"model": "ranker", "protocol": "v2-binary", "fields": {
-        "user_id": {"zipf": [100_000, 1.1]}, "item_ids": {"int": [0, 49_999]},
-    }, "classes": [{"rows": 500}]}, source="test")  # fmt: skip
+    w = parse_workload(
+        {
+            "model": "ranker",
+            "protocol": "v2-binary",
+            "fields": {
+                "user_id": {"zipf": [100_000, 1.1]},
+                "item_ids": {"int": [0, 49_999]},
+            },
+            "classes": [{"rows": 500}],
+        },
+        source="test",
+    )
     fields = fields_for(config, w.fields)
     assert [(f.name, f.per_request) for f in fields] == [("user_id", True), ("item_ids", False)]
     resolver = FeatureResolver(model.features, Store(), lambda: 0.0)

@@ -42,6 +42,11 @@ def test_a_slow_model_is_routed_to_the_lane_and_the_rest_direct() -> None:
     assert "    use_backend lane if { nbsrv(lane) gt 0 } is.churn" not in config
     assert "    server lane 127.0.0.1:9300 check" in config
     # Without a lane, a slow model goes direct.
-    direct = render(Listen(host="127.0.0.1", port=8080), members, models, FrontDoorPolicy(),
-                    frozenset({"ranker"}))  # fmt: skip
+    direct = render(
+        Listen(host="127.0.0.1", port=8080),
+        members,
+        models,
+        FrontDoorPolicy(),
+        frozenset({"ranker"}),
+    )
     assert "use_backend lane" not in direct and "use_backend m.ranker" in direct

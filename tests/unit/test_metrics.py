@@ -17,8 +17,16 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 
 def record(rows: int, queue_s: list[float], missed: int = 0) -> BatchRecord:
-    return BatchRecord("m", "all", rows, compute_s=0.003, wall_s=0.004, predicted_s=0.0035,
-                       queue_s=queue_s, missed=missed)  # fmt: skip
+    return BatchRecord(
+        "m",
+        "all",
+        rows,
+        compute_s=0.003,
+        wall_s=0.004,
+        predicted_s=0.0035,
+        queue_s=queue_s,
+        missed=missed,
+    )
 
 
 def test_histogram_buckets_are_cumulative_with_le_semantics() -> None:

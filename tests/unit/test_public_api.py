@@ -10,8 +10,12 @@ import tailserve
 
 def test_public_names() -> None:
     assert sorted(tailserve.__all__) == [
-        "Settings", "TailserveError", "Worker", "__version__", "load_settings",
-    ]  # fmt: skip
+        "Settings",
+        "TailserveError",
+        "Worker",
+        "__version__",
+        "load_settings",
+    ]
     for name in tailserve.__all__:
         assert getattr(tailserve, name) is not None
     assert tailserve.Worker.__name__ == "Worker"

@@ -78,9 +78,11 @@ def test_the_model_ranks_liked_items_above_the_rest(
     data = ranker.catalog()
     users, items, labels = ranker.draw_pairs(data, 4000, np.random.default_rng(77))  # held out
     out = runtime.predict(
-        {"user_features": saved["user"][users].astype(np.float32),
-         "item_features": saved["item"][items].astype(np.float32)}
-    )["score"]  # fmt: skip
+        {
+            "user_features": saved["user"][users].astype(np.float32),
+            "item_features": saved["item"][items].astype(np.float32),
+        }
+    )["score"]
     assert out.shape == (4000, 1) and out.dtype == np.float32
     assert ((out >= 0) & (out <= 1)).all()
     assert auc(out[:, 0], labels) > 0.75

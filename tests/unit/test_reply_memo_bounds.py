@@ -53,8 +53,17 @@ def test_kept_entries_are_not_walked_by_the_garbage_collector() -> None:
     # so full collections do not walk the memo's entries (they did, two objects each).
     memo = ReplyMemo(max_bytes=1 << 20)
     key = digest(b"request")
-    memo.put(key, Replay(view=7, key="k", value=b"v", status=200,
-                         headers=[(b"content-type", b"application/json")], body=b"{}"))  # fmt: skip
+    memo.put(
+        key,
+        Replay(
+            view=7,
+            key="k",
+            value=b"v",
+            status=200,
+            headers=[(b"content-type", b"application/json")],
+            body=b"{}",
+        ),
+    )
     # One pass untracks the header pairs, the next the entry that holds them (in service the
     # young collections do this long before a full one).
     gc.collect()
@@ -63,5 +72,10 @@ def test_kept_entries_are_not_walked_by_the_garbage_collector() -> None:
     replay = memo.get(key)
     assert replay is not None
     assert (replay.view, replay.key, replay.value, replay.status, replay.body) == (
-        7, "k", b"v", 200, b"{}")  # fmt: skip
+        7,
+        "k",
+        b"v",
+        200,
+        b"{}",
+    )
     assert replay.headers == [(b"content-type", b"application/json")]

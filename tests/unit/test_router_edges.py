@@ -42,8 +42,13 @@ def test_classify(method: str, path: str, model: str, infer: bool, broadcast: bo
 
 def test_cost_classes_grow_with_the_body() -> None:
     assert [cost_class(n) for n in (0, 4095, 4096, 65535, 65536, 10**7)] == [
-        "s", "s", "m", "m", "l", "l",
-    ]  # fmt: skip
+        "s",
+        "s",
+        "m",
+        "m",
+        "l",
+        "l",
+    ]
 
 
 def test_body_keys_are_equal_for_equal_bodies_only() -> None:
@@ -75,8 +80,18 @@ def test_an_affinity_key_parameter_is_the_key() -> None:
 
 
 def test_binary_bodies_key_on_their_header_inputs_and_their_data() -> None:
-    header = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1],
-                                       "parameters": {"binary_data_size": 4}}]})  # fmt: skip
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": [1, 1],
+                    "parameters": {"binary_data_size": 4},
+                }
+            ]
+        }
+    )
     one, two = header + b"\x00\x00\xc0?", header + b"\x00\x00 @"
     assert body_key(one, len(header)) == body_key(one, len(header))
     assert body_key(one, len(header)) != body_key(two, len(header))
@@ -85,15 +100,21 @@ def test_binary_bodies_key_on_their_header_inputs_and_their_data() -> None:
 def _request(
     headers: list[tuple[bytes, bytes]], body: bytes = b"{}", method: str = "POST"
 ) -> HttpRequest:
-    return HttpRequest(method, b"/v2/models/m/infer?x=1", headers, body, received_at=0.0,
-                       max_body_bytes=1 << 20)  # fmt: skip
+    return HttpRequest(
+        method, b"/v2/models/m/infer?x=1", headers, body, received_at=0.0, max_body_bytes=1 << 20
+    )
 
 
 def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
     request = _request(
-        [(b"host", b"router"), (b"connection", b"keep-alive"), (b"x-deadline-ms", b"100"),
-         (b"transfer-encoding", b"chunked"), (b"x-request-id", b"abc")]
-    )  # fmt: skip
+        [
+            (b"host", b"router"),
+            (b"connection", b"keep-alive"),
+            (b"x-deadline-ms", b"100"),
+            (b"transfer-encoding", b"chunked"),
+            (b"x-request-id", b"abc"),
+        ]
+    )
     frame = framer(request)
     data = frame(0.0425)
     head, _, body = data.partition(b"\r\n\r\n")
@@ -108,8 +129,14 @@ def test_framing_drops_hop_headers_and_writes_the_deadline_left() -> None:
 
 
 def test_a_head_request_goes_upstream_as_a_get_with_its_target_as_sent() -> None:
-    request = HttpRequest("HEAD", b"/v2/models/a%2Fb?verbose=1", [(b"host", b"r")], b"",
-                          received_at=0.0, max_body_bytes=0)  # fmt: skip
+    request = HttpRequest(
+        "HEAD",
+        b"/v2/models/a%2Fb?verbose=1",
+        [(b"host", b"r")],
+        b"",
+        received_at=0.0,
+        max_body_bytes=0,
+    )
     head = framer(request)(None)
     assert head == b"GET /v2/models/a%2Fb?verbose=1 HTTP/1.1\r\nhost: r\r\n\r\n"
     assert classify(request.method, "/v2/models/a%2Fb").model == "a/b"
@@ -141,9 +168,11 @@ async def test_membership_unites_flags_file_and_dns(tmp_path: Path) -> None:
     )
     membership = Membership(config, applied.append, resolve=lambda host, port: list(answers[host]))
     assert await membership.refresh() == [
-        "http://127.0.0.1:9000", "http://10.0.0.9:8000",
-        "http://10.1.0.1:8000", "http://10.1.0.2:8000",
-    ]  # fmt: skip
+        "http://127.0.0.1:9000",
+        "http://10.0.0.9:8000",
+        "http://10.1.0.1:8000",
+        "http://10.1.0.2:8000",
+    ]
     # A pod goes away; the file is unreadable for a moment: the file keeps its last answer.
     answers["workers.svc"] = ["10.1.0.2"]
     members.unlink()

@@ -148,9 +148,13 @@ def test_a_slow_backend_is_ejected_for_longer_than_a_failing_one() -> None:
     # tends to last: its backoff starts from the slow base, and doubles from there.
     pool = pool_of(4)
     detector = OutlierDetector(
-        consecutive_failures=2, base_ejection_s=5.0, slow_base_ejection_s=30.0, min_samples=5,
-        latency_floor_s=0.0, max_ejection_s=300.0,
-    )  # fmt: skip
+        consecutive_failures=2,
+        base_ejection_s=5.0,
+        slow_base_ejection_s=30.0,
+        min_samples=5,
+        latency_floor_s=0.0,
+        max_ejection_s=300.0,
+    )
     failing, slow, *_ = pool.backends
     warm(pool, detector, {"w0": 0.010, "w1": 0.010, "w2": 0.010, "w3": 0.010}, count=5)
     assert fail_until_ejected(pool, detector, failing, now=0.0) == 5.0

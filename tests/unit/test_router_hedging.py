@@ -149,8 +149,10 @@ def _stuck_hedged_in_time(ration: bool) -> tuple[int, int, float]:
     rng = random.Random(11)
     policy = _learned(HedgePolicy(budget=HedgeBudget()), HEALTHY)
     count, gap, stuck_ms = 40_000, 5, 200
-    latency = [stuck_ms if rng.random() < 0.0125 else round(rng.choice(HEALTHY) * 1e3)
-               for _ in range(count)]  # fmt: skip
+    latency = [
+        stuck_ms if rng.random() < 0.0125 else round(rng.choice(HEALTHY) * 1e3)
+        for _ in range(count)
+    ]
     due = policy.delay_s(1.0)
     assert due is not None
     delay = round(due * 1e3)
@@ -214,8 +216,10 @@ def _stuck_hedged_at_delay(suspicion: bool) -> tuple[int, int, float]:
     pool = Pool("m", backends)
     policy = _learned(HedgePolicy(budget=HedgeBudget()), HEALTHY)
     count, gap, stuck_ms, copy_ms = 40_000, 5, 200, 7
-    latency = [stuck_ms if j % 4 == 3 and rng.random() < 0.05 else
-               round(rng.choice(HEALTHY) * 1e3) for j in range(count)]  # fmt: skip
+    latency = [
+        stuck_ms if j % 4 == 3 and rng.random() < 0.05 else round(rng.choice(HEALTHY) * 1e3)
+        for j in range(count)
+    ]
     due = policy.delay_s(1.0)
     assert due is not None
     delay = round(due * 1e3)

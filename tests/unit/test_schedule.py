@@ -32,8 +32,9 @@ def test_poisson_has_the_rate_and_exponential_gaps_and_is_seeded() -> None:
 def test_steps_send_each_rate_for_its_time() -> None:
     schedule = Schedule(kind="steps", steps=[(100, 5), (400, 5), (0, 2), (200, 3)])
     offsets = arrival_offsets(schedule, 15.0, seed=1)
-    counts = [((offsets >= a) & (offsets < b)).sum() for a, b in ((0, 5), (5, 10), (10, 12),
-                                                                  (12, 15))]  # fmt: skip
+    counts = [
+        ((offsets >= a) & (offsets < b)).sum() for a, b in ((0, 5), (5, 10), (10, 12), (12, 15))
+    ]
     assert counts[0] == pytest.approx(500, rel=0.15)
     assert counts[1] == pytest.approx(2000, rel=0.1)
     assert counts[2] == 0
@@ -51,9 +52,15 @@ def test_ramp_rate_climbs_linearly() -> None:
 
 
 def test_warm_up_runs_at_the_initial_rate_before_the_schedule() -> None:
-    workload = parse_workload({"model": "m", "warmup_s": 2, "duration_s": 4,
-                               "schedule": {"kind": "constant", "rate": 50}},
-                              source="test")  # fmt: skip
+    workload = parse_workload(
+        {
+            "model": "m",
+            "warmup_s": 2,
+            "duration_s": 4,
+            "schedule": {"kind": "constant", "rate": 50},
+        },
+        source="test",
+    )
     offsets = schedule_offsets(workload)
     assert len(offsets) == 300
     assert (offsets < 2).sum() == 100

@@ -114,8 +114,9 @@ class Faulty(SizeOrTimeout):
 async def test_a_failing_batcher_fails_what_is_queued_and_the_scheduler_lives_on() -> None:
     batcher = Faulty(max_rows=8, max_delay_s=0.001, max_queue=100)
     s = scheduler(Recorder(), batcher=batcher)
-    results = await asyncio.gather(*(s.infer(x(i), 1, ALL) for i in range(3)),
-                                   return_exceptions=True)  # fmt: skip
+    results = await asyncio.gather(
+        *(s.infer(x(i), 1, ALL) for i in range(3)), return_exceptions=True
+    )
     assert all(isinstance(r, ModelExecutionError) for r in results), results
     assert "batching failed" in str(results[0]) and len(batcher) == 0
     batcher.broken = False
@@ -254,8 +255,13 @@ async def test_the_next_batch_waits_in_the_instances_thread_not_on_the_loop() ->
     now = [0.0]
     runtime = Recorder()
     runtime.release.clear()
-    s = Scheduler(model="m", runtimes=[runtime], batcher=deadline_batcher(), batched=True,
-                  clock=lambda: now[0])  # fmt: skip
+    s = Scheduler(
+        model="m",
+        runtimes=[runtime],
+        batcher=deadline_batcher(),
+        batched=True,
+        clock=lambda: now[0],
+    )
     s.start()
     s.seed(ALL, 1, 0.010)  # batches take ~10 ms
     first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=10.0))
@@ -304,8 +310,13 @@ class ThreadRecorder(Recorder):
 
 
 def inline_scheduler(runtime: Any, bound_s: float) -> Scheduler:
-    s = Scheduler(model="m", runtimes=[runtime], batcher=NoBatching(max_queue=100),
-                  batched=True, inline_below_s=bound_s)  # fmt: skip
+    s = Scheduler(
+        model="m",
+        runtimes=[runtime],
+        batcher=NoBatching(max_queue=100),
+        batched=True,
+        inline_below_s=bound_s,
+    )
     s.start()
     return s
 

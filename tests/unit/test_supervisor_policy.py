@@ -59,11 +59,29 @@ def test_a_backoff_that_cannot_work_is_refused(first_s: float, cap_s: float) -> 
 def test_up_takes_the_front_doors_policy_flags(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    args = parser.parse_args([
-        "up", "--repository", str(tmp_path), "--workers", "2", "--balance", "affinity",
-        "--max-conn", "8", "--max-queue", "20", "--queue-share", "0.4",
-        "--model-balance", "ranker=p2c", "--hedge-lane-ms", "150", "--hedge-model", "ranker",
-    ])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "up",
+            "--repository",
+            str(tmp_path),
+            "--workers",
+            "2",
+            "--balance",
+            "affinity",
+            "--max-conn",
+            "8",
+            "--max-queue",
+            "20",
+            "--queue-share",
+            "0.4",
+            "--model-balance",
+            "ranker=p2c",
+            "--hedge-lane-ms",
+            "150",
+            "--hedge-model",
+            "ranker",
+        ]
+    )
     config = fleet_config(args, {"TAILSERVE_ADMIN_TOKEN": "t"})
     policy = config.policy
     assert (policy.balance, policy.max_conn, policy.max_queue) == ("affinity", 8, 20)

@@ -10,8 +10,20 @@ import pytest
 from tailserve.errors import InvalidInput
 from tailserve.tensors import datatype_of, from_binary, from_json, to_binary, to_json_data
 
-NUMERIC = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64",
-           "FP16", "FP32", "FP64"]  # fmt: skip
+NUMERIC = [
+    "BOOL",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "FP16",
+    "FP32",
+    "FP64",
+]
 
 
 @pytest.mark.parametrize("datatype", NUMERIC)
@@ -87,9 +99,25 @@ def test_binary_size_mismatch_is_an_error() -> None:
 
 
 SHORT_LISTS = [
-    [3], [0, -7, 2**40], [2**63 - 1], [-(2**63)], [300], [-1], [1.5], [0.1, 2.5e38], [5, 2.5],
-    [2**53], [2**53 + 1], [True], [True, 2], [1e300], [70000.0], ["a"], [None], [],
-]  # fmt: skip
+    [3],
+    [0, -7, 2**40],
+    [2**63 - 1],
+    [-(2**63)],
+    [300],
+    [-1],
+    [1.5],
+    [0.1, 2.5e38],
+    [5, 2.5],
+    [2**53],
+    [2**53 + 1],
+    [True],
+    [True, 2],
+    [1e300],
+    [70000.0],
+    ["a"],
+    [None],
+    [],
+]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e300 as FP16/FP32: inf

@@ -19,8 +19,9 @@ def test_linux_has_the_fine_timer() -> None:
     assert fine_timer_available()
 
 
-async def _fired(make: Callable[[asyncio.AbstractEventLoop, Callable[[], None]], Timer],
-                 settings: list[float]) -> list[float]:  # fmt: skip
+async def _fired(
+    make: Callable[[asyncio.AbstractEventLoop, Callable[[], None]], Timer], settings: list[float]
+) -> list[float]:
     """Set the timer to each offset in turn (seconds from now); when it fired, until a quiet
     0.2 s past the last setting's time."""
     loop = asyncio.get_running_loop()

@@ -72,9 +72,14 @@ def encode(result: CachedResult) -> bytes:
         tensors.append(_Tensor(name, datatype, list(array.shape), data))
     lineage = result.lineage
     wire = _Wire(
-        lineage.model_version, lineage.feature_version, lineage.computed_at,
-        lineage.computed_by, result.fresh_until, lineage.precomputed, tensors,
-    )  # fmt: skip
+        lineage.model_version,
+        lineage.feature_version,
+        lineage.computed_at,
+        lineage.computed_by,
+        result.fresh_until,
+        lineage.precomputed,
+        tensors,
+    )
     return _encoder.encode(wire)
 
 
@@ -97,9 +102,12 @@ def decode(raw: bytes) -> CachedResult:
             # another writer's making: a miss, never a 500)
             raise ValueError(f"not a cached result: tensor {tensor.name!r}: {exc!r}") from None
     lineage = Lineage(
-        wire.model_version, wire.feature_version, wire.computed_at, wire.computed_by,
+        wire.model_version,
+        wire.feature_version,
+        wire.computed_at,
+        wire.computed_by,
         wire.precomputed,
-    )  # fmt: skip
+    )
     return CachedResult(outputs, lineage, wire.fresh_until)
 
 

@@ -93,8 +93,11 @@ class KeyBuilder:
                 continue
             array = tensor.data
             data = canonical_bytes(array, rule.round.get(tensor.name))
-            parts += (self._framed_head(tensor.name, tensor.datatype, array.shape),
-                      _LENGTH.pack(len(data)), data)  # fmt: skip
+            parts += (
+                self._framed_head(tensor.name, tensor.datatype, array.shape),
+                _LENGTH.pack(len(data)),
+                data,
+            )
         if rule.parameters:
             given = parameters or {}
             for name in rule.parameters:

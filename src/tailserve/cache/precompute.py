@@ -95,11 +95,13 @@ def record_tensors(config: ModelConfig, record: Any) -> list[Tensor]:
     ``shape: [1]`` entity as ``[1, 1]``, a list of one id a row as ``[N, 1]``. Raises
     InvalidInput naming the field."""
     if not isinstance(record, dict):
-        raise InvalidInput(f'must be a record object {{"field": value, ...}}, got '
-                           f"{type(record).__name__}")  # fmt: skip
+        raise InvalidInput(
+            f'must be a record object {{"field": value, ...}}, got {type(record).__name__}'
+        )
     looked_up = {item.input: item for item in (config.features.inputs if config.features else [])}
-    names = {looked_up[spec.name].key if spec.name in looked_up else spec.name
-             for spec in config.inputs}  # fmt: skip
+    names = {
+        looked_up[spec.name].key if spec.name in looked_up else spec.name for spec in config.inputs
+    }
     unknown = sorted(set(record) - names)
     if unknown:
         raise InvalidInput(f"unknown field {unknown[0]!r} (inputs: {', '.join(sorted(names))})")
@@ -128,15 +130,18 @@ def _id_tensor(entity: FeatureInput, value: Any) -> Tensor:
     of one id a row."""
     name = entity.key
     if value is None:
-        raise InvalidInput(f"missing field {name!r} (the {entity.entity} ids the model's "
-                           f"{entity.input!r} is looked up by)")  # fmt: skip
+        raise InvalidInput(
+            f"missing field {name!r} (the {entity.entity} ids the model's "
+            f"{entity.input!r} is looked up by)"
+        )
     per_row = entity.shape == [-1]
     if per_row and not isinstance(value, list):
         value = [value]
     if not per_row and isinstance(value, list):
         if len(value) != 1:
-            raise InvalidInput(f"field {name!r}: one {entity.entity} id a request, got "
-                               f"{len(value)}")  # fmt: skip
+            raise InvalidInput(
+                f"field {name!r}: one {entity.entity} id a request, got {len(value)}"
+            )
         value = value[0]
     ids = value if per_row else [value]
     if not ids:
@@ -158,8 +163,10 @@ def _shape(config: ModelConfig, name: str, declared: list[int], value: Any) -> l
     if len(given) != len(declared) or any(
         want not in (-1, got) for want, got in zip(declared, given, strict=True)
     ):
-        raise InvalidInput(f"field {name!r}: a value of shape {given} does not fit the "
-                           f"model's per-row shape {declared}")  # fmt: skip
+        raise InvalidInput(
+            f"field {name!r}: a value of shape {given} does not fit the "
+            f"model's per-row shape {declared}"
+        )
     return [*lead, *given]
 
 
@@ -193,8 +200,9 @@ def score(served: ServedVersion, checked: Sequence[Checked]) -> list[Outputs]:
     for members in groups.values():
         for chunk in _by_rows(members, checked, config.max_batch_size):
             names = checked[chunk[0]].arrays
-            merged = {name: np.concatenate([checked[i].arrays[name] for i in chunk])
-                      for name in names}  # fmt: skip
+            merged = {
+                name: np.concatenate([checked[i].arrays[name] for i in chunk]) for name in names
+            }
             rows = sum(checked[i].rows for i in chunk)
             outputs = _declared(config, runtime.predict(merged), rows)
             offset = 0
@@ -227,8 +235,10 @@ def _declared(config: ModelConfig, outputs: Outputs, rows: int | None) -> Output
         if array is None:
             raise ModelExecutionError(f"model {config.name!r} gave no output {spec.name!r}")
         if rows is not None and len(array) != rows:
-            raise ModelExecutionError(f"model {config.name!r}: output {spec.name!r} has "
-                                      f"{len(array)} rows for a batch of {rows}")  # fmt: skip
+            raise ModelExecutionError(
+                f"model {config.name!r}: output {spec.name!r} has "
+                f"{len(array)} rows for a batch of {rows}"
+            )
         chosen[spec.name] = array
     return chosen
 
@@ -301,8 +311,10 @@ class Progress:
         rate = (done - self.start) / elapsed
         left = (self.total - done) / rate if rate > 0 else float("inf")
         share = done / self.total if self.total else 1.0
-        line = (f"{self.label}: {done:,}/{self.total:,} ({share:.0%})  {rate:,.0f}/s  "
-                f"ETA {_duration(left)}  {note}").rstrip()  # fmt: skip
+        line = (
+            f"{self.label}: {done:,}/{self.total:,} ({share:.0%})  {rate:,.0f}/s  "
+            f"ETA {_duration(left)}  {note}"
+        ).rstrip()
         if self.tty:
             self.width = max(self.width, len(line))
             self.stream.write("\r" + line.ljust(self.width) + ("\n" if final else ""))
@@ -347,8 +359,11 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
         tier = await _open_redis(job)
         checkpoint = None
         if job.checkpoint is not None:
-            identity = {"model": job.model, "version": served.version,
-                        "input": str(job.input.resolve())}  # fmt: skip
+            identity = {
+                "model": job.model,
+                "version": served.version,
+                "input": str(job.input.resolve()),
+            }
             checkpoint = Checkpoint(job.checkpoint, identity)
         writer = _Writer(job, served, view, tier, checkpoint, total)
         with _stop_on_signals(writer):
@@ -517,13 +532,13 @@ class _Writer:
                 raise self._failed(first, last, f"{type(exc).__name__}: {exc}") from exc
             now = time.time()
             policy = self.view.policy
-            lineage = Lineage(self.served.version, policy.feature_version, now, COMPUTED_BY,
-                              precomputed=True)  # fmt: skip
+            lineage = Lineage(
+                self.served.version, policy.feature_version, now, COMPUTED_BY, precomputed=True
+            )
             items = [
-                (key, codec.encode(CachedResult(outputs, lineage, now + self.fresh_s)),
-                 self.keep_s)
+                (key, codec.encode(CachedResult(outputs, lineage, now + self.fresh_s)), self.keep_s)
                 for (_, _, key), outputs in zip(batch, results, strict=True)
-            ]  # fmt: skip
+            ]
             await self._put(items, first)
             self.report.written += len(items)
         if self.checkpoint is not None and lines_done > self.report.resumed_at:
@@ -546,14 +561,18 @@ class _Writer:
             pause *= 2
 
     def _failed(self, first: int, last: int, reason: str) -> ModelExecutionError:
-        return ModelExecutionError(f"{self.job.input}: lines {first}-{last}: the model failed: "
-                                   f"{reason}{self._resume_hint(first)}")  # fmt: skip
+        return ModelExecutionError(
+            f"{self.job.input}: lines {first}-{last}: the model failed: "
+            f"{reason}{self._resume_hint(first)}"
+        )
 
     def _resume_hint(self, line: int) -> str:
         if self.checkpoint is None:
             return f"; lines before {line} are stored"
-        return (f"; lines before {line} are stored: rerun with --checkpoint "
-                f"{self.checkpoint.path} to resume at line {line}")  # fmt: skip
+        return (
+            f"; lines before {line} are stored: rerun with --checkpoint "
+            f"{self.checkpoint.path} to resume at line {line}"
+        )
 
     def _note(self) -> str:
         report = self.report
@@ -571,8 +590,10 @@ def _lines(path: Path, *, after: int) -> Iterator[tuple[int, bytes]]:
 
 def summary(report: Report) -> str:
     rate = report.written / report.seconds if report.seconds > 0 else 0.0
-    text = (f"precomputed {report.written:,} results for {report.model} v{report.version} "
-            f"in {report.seconds:.1f} s ({rate:,.0f}/s)")  # fmt: skip
+    text = (
+        f"precomputed {report.written:,} results for {report.model} v{report.version} "
+        f"in {report.seconds:.1f} s ({rate:,.0f}/s)"
+    )
     if report.resumed_at:
         text += f"; resumed after line {report.resumed_at:,}"
     if report.stopped_at is not None:

@@ -89,8 +89,15 @@ class ReplyMemo:
         if size > self.max_bytes:
             return
         self.drop(key)
-        self._entries[key] = (replay.view, replay.key, replay.value, replay.status,
-                              tuple(replay.headers), replay.body, size)  # fmt: skip
+        self._entries[key] = (
+            replay.view,
+            replay.key,
+            replay.value,
+            replay.status,
+            tuple(replay.headers),
+            replay.body,
+            size,
+        )
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, oldest = self._entries.popitem(last=False)

@@ -130,9 +130,10 @@ class LeanRedis:
                 setup: list[tuple[Any, ...]] = []
                 if self.password is not None:
                     setup.append(
-                        ("AUTH", self.username, self.password) if self.username
+                        ("AUTH", self.username, self.password)
+                        if self.username
                         else ("AUTH", self.password)
-                    )  # fmt: skip
+                    )
                 if self.db:
                     setup.append(("SELECT", str(self.db)))
                 if setup:

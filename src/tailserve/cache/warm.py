@@ -89,10 +89,11 @@ def read_requests(path: Path) -> Iterator[Recorded]:
                 yield Recorded(
                     method=str(line["method"]),
                     path=str(line["path"]),
-                    headers=tuple((name, headers[name]) for name in IDENTITY_HEADERS
-                                  if name in headers),
+                    headers=tuple(
+                        (name, headers[name]) for name in IDENTITY_HEADERS if name in headers
+                    ),
                     body=base64.b64decode(line["body"], validate=True),
-                )  # fmt: skip
+                )
             except (orjson.JSONDecodeError, KeyError, ValueError, TypeError, AttributeError) as exc:
                 raise ConfigError(f"{path}:{number}: not a trace line: {exc}") from None
 
@@ -141,8 +142,9 @@ async def warm(
     async def replay() -> None:
         # The requests are taken in rank order by `concurrency` of these, one at a time each.
         for request, _ in queue:
-            data = frame_request(request.method, request.path, origin, request.body,
-                                 request.headers)  # fmt: skip
+            data = frame_request(
+                request.method, request.path, origin, request.body, request.headers
+            )
             report.sent += 1
             try:
                 response = await pool.request(data, timeout_s)

@@ -155,10 +155,14 @@ class DataPlane:
             plan = checked if checked is not None else served.plan.check(inputs)
             bucket = served.buckets.classify(plan)
             return await served.scheduler.infer(
-                plan.arrays, plan.rows, bucket,
-                deadline=deadline, priority=priority, hard_deadline=hard,
+                plan.arrays,
+                plan.rows,
+                bucket,
+                deadline=deadline,
+                priority=priority,
+                hard_deadline=hard,
                 screened=request.screened,
-            )  # fmt: skip
+            )
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}
         origin = None
@@ -236,8 +240,10 @@ class DataPlane:
             if model is not None or version is not None:
                 raise InvalidInput("give either a key 'prefix' or a 'model' (and 'version')")
             if not isinstance(prefix, str) or not prefix.startswith(keys.PREFIX + ":"):
-                raise InvalidInput(f"'prefix' must be a cache key prefix starting with "
-                                   f"{keys.PREFIX + ':'!r}, got {prefix!r}")  # fmt: skip
+                raise InvalidInput(
+                    f"'prefix' must be a cache key prefix starting with "
+                    f"{keys.PREFIX + ':'!r}, got {prefix!r}"
+                )
             chosen = prefix
         elif model is not None:
             if not isinstance(model, str):
@@ -282,12 +288,17 @@ class DataPlane:
             if served.cache is not None:
                 l1 = served.cache.l1
                 document["cache"] = {
-                    "l1": {"entries": len(l1), "bytes": l1.bytes, "evictions": l1.evictions,
-                           "policy": l1.policy, "max_entries": l1.max_entries,
-                           "max_bytes": l1.max_bytes},
+                    "l1": {
+                        "entries": len(l1),
+                        "bytes": l1.bytes,
+                        "evictions": l1.evictions,
+                        "policy": l1.policy,
+                        "max_entries": l1.max_entries,
+                        "max_bytes": l1.max_bytes,
+                    },
                     "l2": self._l2_state(),
                     "key_prefix": served.cache.keys.prefix,
-                }  # fmt: skip
+                }
             documents.append(document)
         return {"model_stats": documents}
 
@@ -376,8 +387,11 @@ def _cache_mode(request: InferRequest) -> Mode:
 
 def _delays(batcher: Any) -> dict[str, float]:
     """What the batcher adds to its estimates for the time outside the model (ms)."""
-    names = {"event_loop": "loop_delay_s", "hand_off": "overhead_s",
-             "admission_correction": "correction_s"}  # fmt: skip
+    names = {
+        "event_loop": "loop_delay_s",
+        "hand_off": "overhead_s",
+        "admission_correction": "correction_s",
+    }
     return {name: getattr(batcher, attribute, 0.0) * 1e3 for name, attribute in names.items()}
 
 

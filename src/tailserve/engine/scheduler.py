@@ -237,8 +237,16 @@ class Scheduler:
         future: asyncio.Future[tuple[Arrays, BatchStats]] = (
             asyncio.get_running_loop().create_future()
         )
-        item = Item(rows, bucket, now, deadline, priority, _Pending(inputs, future),
-                    hard=hard_deadline, screened=screened)  # fmt: skip
+        item = Item(
+            rows,
+            bucket,
+            now,
+            deadline,
+            priority,
+            _Pending(inputs, future),
+            hard=hard_deadline,
+            screened=screened,
+        )
         self._read_loop()
         rejection = self._batcher.offer(item, now, self._free_times(now))
         if rejection is not None:
@@ -360,11 +368,14 @@ class Scheduler:
             if self._observer is not None:
                 self._observer.on_reject(self._model, "expired")
             late = (now - item.deadline) * 1000.0
-            _fail([item], DeadlineExceeded(
-                f"model {self._model!r}: the request's deadline can no longer be met "
-                f"(it waited {(now - item.enqueued_at) * 1000:.1f} ms; "
-                f"{'past it by ' + format(late, '.1f') + ' ms' if late > 0 else 'too close'})"
-            ))  # fmt: skip
+            _fail(
+                [item],
+                DeadlineExceeded(
+                    f"model {self._model!r}: the request's deadline can no longer be met "
+                    f"(it waited {(now - item.enqueued_at) * 1000:.1f} ms; "
+                    f"{'past it by ' + format(late, '.1f') + ' ms' if late > 0 else 'too close'})"
+                ),
+            )
 
     async def _sleep(self, until: float | None, *, busy: bool = False) -> None:
         """Wait for a new arrival (not ``busy``), a finished batch, or until the clock reaches
@@ -461,9 +472,18 @@ class Scheduler:
                 future.set_result((part, BatchStats(queue_s, compute_s, rows, bucket.label)))
         self.stats.deadline_misses += missed
         if self._observer is not None:
-            self._observer.on_batch(BatchRecord(self._model, bucket.label, rows, compute_s,
-                                                done - dispatched, predicted, queue_times,
-                                                missed))  # fmt: skip
+            self._observer.on_batch(
+                BatchRecord(
+                    self._model,
+                    bucket.label,
+                    rows,
+                    compute_s,
+                    done - dispatched,
+                    predicted,
+                    queue_times,
+                    missed,
+                )
+            )
 
     def _execute(
         self, runtime: Runtime, batch: list[Item], bucket: Bucket

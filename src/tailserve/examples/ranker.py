@@ -57,11 +57,19 @@ def catalog(seed: int = SEED) -> dict[str, Array]:
     user_taste = rng.normal(0, 1, (USERS, TASTE))
     item_taste = rng.normal(0, 1, (ITEMS, TASTE))
     quality = rng.normal(0, 1, ITEMS)
-    users = np.hstack([user_taste + rng.normal(0, 0.3, user_taste.shape),
-                       rng.normal(0, 1, (USERS, FEATURES - TASTE))])  # fmt: skip
-    items = np.hstack([item_taste + rng.normal(0, 0.3, item_taste.shape),
-                       (quality + rng.normal(0, 0.3, ITEMS))[:, None],
-                       rng.normal(0, 1, (ITEMS, FEATURES - TASTE - 1))])  # fmt: skip
+    users = np.hstack(
+        [
+            user_taste + rng.normal(0, 0.3, user_taste.shape),
+            rng.normal(0, 1, (USERS, FEATURES - TASTE)),
+        ]
+    )
+    items = np.hstack(
+        [
+            item_taste + rng.normal(0, 0.3, item_taste.shape),
+            (quality + rng.normal(0, 0.3, ITEMS))[:, None],
+            rng.normal(0, 1, (ITEMS, FEATURES - TASTE - 1)),
+        ]
+    )
     # Stored as float16 (half the file): the rounded values are the features, for training too.
     return {
         "user": users.astype(np.float16).astype(np.float32),
@@ -153,8 +161,10 @@ def graph(weights: dict[str, Array]) -> bytes:
         helper.make_node("Sigmoid", ["logit"], [OUTPUT]),
     ]
     constants = {name: weights[name] for name in ("w1", "b1", "head_w", "head_b")}
-    inputs = [(USER_INPUT, TensorProto.FLOAT, [None, FEATURES]),
-              (ITEM_INPUT, TensorProto.FLOAT, [None, FEATURES])]  # fmt: skip
+    inputs = [
+        (USER_INPUT, TensorProto.FLOAT, [None, FEATURES]),
+        (ITEM_INPUT, TensorProto.FLOAT, [None, FEATURES]),
+    ]
     return build_model(MODEL, nodes, inputs, OUTPUT, constants)
 
 
@@ -189,13 +199,25 @@ def model_config() -> dict[str, Any]:
             "ttl_s": 300,
             "max_entries": 200_000,
             "inputs": [
-                {"input": USER_INPUT, "key": USER_KEY, "entity": "user", "fields": USER_FIELDS,
-                 "datatype": "INT64", "shape": [1]},
-                {"input": ITEM_INPUT, "key": ITEM_KEY, "entity": "item", "fields": ITEM_FIELDS,
-                 "datatype": "INT64", "shape": [-1]},
+                {
+                    "input": USER_INPUT,
+                    "key": USER_KEY,
+                    "entity": "user",
+                    "fields": USER_FIELDS,
+                    "datatype": "INT64",
+                    "shape": [1],
+                },
+                {
+                    "input": ITEM_INPUT,
+                    "key": ITEM_KEY,
+                    "entity": "item",
+                    "fields": ITEM_FIELDS,
+                    "datatype": "INT64",
+                    "shape": [-1],
+                },
             ],
         },
-    }  # fmt: skip
+    }
 
 
 def write_ranker(directory: Path) -> str:

@@ -132,13 +132,15 @@ def graph(weights: dict[str, np.ndarray[Any, Any]]) -> bytes:
         helper.make_node("Sigmoid", ["logit"], [OUTPUT]),
     ]
     constants = {
-        **{name: weights[name] for name in ("embedding", "w1", "b1", "w2", "b2", "head_w",
-                                             "head_b")},
+        **{
+            name: weights[name]
+            for name in ("embedding", "w1", "b1", "w2", "b2", "head_w", "head_b")
+        },
         "zero": np.array(0, np.int64),
         "one": np.array([1.0], np.float32),
         "last_axis": np.array([-1], np.int64),
         "length_axis": np.array([1], np.int64),
-    }  # fmt: skip
+    }
     inputs = [(INPUT, TensorProto.INT64, [None, None])]
     return build_model(MODEL, nodes, inputs, OUTPUT, constants)
 

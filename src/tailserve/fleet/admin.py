@@ -105,10 +105,16 @@ class AdminLane:
 
     def _fleet(self) -> dict[str, Any]:
         workers = [
-            {"name": s.name, "url": f"http://{s.host}:{s.port}", "pid": s.pid, "ready": s.ready,
-             "restarts": s.restarts, "state": _state(s)}
+            {
+                "name": s.name,
+                "url": f"http://{s.host}:{s.port}",
+                "pid": s.pid,
+                "ready": s.ready,
+                "restarts": s.restarts,
+                "state": _state(s),
+            }
             for s in self.fleet.slots()
-        ]  # fmt: skip
+        ]
         return {"workers": workers, "front_door": self.fleet.front_door()}
 
     async def _metrics(self) -> Reply:
@@ -152,8 +158,9 @@ class AdminLane:
         ]
         if not ready:
             return 503, _JSON, orjson.dumps({"error": "no worker is running"})
-        data = frame_request(request.method, request.path, "fleet", request.raw_body,
-                             _passed_on(request))  # fmt: skip
+        data = frame_request(
+            request.method, request.path, "fleet", request.raw_body, _passed_on(request)
+        )
         status, payload = await self._send(ready[0], data)
         return status, _JSON, orjson.dumps(payload)
 

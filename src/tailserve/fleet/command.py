@@ -38,13 +38,19 @@ def add_parser(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--repository", help=f"model repository (default: the examples, {EXAMPLES})")
-    up.add_argument("--host", default="127.0.0.1",
-                    help="the front door's address (127.0.0.1; 0.0.0.0: all)")  # fmt: skip
+    up.add_argument(
+        "--host", default="127.0.0.1", help="the front door's address (127.0.0.1; 0.0.0.0: all)"
+    )
     up.add_argument("--port", type=int, default=8080, help="the front door's port (8080)")
-    up.add_argument("--grpc-port", type=int, default=8081,
-                    help="the front door's gRPC port (8081; 0: none)")  # fmt: skip
-    up.add_argument("--workers", type=int, default=usable_cores(),
-                    help="worker processes (default: one per core)")  # fmt: skip
+    up.add_argument(
+        "--grpc-port", type=int, default=8081, help="the front door's gRPC port (8081; 0: none)"
+    )
+    up.add_argument(
+        "--workers",
+        type=int,
+        default=usable_cores(),
+        help="worker processes (default: one per core)",
+    )
     up.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
     up.add_argument(
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
@@ -52,35 +58,68 @@ def add_parser(commands: Any) -> None:
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
     add_front_door_arguments(up)
     add_lane_arguments(up)
-    up.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
-                    help="seconds SIGTERM waits for requests in flight (30)")  # fmt: skip
+    up.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        dest="drain_timeout_s",
+        help="seconds SIGTERM waits for requests in flight (30)",
+    )
     up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     up.set_defaults(handler=handle)
 
 
 def add_front_door_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = FrontDoorPolicy()
-    parser.add_argument("--balance", choices=tuple(BALANCE), default=defaults.balance,
-                        help="how a worker is chosen (p2c: power of two choices)")  # fmt: skip
-    parser.add_argument("--model-balance", action="append", default=[], metavar="MODEL=POLICY",
-                        help="another policy for one model (repeat)")  # fmt: skip
-    parser.add_argument("--max-conn", type=int, default=defaults.max_conn,
-                        help="requests in flight per worker and model; more wait in a queue "
-                             f"({defaults.max_conn})")  # fmt: skip
-    parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
-                        help="requests queued per worker and model before a 503 "
-                             f"({defaults.max_queue})")  # fmt: skip
-    parser.add_argument("--queue-share", type=float, default=defaults.queue_share,
-                        help="the longest wait in the queue, as a share of the model's SLO "
-                             f"({defaults.queue_share})")  # fmt: skip
+    parser.add_argument(
+        "--balance",
+        choices=tuple(BALANCE),
+        default=defaults.balance,
+        help="how a worker is chosen (p2c: power of two choices)",
+    )
+    parser.add_argument(
+        "--model-balance",
+        action="append",
+        default=[],
+        metavar="MODEL=POLICY",
+        help="another policy for one model (repeat)",
+    )
+    parser.add_argument(
+        "--max-conn",
+        type=int,
+        default=defaults.max_conn,
+        help=f"requests in flight per worker and model; more wait in a queue ({defaults.max_conn})",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        help=f"requests queued per worker and model before a 503 ({defaults.max_queue})",
+    )
+    parser.add_argument(
+        "--queue-share",
+        type=float,
+        default=defaults.queue_share,
+        help="the longest wait in the queue, as a share of the model's SLO "
+        f"({defaults.queue_share})",
+    )
 
 
 def add_lane_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hedge-lane-ms", type=float, default=DEFAULT_THRESHOLD_MS,
-                        help="models predicted slower than this for one row take the hedging "
-                             f"lane ({DEFAULT_THRESHOLD_MS:g}; 0: by name only)")  # fmt: skip
-    parser.add_argument("--hedge-model", action="append", default=[], metavar="MODEL",
-                        help="a model that always takes the hedging lane (repeat)")  # fmt: skip
+    parser.add_argument(
+        "--hedge-lane-ms",
+        type=float,
+        default=DEFAULT_THRESHOLD_MS,
+        help="models predicted slower than this for one row take the hedging "
+        f"lane ({DEFAULT_THRESHOLD_MS:g}; 0: by name only)",
+    )
+    parser.add_argument(
+        "--hedge-model",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="a model that always takes the hedging lane (repeat)",
+    )
 
 
 def usable_cores() -> int:
@@ -112,17 +151,25 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
     # A token set as TAILSERVE_ADMIN_TOKEN reaches the workers; the router needs it as well.
     admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN") or None
     return FleetConfig(
-        repository=repository, host=args.host, port=args.port, grpc_port=args.grpc_port,
+        repository=repository,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
         workers=args.workers,
         policy=FrontDoorPolicy(
-            balance=args.balance, model_balance=parse_model_balance(args.model_balance),
-            max_conn=args.max_conn, max_queue=args.max_queue, queue_share=args.queue_share,
+            balance=args.balance,
+            model_balance=parse_model_balance(args.model_balance),
+            max_conn=args.max_conn,
+            max_queue=args.max_queue,
+            queue_share=args.queue_share,
         ),
         admin_token=admin_token,
-        drain_timeout_s=args.drain_timeout_s, worker_args=tuple(worker_args(args)),
-        log_level=args.log_level, hedge_lane_ms=args.hedge_lane_ms,
+        drain_timeout_s=args.drain_timeout_s,
+        worker_args=tuple(worker_args(args)),
+        log_level=args.log_level,
+        hedge_lane_ms=args.hedge_lane_ms,
         hedge_models=tuple(args.hedge_model),
-    )  # fmt: skip
+    )
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:

@@ -88,9 +88,13 @@ class HAProxy:
         candidate = self.run_dir / f"{CONFIG_NAME}.new"
         candidate.write_text(config, encoding="utf-8")
         checker = await asyncio.create_subprocess_exec(
-            self.binary, "-c", "-f", str(candidate),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            self.binary,
+            "-c",
+            "-f",
+            str(candidate),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         output, _ = await checker.communicate()
         if checker.returncode != 0:
             lines = output.decode(errors="replace").splitlines()
@@ -105,10 +109,17 @@ class HAProxy:
             self.socket_path.unlink()
         self._draining = False
         self.process = await asyncio.create_subprocess_exec(
-            self.binary, "-W", "-f", str(self.config_path), "-S", f"unix@{self.socket_path}",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+            self.binary,
+            "-W",
+            "-f",
+            str(self.config_path),
+            "-S",
+            f"unix@{self.socket_path}",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
         assert self.process.stderr is not None
         self._reader = asyncio.create_task(self._log(self.process.stderr), name="haproxy log")
         await self._until_workers(lambda pids: bool(pids))

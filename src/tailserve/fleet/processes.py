@@ -65,8 +65,9 @@ class ManagedWorker:
             self.process.kill()
 
     def slot(self) -> Slot:
-        return Slot(self.name, LOOPBACK, self.port, self.pid, self.ready, self.restarts,
-                    self.running)  # fmt: skip
+        return Slot(
+            self.name, LOOPBACK, self.port, self.pid, self.ready, self.restarts, self.running
+        )
 
 
 async def until_ready(

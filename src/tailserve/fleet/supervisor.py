@@ -155,13 +155,25 @@ class Supervisor:
 
     def front_door(self) -> dict[str, Any]:
         door = self.front_door_process
-        lane = None if self.lane is None else {
-            "pid": self.lane.pid, "ready": self.lane.ready, "url": self.lane.url,
-            "models": sorted(self.slow), "threshold_ms": self.config.hedge_lane_ms,
-        }  # fmt: skip
-        return {"pid": door.pid, "running": door.running, "reloads": door.reloads,
-                "models": sorted(self._models), "config": str(door.config_path),
-                "lane": lane}  # fmt: skip
+        lane = (
+            None
+            if self.lane is None
+            else {
+                "pid": self.lane.pid,
+                "ready": self.lane.ready,
+                "url": self.lane.url,
+                "models": sorted(self.slow),
+                "threshold_ms": self.config.hedge_lane_ms,
+            }
+        )
+        return {
+            "pid": door.pid,
+            "running": door.running,
+            "reloads": door.reloads,
+            "models": sorted(self._models),
+            "config": str(door.config_path),
+            "lane": lane,
+        }
 
     @property
     def stats_port(self) -> int:
@@ -227,9 +239,12 @@ class Supervisor:
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigError(f"the front door cannot start on {where}: {exc}") from None
         if self._admin.access is AdminAccess.CLOSED:
-            log.warning("admin routes closed: the front door listens on %s, beyond loopback, "
-                        "with no admin token (set --admin-token or TAILSERVE_ADMIN_TOKEN to use "
-                        "them)", self.config.host)  # fmt: skip
+            log.warning(
+                "admin routes closed: the front door listens on %s, beyond loopback, "
+                "with no admin token (set --admin-token or TAILSERVE_ADMIN_TOKEN to use "
+                "them)",
+                self.config.host,
+            )
         self._door_keeper = owned_task(self._keep_front_door(), "keep the front door")
         self._keepers = [owned_task(self._keep(w), f"keep {w.name}") for w in self._slots()]
         self._announcer = owned_task(self._announce(), "announce")
@@ -276,12 +291,15 @@ class Supervisor:
 
     def _front_door_config(self) -> str:
         listen = Listen(
-            host=self.config.host, port=self._listen_port, grpc_port=self.config.grpc_port,
-            admin_port=self._admin_server.port, stats_port=self._stats_port,
+            host=self.config.host,
+            port=self._listen_port,
+            grpc_port=self.config.grpc_port,
+            admin_port=self._admin_server.port,
+            stats_port=self._stats_port,
             drain_timeout_s=self.config.drain_timeout_s,
             state_file=str(self.front_door_process.state_path),
             lane_port=self.lane.port if self.lane else 0,
-        )  # fmt: skip
+        )
         members = [Member(w.name, LOOPBACK, w.port, w.grpc_port) for w in self.workers]
         # HAProxy needs two descriptors a connection, and refuses to start past the limit.
         policy = self.config.policy
@@ -306,8 +324,12 @@ class Supervisor:
             if self._stopping.is_set() or door.draining:
                 return
             delay = policy.delay(started_at=started, exited_at=loop.time())
-            log.warning("the front door (pid %s) exited with %s: restarting it in %.1f s",
-                        door.pid, code, delay)  # fmt: skip
+            log.warning(
+                "the front door (pid %s) exited with %s: restarting it in %.1f s",
+                door.pid,
+                code,
+                delay,
+            )
             if await set_within(self._stopping, delay):
                 return
             try:
@@ -331,8 +353,11 @@ class Supervisor:
             delay = policy.delay(started_at=started, exited_at=loop.time())
             log.warning(
                 "%s (pid %d) exited with %s: restarting it in %.1f s",
-                worker.name, process.pid, code, delay,
-            )  # fmt: skip
+                worker.name,
+                process.pid,
+                code,
+                delay,
+            )
             if await set_within(self._stopping, delay):
                 return
             worker.restarts += 1
@@ -374,16 +399,21 @@ class Supervisor:
     async def _announce(self) -> None:
         """Say once that the fleet is ready: every worker is, and the front door has seen one."""
         await self._workers_ready.wait()
-        pool = Pool(LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
-                    self.port, max_connections=1)  # fmt: skip
+        pool = Pool(
+            LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
+            self.port,
+            max_connections=1,
+        )
         await until_ready(pool, self.config.ready_interval_s)
         await self._until_routed()
         count = len(self.workers)
         noun = "worker" if count == 1 else "workers"
         grpc = self.config.grpc_port
         also = f" (gRPC on port {grpc})" if grpc else ""
-        print(f"tailserve up: front door on {self._public_url()}{also}, {count} {noun} ready",
-              flush=True)  # fmt: skip
+        print(
+            f"tailserve up: front door on {self._public_url()}{also}, {count} {noun} ready",
+            flush=True,
+        )
         self.ready.set()
 
     async def _until_routed(self) -> None:
@@ -391,8 +421,11 @@ class Supervisor:
         too (its checks have seen it ready)."""
         worker = self.workers[0]
         direct = Pool(LOOPBACK, worker.port, max_connections=1)
-        door = Pool(LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
-                    self.port, max_connections=1)  # fmt: skip
+        door = Pool(
+            LOOPBACK if self.config.host in ("0.0.0.0", "") else self.config.host,
+            self.port,
+            max_connections=1,
+        )
         try:
             for model in self._models:
                 path = f"/v2/models/{model}/ready"
@@ -405,24 +438,43 @@ class Supervisor:
 
     def _worker_command(self, worker: ManagedWorker) -> list[str]:
         return [
-            sys.executable, "-m", "tailserve.cli", "serve",
-            "--repository", self.config.repository,
-            "--host", LOOPBACK,
-            "--http-port", str(worker.port),
-            "--grpc-port", str(worker.grpc_port),
-            "--worker-id", worker.name,
-            "--drain-timeout", str(self.config.drain_timeout_s),
-            "--log-level", self.config.log_level,
+            sys.executable,
+            "-m",
+            "tailserve.cli",
+            "serve",
+            "--repository",
+            self.config.repository,
+            "--host",
+            LOOPBACK,
+            "--http-port",
+            str(worker.port),
+            "--grpc-port",
+            str(worker.grpc_port),
+            "--worker-id",
+            worker.name,
+            "--drain-timeout",
+            str(self.config.drain_timeout_s),
+            "--log-level",
+            self.config.log_level,
             *self.config.worker_args,
-        ]  # fmt: skip
+        ]
 
     def _lane_command(self, lane: ManagedWorker) -> list[str]:
         return [
-            sys.executable, "-m", "tailserve.cli", "route",
-            "--host", LOOPBACK, "--port", str(lane.port), "--grpc-port", "0",
-            "--log-level", self.config.log_level,
+            sys.executable,
+            "-m",
+            "tailserve.cli",
+            "route",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(lane.port),
+            "--grpc-port",
+            "0",
+            "--log-level",
+            self.config.log_level,
             *(f"--backend={worker.url}" for worker in self.workers),
-        ]  # fmt: skip
+        ]
 
     async def _classify(self) -> None:
         """Every few seconds, the models whose cost models say they are slow take the lane."""
@@ -433,11 +485,13 @@ class Supervisor:
                 ready = [w for w in self.workers if w.ready]
                 if ready:
                     worker = ready[0]
-                    pool = pools.setdefault(worker.port, Pool(LOOPBACK, worker.port,
-                                                              max_connections=1))  # fmt: skip
+                    pool = pools.setdefault(
+                        worker.port, Pool(LOOPBACK, worker.port, max_connections=1)
+                    )
                     predictions = {m: await prediction(pool, m) for m in self._models}
-                    slow = slow_models(predictions, self.config.hedge_lane_ms,
-                                       self.config.hedge_models)  # fmt: skip
+                    slow = slow_models(
+                        predictions, self.config.hedge_lane_ms, self.config.hedge_models
+                    )
                     if slow != self.slow:
                         log.info("the hedging lane takes %s", ", ".join(sorted(slow)) or "none")
                         self.slow = slow

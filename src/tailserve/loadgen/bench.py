@@ -108,12 +108,14 @@ def run_bench(
         step = Step.of(rate, result)
         search.record(step)
         passed = step.passes(slo, search.min_achieved)
-        document["steps"].append({**result["overall"], "rate": rate, "passes": passed,
-                                  "behind": step.behind})  # fmt: skip
+        document["steps"].append(
+            {**result["overall"], "rate": rate, "passes": passed, "behind": step.behind}
+        )
         results.append((rate, result))
         index += 1
-    passing = [(rate, r) for (rate, r), s in zip(results, document["steps"], strict=True)
-               if s["passes"]]  # fmt: skip
+    passing = [
+        (rate, r) for (rate, r), s in zip(results, document["steps"], strict=True) if s["passes"]
+    ]
     best = max(passing, key=lambda item: item[0]) if passing else results[-1]
     document.update(best[1])
     document["capacity"] = {
@@ -143,10 +145,15 @@ def run_step(
     if workload.processes == 1:
         plan = build_plan(workload, model_config, host)
         printer = Progress(plan, slo, progress) if progress is not None else None
-        runner = Runner(plan, target.host, target.port,
-                        connections=workload.connections, timeout_s=workload.options.timeout_s,
-                        on_tick=printer.add if printer else None,
-                        fine_timer=workload.timer == "fine")  # fmt: skip
+        runner = Runner(
+            plan,
+            target.host,
+            target.port,
+            connections=workload.connections,
+            timeout_s=workload.options.timeout_s,
+            on_tick=printer.add if printer else None,
+            fine_timer=workload.timer == "fine",
+        )
         # The plan leaves the collector's reach: a full collection over it (13 ms) stalled
         # the sender, and counted against the server.
         freeze_held()
@@ -158,8 +165,9 @@ def run_step(
             printer.finish()
     else:
         plan, samples, cpu_s, wall = _run_processes(workload, model_config, target, progress)
-    result = summarize(samples, class_names=plan.class_names, warmup_s=plan.warmup_s,
-                       end_s=plan.end_s, slo_ms=slo)  # fmt: skip
+    result = summarize(
+        samples, class_names=plan.class_names, warmup_s=plan.warmup_s, end_s=plan.end_s, slo_ms=slo
+    )
     result["generator"] = generator_account(
         samples, slo_ms=slo, cpu_s=cpu_s, wall_s=wall, processes=workload.processes
     )
@@ -189,16 +197,14 @@ def _run_processes(
     raw = msgspec.to_builtins(workload)
     children = []
     for index in range(count):
-        args = (raw, model_config, target.host, target.port, index, count, messages, go,
-                start_at)  # fmt: skip
+        args = (raw, model_config, target.host, target.port, index, count, messages, go, start_at)
         children.append(
             context.Process(target=_child, args=args, name=f"bench-{index}", daemon=True)
         )
     for child in children:
         child.start()
     try:
-        return _gather(workload, model_config, target, children, messages, go, start_at,
-                       progress)  # fmt: skip
+        return _gather(workload, model_config, target, children, messages, go, start_at, progress)
     finally:
         for child in children:
             child.join(timeout=5)
@@ -275,9 +281,15 @@ def _child(
         def tick(report: Tick) -> None:
             messages.put(("tick", index, report))
 
-        runner = Runner(plan, host, port, connections=workload.connections,
-                        timeout_s=workload.options.timeout_s, on_tick=tick,
-                        fine_timer=workload.timer == "fine")  # fmt: skip
+        runner = Runner(
+            plan,
+            host,
+            port,
+            connections=workload.connections,
+            timeout_s=workload.options.timeout_s,
+            on_tick=tick,
+            fine_timer=workload.timer == "fine",
+        )
         freeze_held()
         messages.put(("ready", index, None))
         go.wait()

@@ -33,8 +33,13 @@ class Step:
     def of(cls, rate: float, result: dict[str, Any]) -> Step:
         """The step a run at ``rate`` made: from its result document (`loadgen.bench`)."""
         overall = result["overall"]
-        return cls(rate, overall["achieved_rps"], overall["p99_ms"] or 0.0, overall["errors"],
-                   behind=bool(result["generator"]["behind"]))  # fmt: skip
+        return cls(
+            rate,
+            overall["achieved_rps"],
+            overall["p99_ms"] or 0.0,
+            overall["errors"],
+            behind=bool(result["generator"]["behind"]),
+        )
 
     def passes(self, slo_ms: float, min_achieved: float) -> bool:
         return (

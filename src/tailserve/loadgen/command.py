@@ -62,14 +62,19 @@ def handle(args: argparse.Namespace) -> int:
         else:
             schedule = Schedule(kind=schedule.kind, rate=args.rate)
     workload = workload.with_overrides(
-        target=args.target, duration_s=args.duration, warmup_s=args.warmup,
-        processes=args.processes, connections=args.connections, schedule=schedule,
+        target=args.target,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        processes=args.processes,
+        connections=args.connections,
+        schedule=schedule,
         timer=args.timer,
-    )  # fmt: skip
+    )
     rates = _rates(args.rates)
     progress = None if args.quiet else sys.stderr
-    document = run_bench(workload, name=args.name, rates=rates,
-                         find_capacity=args.find_capacity, progress=progress)  # fmt: skip
+    document = run_bench(
+        workload, name=args.name, rates=rates, find_capacity=args.find_capacity, progress=progress
+    )
     if document["steps"]:
         print(report.steps_table(document["steps"]))
         print()

@@ -268,20 +268,28 @@ def _encode(
     parameters = _parameters(workload)
     if workload.protocol == "v2-json":
         inputs = [
-            {"name": f.name, "datatype": f.datatype, "shape": list(rows[f.name].shape),
-             "data": rows[f.name].reshape(-1).tolist()}
+            {
+                "name": f.name,
+                "datatype": f.datatype,
+                "shape": list(rows[f.name].shape),
+                "data": rows[f.name].reshape(-1).tolist(),
+            }
             for f in fields
-        ]  # fmt: skip
+        ]
         document: dict[str, Any] = {"inputs": inputs}
         if parameters:
             document["parameters"] = parameters
         return orjson.dumps(document), None
     raws = [to_binary(rows[f.name]) for f in fields]
     inputs = [
-        {"name": f.name, "datatype": f.datatype, "shape": list(rows[f.name].shape),
-         "parameters": {"binary_data_size": len(raw)}}
+        {
+            "name": f.name,
+            "datatype": f.datatype,
+            "shape": list(rows[f.name].shape),
+            "parameters": {"binary_data_size": len(raw)},
+        }
         for f, raw in zip(fields, raws, strict=True)
-    ]  # fmt: skip
+    ]
     header: dict[str, Any] = {
         "inputs": inputs,
         **({"parameters": parameters} if parameters else {}),

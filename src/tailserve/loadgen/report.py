@@ -121,13 +121,24 @@ def plots(results: Sequence[dict[str, Any]]) -> dict[str, bytes]:
         steps = sorted(result.get("steps") or [result["overall"]], key=lambda s: s["offered_rps"])
         offered = [s["offered_rps"] for s in steps]
         for key, style in (("p50_ms", ":"), ("p99_ms", "-"), ("p999_ms", "--")):
-            axis.plot(offered, [s.get(key) for s in steps], style, marker="o", color=colour,
-                      markersize=3, label=f"{result.get('name', '')} {key[:-3]}")  # fmt: skip
+            axis.plot(
+                offered,
+                [s.get(key) for s in steps],
+                style,
+                marker="o",
+                color=colour,
+                markersize=3,
+                label=f"{result.get('name', '')} {key[:-3]}",
+            )
     slo = results[0].get("workload", {}).get("slo", {}).get("p99_ms")
     if slo:
         axis.axhline(slo, color="grey", linewidth=0.8)
-    axis.set(xlabel="offered load (req/s)", ylabel="latency (ms)", yscale="log",
-             title="Latency percentiles against offered load")  # fmt: skip
+    axis.set(
+        xlabel="offered load (req/s)",
+        ylabel="latency (ms)",
+        yscale="log",
+        title="Latency percentiles against offered load",
+    )
     axis.legend(fontsize=7)
     images["latency_vs_load.png"] = _png(figure)
 
@@ -139,8 +150,12 @@ def plots(results: Sequence[dict[str, Any]]) -> dict[str, bytes]:
             # x: the "nines" of the percentile, so the tail gets the room it deserves
             nines = [1.0 / max(1e-6, 1.0 - p / 100.0) for p in percentiles]
             axis.plot(nines, latency, color=colour, label=result.get("name", ""))
-    axis.set(xscale="log", xlabel="percentile", ylabel="latency (ms)",
-             title="Latency by percentile (CDF)")  # fmt: skip
+    axis.set(
+        xscale="log",
+        xlabel="percentile",
+        ylabel="latency (ms)",
+        title="Latency by percentile (CDF)",
+    )
     ticks = [1, 2, 10, 100, 1000, 10000]
     axis.set_xticks(ticks, ["0", "50", "90", "99", "99.9", "99.99"])
     axis.legend(fontsize=7)
@@ -153,10 +168,10 @@ def plots(results: Sequence[dict[str, Any]]) -> dict[str, bytes]:
         name = result.get("name", "")
         top.plot(t, [p.get("p99_ms") for p in timeline], color=colour, label=f"{name} p99")
         top.plot(t, [p.get("p50_ms") for p in timeline], ":", color=colour, label=f"{name} p50")
-        bottom.plot(t, [p.get("completed") for p in timeline], color=colour,
-                    label=f"{name} completed/s")  # fmt: skip
-        bottom.plot(t, [p.get("sent") for p in timeline], ":", color=colour,
-                    label=f"{name} sent/s")  # fmt: skip
+        bottom.plot(
+            t, [p.get("completed") for p in timeline], color=colour, label=f"{name} completed/s"
+        )
+        bottom.plot(t, [p.get("sent") for p in timeline], ":", color=colour, label=f"{name} sent/s")
     top.set(ylabel="latency (ms)", title="Latency and throughput over time")
     bottom.set(xlabel="seconds", ylabel="req/s")
     top.legend(fontsize=7)

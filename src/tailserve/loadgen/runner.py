@@ -74,8 +74,9 @@ class Samples:
 
     @classmethod
     def merge(cls, parts: list[Samples]) -> Samples:
-        merged = cls(**{name: np.concatenate([getattr(p, name) for p in parts])
-                        for name in cls.__slots__})  # fmt: skip
+        merged = cls(
+            **{name: np.concatenate([getattr(p, name) for p in parts]) for name in cls.__slots__}
+        )
         order = np.argsort(merged.intended, kind="stable")
         return cls(**{name: getattr(merged, name)[order] for name in cls.__slots__})
 
@@ -216,10 +217,12 @@ class _State:
         else:
             self.errors += 1
             samples.status[i] = (
-                TIMEOUT if isinstance(result, UpstreamTimeout)
-                else CONNECT if isinstance(result, ConnectFailed)
+                TIMEOUT
+                if isinstance(result, UpstreamTimeout)
+                else CONNECT
+                if isinstance(result, ConnectFailed)
                 else LOST
-            )  # fmt: skip
+            )
         if self.runner.on_tick is not None:
             self.recent.append(now - min(samples.intended[i], samples.dispatched[i]))
         self.completed += 1

@@ -157,14 +157,16 @@ def timeline(samples: Samples, end_s: float, bin_s: float = 1.0) -> list[dict[st
         p50 = p99 = None
         if len(chosen):
             p50, p99 = (float(v) for v in np.percentile(chosen, [50, 99]))
-        points.append({
-            "t": b * bin_s,
-            "sent": float(sent[b] / width),
-            "completed": float(completed[b] / width),
-            "errors": int(errors[b]),
-            "p50_ms": p50,
-            "p99_ms": p99,
-        })  # fmt: skip
+        points.append(
+            {
+                "t": b * bin_s,
+                "sent": float(sent[b] / width),
+                "completed": float(completed[b] / width),
+                "errors": int(errors[b]),
+                "p50_ms": p50,
+                "p99_ms": p99,
+            }
+        )
     return points
 
 

@@ -139,8 +139,11 @@ def _libc() -> ctypes.CDLL | None:
         return None
     libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.timerfd_settime.argtypes = [
-        ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Itimerspec), ctypes.c_void_p,
-    ]  # fmt: skip
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(_Itimerspec),
+        ctypes.c_void_p,
+    ]
     return libc
 
 

@@ -33,9 +33,30 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Seconds: from 100 µs to 10 s, dense where a p99 of tens of milliseconds lives.
 LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
-    0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -170,13 +191,15 @@ class _CacheStateCollector(Collector):
         memo = self._metrics.reply_memo
         if memo is not None:
             yield GaugeMetricFamily(
-                "tailserve_cache_reply_memo_entries", "Encoded replies kept (cache/replies.py).",
+                "tailserve_cache_reply_memo_entries",
+                "Encoded replies kept (cache/replies.py).",
                 value=len(memo),
-            )  # fmt: skip
+            )
             yield GaugeMetricFamily(
-                "tailserve_cache_reply_memo_bytes", "Bytes of encoded replies kept.",
+                "tailserve_cache_reply_memo_bytes",
+                "Bytes of encoded replies kept.",
                 value=memo.bytes,
-            )  # fmt: skip
+            )
             yield CounterMetricFamily(
                 "tailserve_cache_reply_memo_hits",
                 "Requests answered with a kept reply (each also counts as an L1 hit).",
@@ -296,12 +319,25 @@ class Metrics:
             ["operation", "reason"],
         )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
-            self.request_latency, self.requests, self.queue_time, self.compute_time,
-            self.batch_size, self.batch_time, self.batch_predicted, self.rejected,
-            self.deadline_misses, self.loop_lag, self.gc_full_pause, self.cache_lookups,
-            self.cache_computations, self.cache_coalesced, self.cache_evictions,
-            self.cache_l2_latency, self.cache_l2_skipped, self.feature_lookups,
-        ]  # fmt: skip
+            self.request_latency,
+            self.requests,
+            self.queue_time,
+            self.compute_time,
+            self.batch_size,
+            self.batch_time,
+            self.batch_predicted,
+            self.rejected,
+            self.deadline_misses,
+            self.loop_lag,
+            self.gc_full_pause,
+            self.cache_lookups,
+            self.cache_computations,
+            self.cache_coalesced,
+            self.cache_evictions,
+            self.cache_l2_latency,
+            self.cache_l2_skipped,
+            self.feature_lookups,
+        ]
         self.registry.register(_LoopCollector(loop_metrics))
         # Set by the worker: the cost model of each (model, version, cost class).
         self.cost_source: Callable[[], Iterable[CostRow]] | None = None

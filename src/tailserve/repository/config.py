@@ -264,8 +264,10 @@ def _check(config: ModelConfig, source: str) -> None:
         raise fail("instances.count", "must be >= 1")
     for i, provider in enumerate(config.instances.providers):
         if provider.lower() not in PROVIDERS:
-            raise fail(f"instances.providers[{i}]", f"unknown provider {provider!r} "
-                       f"(known: {', '.join(PROVIDERS)})")  # fmt: skip
+            raise fail(
+                f"instances.providers[{i}]",
+                f"unknown provider {provider!r} (known: {', '.join(PROVIDERS)})",
+            )
     if config.instances.intra_op_threads < 0:
         raise fail("instances.intra_op_threads", "must be >= 0 (0: the runtime decides)")
     if not 0 <= config.instances.inline_below_ms <= 10:
@@ -346,8 +348,10 @@ def _check_batching(config: ModelConfig, fail: Any) -> None:
             if spec is None:
                 raise fail("batching.cost.by", f"{rule.by!r} is neither 'rows' nor an input")
             if spec.shape.count(-1) != 1:
-                raise fail("batching.cost.by", f"input {rule.by!r} needs exactly one variable "
-                           "dimension (-1) in its shape")  # fmt: skip
+                raise fail(
+                    "batching.cost.by",
+                    f"input {rule.by!r} needs exactly one variable dimension (-1) in its shape",
+                )
         if rule.edges != "auto" and (
             not rule.edges
             or any(e < 1 for e in rule.edges)
@@ -357,5 +361,7 @@ def _check_batching(config: ModelConfig, fail: Any) -> None:
     if batching.pad_value is not None:
         padded = cost_rule(config)
         if padded is None or padded.by == "rows":
-            raise fail("batching.pad_value", "padding needs one variable-length input to pad: "
-                       "set batching.cost.by to it")  # fmt: skip
+            raise fail(
+                "batching.pad_value",
+                "padding needs one variable-length input to pad: set batching.cost.by to it",
+            )

@@ -33,9 +33,19 @@ from tailserve.router.metrics import CONTENT_TYPE
 # Not forwarded either way: they describe one connection, not the request (RFC 9110 7.6.1),
 # or the router sets them itself.
 _HOP = frozenset(
-    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
-     b"upgrade", b"trailer", b"content-length", b"expect", b"x-deadline-ms")
-)  # fmt: skip
+    (
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"upgrade",
+        b"trailer",
+        b"content-length",
+        b"expect",
+        b"x-deadline-ms",
+    )
+)
 _REPLY_HOP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server")
 )
@@ -135,10 +145,14 @@ class RouterApp:
             else:
                 key = body_key(request.raw_body, _binary_header_length(request))
         return await dispatcher.request(
-            target.model, framer(request), key=key, cost=cost_class(len(request.raw_body)),
-            deadline_s=deadline_of(request), idempotent=request.method in ("GET", "HEAD"),
+            target.model,
+            framer(request),
+            key=key,
+            cost=cost_class(len(request.raw_body)),
+            deadline_s=deadline_of(request),
+            idempotent=request.method in ("GET", "HEAD"),
             hedge=target.infer,
-        )  # fmt: skip
+        )
 
     async def _broadcast(self, request: HttpRequest) -> Outcome:
         """Repository load/unload: every backend does it; the worst answer is the reply."""
@@ -219,8 +233,7 @@ def _raw_path(request: HttpRequest) -> str:
 
 
 def _reply_headers(outcome: Outcome) -> Headers:
-    headers = [(name, value) for name, value in outcome.headers
-               if name.lower() not in _REPLY_HOP]  # fmt: skip
+    headers = [(name, value) for name, value in outcome.headers if name.lower() not in _REPLY_HOP]
     if outcome.backend is not None:
         headers.append((b"x-tailserve-replica", outcome.backend.encode()))
         if outcome.hedged:

@@ -24,13 +24,24 @@ def add_parser(commands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    route.add_argument("--backend", action="append", default=[], metavar="URL",
-                       help="a worker's URL (repeat for each)")  # fmt: skip
+    route.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a worker's URL (repeat for each)",
+    )
     route.add_argument("--backends-file", metavar="FILE", help="file of worker URLs, watched")
-    route.add_argument("--backends-dns", metavar="HOST:PORT",
-                       help="a name whose every address is a worker (re-resolved)")  # fmt: skip
-    route.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (127.0.0.1: behind the front door)")  # fmt: skip
+    route.add_argument(
+        "--backends-dns",
+        metavar="HOST:PORT",
+        help="a name whose every address is a worker (re-resolved)",
+    )
+    route.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: behind the front door)",
+    )
     route.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
     route.add_argument(
         "--grpc-port", type=int, default=8081, help="gRPC port, sent on over HTTP (8081; 0: none)"
@@ -43,15 +54,26 @@ def add_parser(commands: Any) -> None:
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     """The routing policy's options, the same for `route` and `up`."""
-    parser.add_argument("--balance", choices=BALANCERS, default="p2c",
-                        help="how a replica is chosen (p2c)")  # fmt: skip
-    parser.add_argument("--model-balance", action="append", default=[], metavar="MODEL=POLICY",
-                        help="another policy for one model (repeat)")  # fmt: skip
+    parser.add_argument(
+        "--balance", choices=BALANCERS, default="p2c", help="how a replica is chosen (p2c)"
+    )
+    parser.add_argument(
+        "--model-balance",
+        action="append",
+        default=[],
+        metavar="MODEL=POLICY",
+        help="another policy for one model (repeat)",
+    )
     parser.add_argument("--no-hedge", action="store_true", help="never hedge requests")
-    parser.add_argument("--hedge-ratio", type=float, default=0.05,
-                        help="most extra copies hedging may send, per request (0.05)")  # fmt: skip
-    parser.add_argument("--max-in-flight", type=int, default=64,
-                        help="requests in flight a worker may hold (64)")  # fmt: skip
+    parser.add_argument(
+        "--hedge-ratio",
+        type=float,
+        default=0.05,
+        help="most extra copies hedging may send, per request (0.05)",
+    )
+    parser.add_argument(
+        "--max-in-flight", type=int, default=64, help="requests in flight a worker may hold (64)"
+    )
     parser.add_argument(
         "--eject-latency-factor",
         type=float,
@@ -64,13 +86,26 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.02,
         help="eject a worker this share of whose requests keep losing to hedges (0.02; 0: never)",
     )
-    parser.add_argument("--decision-sample", type=float, default=0.0,
-                        help="fraction of routing decisions to log (0)")  # fmt: skip
-    parser.add_argument("--keep-alive", type=float, default=75.0, dest="keep_alive_s",
-                        help="close a client's connection idle this long (75 s)")  # fmt: skip
-    parser.add_argument("--read-timeout", type=float, default=30.0, dest="read_timeout_s",
-                        help="408 to a request whose head or body stops coming this long "
-                             "(30 s)")  # fmt: skip
+    parser.add_argument(
+        "--decision-sample",
+        type=float,
+        default=0.0,
+        help="fraction of routing decisions to log (0)",
+    )
+    parser.add_argument(
+        "--keep-alive",
+        type=float,
+        default=75.0,
+        dest="keep_alive_s",
+        help="close a client's connection idle this long (75 s)",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        dest="read_timeout_s",
+        help="408 to a request whose head or body stops coming this long (30 s)",
+    )
 
 
 def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:

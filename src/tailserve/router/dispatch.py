@@ -165,9 +165,24 @@ class Exchange:
     """One request's life across its copies. `cancel` withdraws every copy (the client left)."""
 
     __slots__ = (
-        "_d", "_policy", "_timer", "balancer", "deadline", "done", "frame", "has_deadline",
-        "idempotent", "key", "live", "model", "on_done", "pool", "retried", "started", "tried",
-    )  # fmt: skip
+        "_d",
+        "_policy",
+        "_timer",
+        "balancer",
+        "deadline",
+        "done",
+        "frame",
+        "has_deadline",
+        "idempotent",
+        "key",
+        "live",
+        "model",
+        "on_done",
+        "pool",
+        "retried",
+        "started",
+        "tried",
+    )
 
     def __init__(
         self,
@@ -337,9 +352,14 @@ class Exchange:
             return
         status = 504 if isinstance(result, UpstreamError) and _is_timeout(result) else 502
         self._finish(
-            Outcome(status, _json_headers(), _error(result.message), attempts=len(self.tried),
-                    reason="upstream")
-        )  # fmt: skip
+            Outcome(
+                status,
+                _json_headers(),
+                _error(result.message),
+                attempts=len(self.tried),
+                reason="upstream",
+            )
+        )
 
     def _tells(self, backend: Backend, latency_s: float) -> bool:
         """Whether a timeout (the router's, or a worker's 504) after ``latency_s`` is evidence
@@ -378,9 +398,15 @@ class Exchange:
             self._withdraw(other, "lost")
         self.live.clear()
         self._finish(
-            Outcome(response.status, response.headers, response.body, attempt.upstream.backend.id,
-                    hedged=attempt.kind == "hedge", attempts=len(self.tried))
-        )  # fmt: skip
+            Outcome(
+                response.status,
+                response.headers,
+                response.body,
+                attempt.upstream.backend.id,
+                hedged=attempt.kind == "hedge",
+                attempts=len(self.tried),
+            )
+        )
 
     def _note_overtaken(self, winner: _Attempt) -> None:
         """Whether the first copy's replica was beaten by a hedge (see Pool.suspect)."""
@@ -672,9 +698,18 @@ class Dispatcher:
         policy = self.hedge_policy(model, cost) if hedge else None
         budget = deadline_s if deadline_s is not None else self.config.request_timeout_s
         exchange = Exchange(
-            self, model, pool, self.balancer_for(model), key, policy, frame,
-            self.loop.time() + budget, deadline_s is not None, idempotent, on_done,
-        )  # fmt: skip
+            self,
+            model,
+            pool,
+            self.balancer_for(model),
+            key,
+            policy,
+            frame,
+            self.loop.time() + budget,
+            deadline_s is not None,
+            idempotent,
+            on_done,
+        )
         exchange.start()
         return exchange
 
@@ -697,9 +732,15 @@ class Dispatcher:
                 future.set_result(outcome)
 
         exchange = self.dispatch(
-            model=model, frame=frame, on_done=done, key=key, cost=cost, deadline_s=deadline_s,
-            idempotent=idempotent, hedge=hedge,
-        )  # fmt: skip
+            model=model,
+            frame=frame,
+            on_done=done,
+            key=key,
+            cost=cost,
+            deadline_s=deadline_s,
+            idempotent=idempotent,
+            hedge=hedge,
+        )
         try:
             return await future
         except asyncio.CancelledError:
@@ -711,9 +752,11 @@ class Dispatcher:
         if ejection is not None:
             self.metrics.ejections.inc(ejection.backend_id, ejection.reason)
             log.warning(
-                "ejected %s for %.1f s (%s)", ejection.backend_id, ejection.backoff_s,
+                "ejected %s for %.1f s (%s)",
+                ejection.backend_id,
+                ejection.backoff_s,
                 ejection.reason,
-            )  # fmt: skip
+            )
         self.settle(upstream)
 
     def log_decision(self, exchange: Exchange, chosen: Backend, kind: str, now: float) -> None:

@@ -152,12 +152,22 @@ def render(
     ]
     for model, slo_ms in named.items():
         lines += _backend(
-            f"m.{model}", members, policy.policy_of(model), policy, f"/v2/models/{model}/ready",
+            f"m.{model}",
+            members,
+            policy.policy_of(model),
+            policy,
+            f"/v2/models/{model}/ready",
             queue_ms=slo_ms * policy.queue_share,
-        )  # fmt: skip
+        )
     fallback_slo = max(named.values(), default=1000.0)
-    lines += _backend("workers", members, policy.balance, policy, "/v2/health/ready",
-                      queue_ms=fallback_slo * policy.queue_share)  # fmt: skip
+    lines += _backend(
+        "workers",
+        members,
+        policy.balance,
+        policy,
+        "/v2/health/ready",
+        queue_ms=fallback_slo * policy.queue_share,
+    )
     if listen.lane_port:
         lines += [
             "backend lane",

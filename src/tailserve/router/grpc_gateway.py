@@ -78,8 +78,14 @@ def http_request(message: Any) -> tuple[bytes, int]:
         data = raw[index] if raw else to_binary(typed_array(tensor))
         shape = list(tensor.shape)
         parameters = {**parameters_of(tensor.parameters), "binary_data_size": len(data)}
-        inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": shape,
-                       "parameters": parameters})  # fmt: skip
+        inputs.append(
+            {
+                "name": tensor.name,
+                "datatype": tensor.datatype,
+                "shape": shape,
+                "parameters": parameters,
+            }
+        )
         chunks.append(data)
     document: dict[str, Any] = {"inputs": inputs}
     if message.id:
@@ -137,8 +143,11 @@ def _model_path(name: str, version: str) -> str:
 
 
 def _reply_metadata(outcome: Outcome) -> list[tuple[str, str]]:
-    metadata = [(name.decode("latin-1"), value.decode("latin-1"))
-                for name, value in outcome.headers if name.lower() in _PASSED]  # fmt: skip
+    metadata = [
+        (name.decode("latin-1"), value.decode("latin-1"))
+        for name, value in outcome.headers
+        if name.lower() in _PASSED
+    ]
     if outcome.backend is not None:
         metadata.append(("x-tailserve-replica", outcome.backend))
         if outcome.hedged:
@@ -148,8 +157,11 @@ def _reply_metadata(outcome: Outcome) -> list[tuple[str, str]]:
 
 async def _refuse(context: grpc.aio.ServicerContext, outcome: Outcome) -> None:
     """Abort the call with the reply's status and message (raises)."""
-    trailing = [("retry-after", value.decode("latin-1"))
-                for name, value in outcome.headers if name.lower() == b"retry-after"]  # fmt: skip
+    trailing = [
+        ("retry-after", value.decode("latin-1"))
+        for name, value in outcome.headers
+        if name.lower() == b"retry-after"
+    ]
     await context.abort(code_of(outcome.status), error_message(outcome.body), tuple(trailing))
 
 
@@ -179,9 +191,10 @@ class Gateway:
             await _refuse(context, outcome)
         document = orjson.loads(outcome.body)
         return schema.ServerMetadataResponse(
-            name=document.get("name", ""), version=document.get("version", ""),
+            name=document.get("name", ""),
+            version=document.get("version", ""),
             extensions=list(document.get("extensions", [])),
-        )  # fmt: skip
+        )
 
     async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         outcome = await self._get(request.name, _model_path(request.name, request.version), context)
@@ -189,9 +202,10 @@ class Gateway:
             await _refuse(context, outcome)
         document = orjson.loads(outcome.body)
         message = schema.ModelMetadataResponse(
-            name=document.get("name", ""), versions=document.get("versions", []),
+            name=document.get("name", ""),
+            versions=document.get("versions", []),
             platform=document.get("platform", ""),
-        )  # fmt: skip
+        )
         for side in ("inputs", "outputs"):
             for spec in document.get(side, []):
                 getattr(message, side).add(
@@ -207,14 +221,19 @@ class Gateway:
         try:
             body, header_length = http_request(request)
             dispatcher = router.dispatcher
-            headers = [("content-type", "application/octet-stream"),
-                       ("inference-header-content-length", str(header_length))]  # fmt: skip
+            headers = [
+                ("content-type", "application/octet-stream"),
+                ("inference-header-content-length", str(header_length)),
+            ]
             path = _model_path(model, request.model_version) + "/infer"
             outcome = await dispatcher.request(
-                model, request_framer("POST", path, body, headers),
+                model,
+                request_framer("POST", path, body, headers),
                 key=body_key(body, header_length) if dispatcher.wants_key(model) else None,
-                cost=cost_class(len(body)), deadline_s=time_left_s(context), hedge=True,
-            )  # fmt: skip
+                cost=cost_class(len(body)),
+                deadline_s=time_left_s(context),
+                hedge=True,
+            )
             status = outcome.status
             if status != 200:
                 await _refuse(context, outcome)

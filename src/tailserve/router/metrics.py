@@ -32,9 +32,10 @@ class _BackendCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
-            "tailserve_router_backend_in_flight", "Requests in flight to each backend.",
+            "tailserve_router_backend_in_flight",
+            "Requests in flight to each backend.",
             labels=["backend"],
-        )  # fmt: skip
+        )
         latency = GaugeMetricFamily(
             "tailserve_router_backend_latency_seconds",
             "EWMA of each backend's reply latency (what p2c weighs).",
@@ -59,9 +60,10 @@ class RouterMetrics:
     def __init__(self, backends: Callable[[], Iterable[Backend]]) -> None:
         self.registry = CollectorRegistry()
         self.requests = LoopCounter(
-            "tailserve_router_requests", "Requests answered by the router, by status.",
+            "tailserve_router_requests",
+            "Requests answered by the router, by status.",
             ["model", "status"],
-        )  # fmt: skip
+        )
         self.latency = LoopHistogram(
             "tailserve_router_request_duration_seconds",
             "Time from a request's arrival at the router to its reply.",
@@ -92,15 +94,23 @@ class RouterMetrics:
             ["model", "reason"],
         )
         self.ejections = LoopCounter(
-            "tailserve_router_ejections", "Outlier ejections by backend and reason.",
+            "tailserve_router_ejections",
+            "Outlier ejections by backend and reason.",
             ["backend", "reason"],
-        )  # fmt: skip
+        )
         self.registry.register(
             _LoopCollector(
-                [self.requests, self.latency, self.attempts, self.hedges, self.retries,
-                 self.shed, self.ejections]
+                [
+                    self.requests,
+                    self.latency,
+                    self.attempts,
+                    self.hedges,
+                    self.retries,
+                    self.shed,
+                    self.ejections,
+                ]
             )
-        )  # fmt: skip
+        )
         self.registry.register(_BackendCollector(backends))
 
     def render(self) -> bytes:

@@ -84,9 +84,11 @@ class Router:
         self.port = self._http.port
         log.info(
             "router on %s: %d backends, policy %s, hedging %s",
-            self.url, len(dispatcher.upstreams), config.balance,
+            self.url,
+            len(dispatcher.upstreams),
+            config.balance,
             "on" if config.hedge else "off",
-        )  # fmt: skip
+        )
         await self._start_grpc()
         # What the router holds for its life (modules, the dispatcher, the gRPC stack) leaves
         # the collector's generations: a full collection over it stalled every request in
@@ -104,9 +106,13 @@ class Router:
             return Gateway(self).handlers()
 
         port = self.config.grpc_port
-        self._grpc = await serve_or_log(build, self.config.host, port,
-                                        max_message_bytes=self.config.max_body_bytes,
-                                        what="router")  # fmt: skip
+        self._grpc = await serve_or_log(
+            build,
+            self.config.host,
+            port,
+            max_message_bytes=self.config.max_body_bytes,
+            what="router",
+        )
         if self._grpc is None:
             return
         self.grpc_port = port

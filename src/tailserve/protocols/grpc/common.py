@@ -34,13 +34,18 @@ _CODES = {
 # Which typed ``contents`` field carries each datatype.
 _CONTENTS = {
     "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
     "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
     "UINT64": "uint64_contents",
-    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
-}  # fmt: skip
+}
 
 
 def code_of(status: int) -> grpc.StatusCode:
@@ -173,13 +178,17 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         "ModelMetadata": (servicer.model_metadata, schema.ModelMetadataRequest),
         "ModelInfer": (servicer.model_infer, schema.ModelInferRequest),
     }
-    return grpc.method_handlers_generic_handler(schema.SERVICE, {
-        name: grpc.unary_unary_rpc_method_handler(
-            _guarded(handler), request_deserializer=_parser(kind),
-            response_serializer=lambda message: message.SerializeToString(),
-        )
-        for name, (handler, kind) in methods.items()
-    })  # fmt: skip
+    return grpc.method_handlers_generic_handler(
+        schema.SERVICE,
+        {
+            name: grpc.unary_unary_rpc_method_handler(
+                _guarded(handler),
+                request_deserializer=_parser(kind),
+                response_serializer=lambda message: message.SerializeToString(),
+            )
+            for name, (handler, kind) in methods.items()
+        },
+    )
 
 
 async def start(

@@ -26,8 +26,15 @@ _FLOAT, _DOUBLE = _F.TYPE_FLOAT, _F.TYPE_DOUBLE
 Field = tuple[str, int, int, bool, str | None, int | None]
 
 
-def _f(name: str, number: int, kind: int, *, repeated: bool = False, message: str | None = None,
-       oneof: int | None = None) -> Field:  # fmt: skip
+def _f(
+    name: str,
+    number: int,
+    kind: int,
+    *,
+    repeated: bool = False,
+    message: str | None = None,
+    oneof: int | None = None,
+) -> Field:
     return (name, number, kind, repeated, message, oneof)
 
 
@@ -37,9 +44,14 @@ def _parameters(number: int, owner: str) -> Field:
 
 
 def _message(
-    proto: Any, name: str, fields: list[Field], *, oneofs: tuple[str, ...] = (),
-    map_entry: bool = False, nested: tuple[tuple[str, list[Field]], ...] = (),
-) -> None:  # fmt: skip
+    proto: Any,
+    name: str,
+    fields: list[Field],
+    *,
+    oneofs: tuple[str, ...] = (),
+    map_entry: bool = False,
+    nested: tuple[tuple[str, list[Field]], ...] = (),
+) -> None:
     message = proto.add()
     message.name = name
     if map_entry:
@@ -75,62 +87,113 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     named = [_f("name", 1, _STRING), _f("version", 2, _STRING)]
     _message(m, "ModelReadyRequest", named)
     _message(m, "ModelReadyResponse", [_f("ready", 1, _BOOL)])
-    _message(m, "ServerMetadataResponse", [
-        _f("name", 1, _STRING), _f("version", 2, _STRING),
-        _f("extensions", 3, _STRING, repeated=True),
-    ])  # fmt: skip
+    _message(
+        m,
+        "ServerMetadataResponse",
+        [
+            _f("name", 1, _STRING),
+            _f("version", 2, _STRING),
+            _f("extensions", 3, _STRING, repeated=True),
+        ],
+    )
     _message(m, "ModelMetadataRequest", named)
     tensor_metadata = [
-        _f("name", 1, _STRING), _f("datatype", 2, _STRING),
+        _f("name", 1, _STRING),
+        _f("datatype", 2, _STRING),
         _f("shape", 3, _INT64, repeated=True),
-    ]  # fmt: skip
-    _message(m, "ModelMetadataResponse", [
-        _f("name", 1, _STRING), _f("versions", 2, _STRING, repeated=True),
-        _f("platform", 3, _STRING),
-        _f("inputs", 4, _MESSAGE, repeated=True, message="ModelMetadataResponse.TensorMetadata"),
-        _f("outputs", 5, _MESSAGE, repeated=True, message="ModelMetadataResponse.TensorMetadata"),
-    ], nested=(("TensorMetadata", tensor_metadata),))  # fmt: skip
-    _message(m, "InferParameter", [
-        _f("bool_param", 1, _BOOL, oneof=0), _f("int64_param", 2, _INT64, oneof=0),
-        _f("string_param", 3, _STRING, oneof=0), _f("double_param", 4, _DOUBLE, oneof=0),
-        _f("uint64_param", 5, _UINT64, oneof=0),
-    ], oneofs=("parameter_choice",))  # fmt: skip
-    _message(m, "InferTensorContents", [
-        _f("bool_contents", 1, _BOOL, repeated=True), _f("int_contents", 2, _INT32, repeated=True),
-        _f("int64_contents", 3, _INT64, repeated=True),
-        _f("uint_contents", 4, _UINT32, repeated=True),
-        _f("uint64_contents", 5, _UINT64, repeated=True),
-        _f("fp32_contents", 6, _FLOAT, repeated=True),
-        _f("fp64_contents", 7, _DOUBLE, repeated=True),
-        _f("bytes_contents", 8, _BYTES, repeated=True),
-    ])  # fmt: skip
+    ]
+    _message(
+        m,
+        "ModelMetadataResponse",
+        [
+            _f("name", 1, _STRING),
+            _f("versions", 2, _STRING, repeated=True),
+            _f("platform", 3, _STRING),
+            _f(
+                "inputs", 4, _MESSAGE, repeated=True, message="ModelMetadataResponse.TensorMetadata"
+            ),
+            _f(
+                "outputs",
+                5,
+                _MESSAGE,
+                repeated=True,
+                message="ModelMetadataResponse.TensorMetadata",
+            ),
+        ],
+        nested=(("TensorMetadata", tensor_metadata),),
+    )
+    _message(
+        m,
+        "InferParameter",
+        [
+            _f("bool_param", 1, _BOOL, oneof=0),
+            _f("int64_param", 2, _INT64, oneof=0),
+            _f("string_param", 3, _STRING, oneof=0),
+            _f("double_param", 4, _DOUBLE, oneof=0),
+            _f("uint64_param", 5, _UINT64, oneof=0),
+        ],
+        oneofs=("parameter_choice",),
+    )
+    _message(
+        m,
+        "InferTensorContents",
+        [
+            _f("bool_contents", 1, _BOOL, repeated=True),
+            _f("int_contents", 2, _INT32, repeated=True),
+            _f("int64_contents", 3, _INT64, repeated=True),
+            _f("uint_contents", 4, _UINT32, repeated=True),
+            _f("uint64_contents", 5, _UINT64, repeated=True),
+            _f("fp32_contents", 6, _FLOAT, repeated=True),
+            _f("fp64_contents", 7, _DOUBLE, repeated=True),
+            _f("bytes_contents", 8, _BYTES, repeated=True),
+        ],
+    )
 
     def tensor(owner: str) -> list[Field]:
         return [
-            _f("name", 1, _STRING), _f("datatype", 2, _STRING),
-            _f("shape", 3, _INT64, repeated=True), _parameters(4, owner),
+            _f("name", 1, _STRING),
+            _f("datatype", 2, _STRING),
+            _f("shape", 3, _INT64, repeated=True),
+            _parameters(4, owner),
             _f("contents", 5, _MESSAGE, message="InferTensorContents"),
-        ]  # fmt: skip
+        ]
 
     request_input = "ModelInferRequest.InferInputTensor"
     request_output = "ModelInferRequest.InferRequestedOutputTensor"
-    _message(m, "ModelInferRequest", [
-        _f("model_name", 1, _STRING), _f("model_version", 2, _STRING), _f("id", 3, _STRING),
-        _parameters(4, "ModelInferRequest"),
-        _f("inputs", 5, _MESSAGE, repeated=True, message=request_input),
-        _f("outputs", 6, _MESSAGE, repeated=True, message=request_output),
-        _f("raw_input_contents", 7, _BYTES, repeated=True),
-    ], nested=(
-        ("InferInputTensor", tensor(request_input)),
-        ("InferRequestedOutputTensor", [_f("name", 1, _STRING), _parameters(2, request_output)]),
-    ))  # fmt: skip
+    _message(
+        m,
+        "ModelInferRequest",
+        [
+            _f("model_name", 1, _STRING),
+            _f("model_version", 2, _STRING),
+            _f("id", 3, _STRING),
+            _parameters(4, "ModelInferRequest"),
+            _f("inputs", 5, _MESSAGE, repeated=True, message=request_input),
+            _f("outputs", 6, _MESSAGE, repeated=True, message=request_output),
+            _f("raw_input_contents", 7, _BYTES, repeated=True),
+        ],
+        nested=(
+            ("InferInputTensor", tensor(request_input)),
+            (
+                "InferRequestedOutputTensor",
+                [_f("name", 1, _STRING), _parameters(2, request_output)],
+            ),
+        ),
+    )
     response_output = "ModelInferResponse.InferOutputTensor"
-    _message(m, "ModelInferResponse", [
-        _f("model_name", 1, _STRING), _f("model_version", 2, _STRING), _f("id", 3, _STRING),
-        _parameters(4, "ModelInferResponse"),
-        _f("outputs", 5, _MESSAGE, repeated=True, message=response_output),
-        _f("raw_output_contents", 6, _BYTES, repeated=True),
-    ], nested=(("InferOutputTensor", tensor(response_output)),))  # fmt: skip
+    _message(
+        m,
+        "ModelInferResponse",
+        [
+            _f("model_name", 1, _STRING),
+            _f("model_version", 2, _STRING),
+            _f("id", 3, _STRING),
+            _parameters(4, "ModelInferResponse"),
+            _f("outputs", 5, _MESSAGE, repeated=True, message=response_output),
+            _f("raw_output_contents", 6, _BYTES, repeated=True),
+        ],
+        nested=(("InferOutputTensor", tensor(response_output)),),
+    )
     return proto
 
 

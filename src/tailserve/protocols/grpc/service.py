@@ -103,9 +103,10 @@ class InferenceService:
     async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         document = self.dataplane.server_metadata()
         return schema.ServerMetadataResponse(
-            name=document["name"], version=document["version"],
+            name=document["name"],
+            version=document["version"],
             extensions=list(document["extensions"]),
-        )  # fmt: skip
+        )
 
     async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         document = self.dataplane.model_metadata(request.name, request.version or None)

@@ -209,8 +209,9 @@ class HttpApp:
             return None
         memo.hits += 1
         if self._recorder is not None:
-            self._recorder.record(request.method, request.path, request.headers,
-                                  request.decoded_body())  # fmt: skip
+            self._recorder.record(
+                request.method, request.path, request.headers, request.decoded_body()
+            )
         return replay.status, replay.headers, replay.body
 
     def _authorize(self, request: HttpRequest) -> None:
@@ -265,8 +266,7 @@ class HttpApp:
             else:
                 del self._refusals[key]
         try:
-            request.screened = self.dataplane.shed(model, version, request.received_at,
-                                                   deadline_ms)  # fmt: skip
+            request.screened = self.dataplane.shed(model, version, request.received_at, deadline_ms)
         except DeadlineUnmeetable as exc:
             if not exc.reusable_until:
                 raise
@@ -358,8 +358,7 @@ class HttpApp:
         headers += _served_headers(response)
         if response.origin is not None and self._memo is not None and request.memo_key:
             view, key, value = response.origin
-            self._memo.put(request.memo_key,
-                           Replay(view.serial, key, value, 200, headers, payload))  # fmt: skip
+            self._memo.put(request.memo_key, Replay(view.serial, key, value, 200, headers, payload))
         return 200, headers, payload
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
@@ -399,8 +398,9 @@ class HttpApp:
     async def _invalidate(self, request: HttpRequest) -> Reply:
         options = await request.json()
         if not isinstance(options, dict):
-            raise InvalidInput('body must be an object: {"model": ..., "version": ...} or '
-                               '{"prefix": ...}')  # fmt: skip
+            raise InvalidInput(
+                'body must be an object: {"model": ..., "version": ...} or {"prefix": ...}'
+            )
         unknown = sorted(set(options) - {"model", "version", "prefix"})
         if unknown:
             raise InvalidInput(f"unknown field {unknown[0]!r} (known: model, version, prefix)")

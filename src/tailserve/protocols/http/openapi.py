@@ -20,8 +20,19 @@ _TENSOR = {
         "datatype": {
             "type": "string",
             "enum": [
-                "BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32",
-                "UINT64", "FP16", "FP32", "FP64", "BYTES",
+                "BOOL",
+                "INT8",
+                "INT16",
+                "INT32",
+                "INT64",
+                "UINT8",
+                "UINT16",
+                "UINT32",
+                "UINT64",
+                "FP16",
+                "FP32",
+                "FP64",
+                "BYTES",
             ],
         },
         "shape": {"type": "array", "items": {"type": "integer"}},
@@ -31,7 +42,7 @@ _TENSOR = {
             "description": "binary_data_size: bytes of this tensor after the JSON header.",
         },
     },
-}  # fmt: skip
+}
 _SCHEMAS: dict[str, Any] = {
     "Error": _ERROR,
     "Tensor": _TENSOR,
@@ -90,8 +101,12 @@ _SCHEMAS: dict[str, Any] = {
         },
     },
 }
-_BODIES = {"infer": "InferenceRequest", "records": "Records", "index": "IndexRequest",
-           "invalidate": "InvalidateRequest"}  # fmt: skip
+_BODIES = {
+    "infer": "InferenceRequest",
+    "records": "Records",
+    "index": "IndexRequest",
+    "invalidate": "InvalidateRequest",
+}
 _STATUS_TEXT = {
     "400": "Bad input; the message names the field or tensor.",
     "401": "Missing or wrong bearer token.",

@@ -15,10 +15,22 @@ from tailserve.errors import InvalidInput, PayloadTooLarge
 
 class HttpRequest:
     __slots__ = (
-        "disconnected", "error", "headers", "keep_alive", "max_body_bytes", "memo_key",
-        "method", "params", "path", "raw_body", "received_at", "route", "screened", "target",
+        "disconnected",
+        "error",
+        "headers",
+        "keep_alive",
+        "max_body_bytes",
+        "memo_key",
+        "method",
+        "params",
+        "path",
+        "raw_body",
+        "received_at",
+        "route",
+        "screened",
+        "target",
         "version",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,

@@ -120,12 +120,14 @@ class HttpServer:
         loop = self._loop = asyncio.get_running_loop()
         if sockets:
             for sock in sockets:
-                server = await loop.create_server(lambda: _Connection(self), sock=sock,
-                                                  backlog=backlog)  # fmt: skip
+                server = await loop.create_server(
+                    lambda: _Connection(self), sock=sock, backlog=backlog
+                )
                 self._servers.append(server)
         else:
-            server = await loop.create_server(lambda: _Connection(self), host, port,
-                                              reuse_address=True, backlog=backlog)  # fmt: skip
+            server = await loop.create_server(
+                lambda: _Connection(self), host, port, reuse_address=True, backlog=backlog
+            )
             self._servers.append(server)
         self._sweep()
 
@@ -335,12 +337,16 @@ class _Connection(HeadReading, asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = []
         request = HttpRequest(
-            parser.get_method().decode("latin-1"), self._url, self._headers, body,
-            received_at=self._started, max_body_bytes=self._server.max_body_bytes,
+            parser.get_method().decode("latin-1"),
+            self._url,
+            self._headers,
+            body,
+            received_at=self._started,
+            max_body_bytes=self._server.max_body_bytes,
             # An upgrade is not made: the request is answered, then the connection closes.
             keep_alive=parser.should_keep_alive() and not parser.should_upgrade(),
             version=parser.get_http_version(),
-        )  # fmt: skip
+        )
         self._queue.append(request)
         self._queued_bytes += len(body)
         if (
@@ -402,8 +408,7 @@ class _Connection(HeadReading, asyncio.Protocol):
             raise
         except Exception as exc:
             # The application answers its own errors; this is a bug in it.
-            log.error("unanswered error on %s %s", request.method, request.path,
-                      exc_info=exc)  # fmt: skip
+            log.error("unanswered error on %s %s", request.method, request.path, exc_info=exc)
             reply = (500, _JSON, b'{"error": "internal error"}')
         self._task = self._current = None
         if not self._closed:
@@ -441,8 +446,14 @@ class _Connection(HeadReading, asyncio.Protocol):
         transport.write(b"".join(parts))
         self._idle_since = time.monotonic()
         if self._server.access_log:
-            access.info('%s - "%s %s HTTP/%s" %d', self._peer, request.method, request.path,
-                        request.version, status)  # fmt: skip
+            access.info(
+                '%s - "%s %s HTTP/%s" %d',
+                self._peer,
+                request.method,
+                request.path,
+                request.version,
+                status,
+            )
         if not keep_alive:
             self._closing = True
             close_after(transport, ended=self._ended)
@@ -457,8 +468,9 @@ class _Connection(HeadReading, asyncio.Protocol):
         self._continue_owed = False
         self._transport.pause_reading()
         if status is not None:
-            request = HttpRequest("", b"", [], b"", received_at=time.monotonic(),
-                                  max_body_bytes=0, keep_alive=False)  # fmt: skip
+            request = HttpRequest(
+                "", b"", [], b"", received_at=time.monotonic(), max_body_bytes=0, keep_alive=False
+            )
             request.error = (status, message)
             self._queue.append(request)
         if self._task is None and not self._queue:
