@@ -1,4 +1,4 @@
-"""The ``tailserve`` command line."""
+"""The tailserve command line."""
 
 from __future__ import annotations
 
@@ -9,12 +9,19 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tailserve import __version__
 from tailserve.errors import TailserveError
 from tailserve.settings import LOG_LEVELS, load_settings
 
+DESCRIPTION = "tailserve: a low-latency machine-learning serving system."
+EPILOG = (
+    "Start with 'tailserve up': it serves the example models on http://127.0.0.1:8080. "
+    "'tailserve COMMAND --help' tells more about each command."
+)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
@@ -24,11 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tailserve", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tailserve", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"tailserve {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="one worker: load, warm and serve a repository")
+    serve = _add_command(commands, "serve", "one worker: load, warm and serve a repository")
     serve.add_argument("--repository", help="model repository folder")
     serve.add_argument(
         "--host",
@@ -79,8 +87,12 @@ def _parser() -> argparse.ArgumentParser:
         help="unready while any model failed to load (one left out for want of --redis-url "
         "did not fail)",
     )
-    serve.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
-    serve.add_argument("--access-log", action="store_true", default=None)
+    serve.add_argument(
+        "--log-level", choices=LOG_LEVELS, help="the least severe level logged (info)"
+    )
+    serve.add_argument(
+        "--access-log", action="store_true", default=None, help="log a line for each request"
+    )
     serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
     serve.add_argument(
@@ -105,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="YAML file of settings")
     serve.set_defaults(handler=_serve)
 
-    examples = commands.add_parser("examples", help="write the example model repository")
-    examples.add_argument("directory", type=Path)
+    examples = _add_command(commands, "examples", "write the example model repository")
+    examples.add_argument("directory", type=Path, help="the folder to write it to")
     examples.add_argument(
         "--sklearn",
         action="store_true",
@@ -136,6 +148,13 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_parser(commands)
     _add_cache_commands(commands)
     return parser
+
+
+def _add_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str
+) -> argparse.ArgumentParser:
+    # The summary is the line in the list of commands and the description of COMMAND --help.
+    return commands.add_parser(name, help=summary, description=summary)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -205,9 +224,10 @@ def _examples(args: argparse.Namespace) -> int:
 
 
 def _add_cache_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    precompute = commands.add_parser(
+    precompute = _add_command(
+        commands,
         "precompute",
-        help="batch-score known inputs (JSON lines of records) into the result cache in Redis",
+        "batch-score known inputs (JSON lines of records) into the result cache in Redis",
     )
     precompute.add_argument("--repository", type=Path, required=True, help="model repository")
     precompute.add_argument("--model", required=True, help="the model to score with")
@@ -245,8 +265,8 @@ def _add_cache_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     precompute.add_argument("--quiet", action="store_true", help="no progress line")
     precompute.set_defaults(handler=_precompute)
 
-    warm = commands.add_parser(
-        "warm", help="replay a trace's most frequent requests to fill a worker's caches"
+    warm = _add_command(
+        commands, "warm", "replay a trace's most frequent requests to fill a worker's caches"
     )
     warm.add_argument("trace", type=Path, metavar="TRACE.jsonl", help="a worker's --trace-file")
     warm.add_argument("--target", required=True, help="the worker (or router) URL")

@@ -12,6 +12,7 @@ import httpx
 import yaml
 
 from support.servers import worker_process
+from tailserve import __version__
 from tailserve.settings import LOG_LEVELS
 
 # A line of the worker's log: "2026-11-25 23:20:51,259 INFO tailserve.server: HTTP on ..."
@@ -21,6 +22,12 @@ LOG_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<messa
 def tailserve(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "tailserve.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_version_names_the_package_version() -> None:
+    done = tailserve("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"tailserve {__version__}\n"
 
 
 def test_examples_writes_a_repository_that_validates(tmp_path: Path) -> None:

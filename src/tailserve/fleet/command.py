@@ -1,4 +1,4 @@
-"""The ``tailserve up`` command: the whole stack on one machine.
+"""tailserve up: the whole stack on one machine.
 
 tailserve up [--repository DIR] [--port 8080] [--grpc-port 8081] [--workers N] [--redis-url URL]
 
@@ -65,7 +65,12 @@ def add_parser(commands: Any) -> None:
         dest="drain_timeout_s",
         help="seconds SIGTERM waits for requests in flight (30)",
     )
-    up.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    up.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe level logged (info)",
+    )
     up.set_defaults(handler=handle)
 
 

@@ -1,4 +1,4 @@
-"""The ``tailserve bench`` command: run a workload file, or compare saved results.
+"""tailserve bench: run a workload file, or compare saved results.
 
 tailserve bench WORKLOAD.yaml [--target URL] [--rate R] [--duration S] [--out result.json]
                 [--report report.html] [--find-capacity] [--rates R1,R2,...]

@@ -1,4 +1,4 @@
-"""The ``tailserve route`` command: the router in front of running workers.
+"""tailserve route: the router in front of running workers.
 
 tailserve route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 [--port 8080]
 tailserve route --backends-file workers.txt     # one URL a line, re-read when it changes
@@ -48,7 +48,12 @@ def add_parser(commands: Any) -> None:
     )
     add_policy_arguments(route)
     route.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
-    route.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    route.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe level logged (info)",
+    )
     route.set_defaults(handler=handle)
 
 
