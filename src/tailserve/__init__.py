@@ -7,8 +7,7 @@ protocols.
 
 from tailserve.errors import TailserveError
 from tailserve.settings import Settings, load_settings
-
-__version__ = "0.1.0"
+from tailserve.version import __version__
 
 __all__ = ["Settings", "TailserveError", "Worker", "__version__", "load_settings"]
 

@@ -27,13 +27,13 @@ from tailserve.collector import FullCollections, freeze_held
 from tailserve.engine import traffic
 from tailserve.engine.dataplane import DataPlane
 from tailserve.errors import ConfigError
+from tailserve.modelconfig import FeaturesConfig
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.app import HttpApp, SlowFault
 from tailserve.protocols.http.server import HttpServer
-from tailserve.repository.config import FeaturesConfig
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
 

@@ -32,7 +32,7 @@ from tailserve.cache.features import FeatureResolver, FeatureStore, entity_key
 from tailserve.cache.redis import connect
 from tailserve.errors import InvalidInput, Unavailable
 from tailserve.examples import load_features, ranker
-from tailserve.repository.config import FeatureInput, FeaturesConfig
+from tailserve.modelconfig import FeatureInput, FeaturesConfig
 from tailserve.settings import Settings
 from tailserve.tensors import Tensor
 

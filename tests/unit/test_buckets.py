@@ -10,7 +10,7 @@ import pytest
 from tailserve.engine.buckets import BucketRule, Pad, pad_parts
 from tailserve.engine.validation import InputPlan
 from tailserve.errors import ConfigError
-from tailserve.repository.config import ModelConfig, parse_model_config
+from tailserve.modelconfig import ModelConfig, parse_model_config
 from tailserve.tensors import Tensor
 
 

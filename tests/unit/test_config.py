@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tailserve.errors import ConfigError
-from tailserve.repository.config import VersionPolicy, load_model_config
+from tailserve.modelconfig import VersionPolicy, load_model_config
 from tailserve.repository.discovery import choose_versions
 
 GOOD = {

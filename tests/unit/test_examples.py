@@ -22,7 +22,7 @@ from tailserve.examples.churn import (
     sample_rows,
     training_data,
 )
-from tailserve.repository.config import ModelConfig, load_model_config
+from tailserve.modelconfig import ModelConfig, load_model_config
 from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
 
 MODELS = ("churn", "churn_lgbm")

@@ -20,7 +20,7 @@ from tailserve.cache.features import (
 from tailserve.engine.validation import InputPlan
 from tailserve.errors import ConfigError, InvalidInput, Unavailable
 from tailserve.examples import ranker
-from tailserve.repository.config import FeatureInput, FeaturesConfig, parse_model_config
+from tailserve.modelconfig import FeatureInput, FeaturesConfig, parse_model_config
 from tailserve.tensors import Tensor
 
 

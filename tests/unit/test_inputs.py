@@ -15,9 +15,9 @@ from tailserve.errors import ConfigError
 from tailserve.examples.churn import model_config
 from tailserve.loadgen.inputs import fields_for, prepare, request_path
 from tailserve.loadgen.workload import parse_workload
+from tailserve.modelconfig import parse_model_config
 from tailserve.protocols.http.kserve_v1 import decode_records
 from tailserve.protocols.http.oip import decode_request
-from tailserve.repository.config import parse_model_config
 
 CONFIG = {"name": "churn", **model_config("onnx")}
 PLAN_CONFIG = parse_model_config(CONFIG, source="churn")

@@ -13,7 +13,7 @@ import pytest
 from tailserve.cache.features import check_features
 from tailserve.engine.warmup import warmup_batches
 from tailserve.examples import ranker
-from tailserve.repository.config import load_model_config
+from tailserve.modelconfig import load_model_config
 from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
 
 

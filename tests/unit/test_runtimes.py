@@ -19,7 +19,7 @@ from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import OneHotEncoder
 
 from tailserve.errors import InvalidInput, ModelExecutionError, ModelLoadError
-from tailserve.repository.config import parse_model_config
+from tailserve.modelconfig import parse_model_config
 from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
 from tailserve.runtimes import onnx as onnx_runtime
 

@@ -7,7 +7,7 @@ import pytest
 
 from tailserve.engine.validation import check_inputs
 from tailserve.errors import InvalidInput
-from tailserve.repository.config import parse_model_config
+from tailserve.modelconfig import parse_model_config
 from tailserve.tensors import Tensor, from_json
 
 CONFIG = parse_model_config(

@@ -8,7 +8,7 @@ import time
 from tailserve.cache.keys import KeyBuilder, KeyRule, schema_hash
 from tailserve.cache.memory import MemoryCache
 from tailserve.cache.tiered import CachePolicy, ModelView, ResultCache
-from tailserve.repository.config import ModelConfig
+from tailserve.modelconfig import ModelConfig
 
 
 def model_view(

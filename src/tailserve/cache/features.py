@@ -42,7 +42,7 @@ import orjson
 from tailserve.cache.breaker import Breaker
 from tailserve.cache.memory import Lookup, MemoryCache
 from tailserve.errors import ConfigError, InvalidInput, Unavailable
-from tailserve.repository.config import FeatureInput, FeaturesConfig, ModelConfig
+from tailserve.modelconfig import FeatureInput, FeaturesConfig, ModelConfig
 from tailserve.tensors import Tensor
 
 EntityId = int | str | bytes

@@ -46,7 +46,7 @@ from tailserve.errors import (
     TailserveError,
     UpstreamError,
 )
-from tailserve.repository.config import FeatureInput, FeaturesConfig, ModelConfig
+from tailserve.modelconfig import FeatureInput, FeaturesConfig, ModelConfig
 from tailserve.repository.manager import ModelManager, ServedVersion
 from tailserve.tensors import Tensor, from_json
 

@@ -25,7 +25,7 @@ from typing import Any, cast
 import numpy as np
 
 from tailserve.engine.validation import Checked
-from tailserve.repository.config import ModelConfig, cost_rule
+from tailserve.modelconfig import ModelConfig, cost_rule
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 

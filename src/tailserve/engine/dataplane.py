@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from tailserve import __version__
 from tailserve.cache import ResultCache, keys
 from tailserve.cache.entry import Outputs
 from tailserve.cache.memory import Lookup
@@ -23,9 +22,10 @@ from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.scheduler import BatchStats
 from tailserve.errors import InvalidInput, ModelNotFound, TailserveError
-from tailserve.repository.config import ModelConfig
+from tailserve.modelconfig import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
 from tailserve.tensors import Tensor, numpy_dtype
+from tailserve.version import __version__
 
 _CACHED = BatchStats(0.0, 0.0, 0, "")
 # The longest deadline a request may have (see _deadline_and_priority).

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tailserve.errors import InvalidInput
-from tailserve.repository.config import ModelConfig, TensorSpec
+from tailserve.modelconfig import ModelConfig, TensorSpec
 from tailserve.tensors import Tensor
 
 Arrays = dict[str, np.ndarray[Any, Any]]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.repository.config import ModelConfig, TensorSpec
+from tailserve.modelconfig import ModelConfig, TensorSpec
 from tailserve.tensors import from_json, numpy_dtype
 
 Arrays = dict[str, np.ndarray[Any, Any]]

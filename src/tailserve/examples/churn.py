@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from tailserve.repository.config import CONFIG_FILE, load_model_config
+from tailserve.modelconfig import CONFIG_FILE, load_model_config
 from tailserve.tensors import numpy_dtype
 
 Columns = dict[str, np.ndarray[Any, Any]]

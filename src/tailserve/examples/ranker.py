@@ -24,7 +24,7 @@ import numpy as np
 
 from tailserve.errors import ConfigError
 from tailserve.examples.churn import write_config
-from tailserve.repository.config import load_model_config
+from tailserve.modelconfig import load_model_config
 
 MODEL = "ranker"
 USER_INPUT, ITEM_INPUT = "user_features", "item_features"

@@ -50,8 +50,8 @@ from tailserve.fleet.processes import (
     until_ready,
 )
 from tailserve.fleet.restarts import Backoff, RestartPolicy
+from tailserve.modelconfig import load_model_config
 from tailserve.protocols.http.server import HttpServer
-from tailserve.repository.config import load_model_config
 from tailserve.repository.discovery import model_dirs
 from tailserve.router.config import backend_url
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render

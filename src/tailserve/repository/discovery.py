@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tailserve.errors import ConfigError
-from tailserve.repository.config import CONFIG_FILE, VersionPolicy
+from tailserve.modelconfig import CONFIG_FILE, VersionPolicy
 
 
 def model_dirs(repository: Path) -> dict[str, Path]:

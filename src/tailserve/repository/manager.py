@@ -34,7 +34,7 @@ from tailserve.errors import (
     ModelNotServed,
     TailserveError,
 )
-from tailserve.repository.config import FeaturesConfig, ModelConfig, load_model_config
+from tailserve.modelconfig import FeaturesConfig, ModelConfig, load_model_config
 from tailserve.repository.discovery import choose_versions, model_dirs, versions_on_disk
 from tailserve.runtimes import Arrays, Runtime, RuntimeContext, create_runtime
 from tailserve.tensors import Tensor

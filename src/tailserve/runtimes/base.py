@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tailserve.errors import ModelLoadError
-from tailserve.repository.config import ModelConfig
+from tailserve.modelconfig import ModelConfig
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 

@@ -16,7 +16,7 @@ import lightgbm
 import numpy as np
 
 from tailserve.errors import InvalidInput, ModelLoadError
-from tailserve.repository.config import TensorSpec
+from tailserve.modelconfig import TensorSpec
 from tailserve.runtimes.base import Arrays, IOSpec, RuntimeContext, Signature
 from tailserve.tensors import numpy_dtype
 

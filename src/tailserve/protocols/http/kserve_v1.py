@@ -12,7 +12,7 @@ import orjson
 
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.errors import InvalidInput
-from tailserve.repository.config import ModelConfig
+from tailserve.modelconfig import ModelConfig
 from tailserve.tensors import Tensor, from_json, to_json_data
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tailserve import __version__
 from tailserve.protocols.http.routes import ROUTES, Route
+from tailserve.version import __version__
 
 _ERROR = {
     "type": "object",
