@@ -50,6 +50,7 @@ from tailserve.router.health import ActiveHealth, OutlierDetector
 from tailserve.router.hedging import HedgeBudget, HedgePolicy, RetryBudget
 from tailserve.router.metrics import RouterMetrics
 from tailserve.transport import http1
+from tailserve.transport.base import ClientPool, Connect, Ticket
 from tailserve.transport.http1 import Headers, Response
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class Upstream:
 
     __slots__ = ("backend", "leaving", "models", "pool")
 
-    def __init__(self, backend: Backend, pool: http1.Pool) -> None:
+    def __init__(self, backend: Backend, pool: ClientPool) -> None:
         self.backend = backend
         self.pool = pool
         # The models it has READY, from its index; None until known (then it serves all).
@@ -155,7 +156,7 @@ class _Attempt:
         self.upstream = upstream
         self.kind = kind  # first, hedge, retry
         self.sent_at = sent_at
-        self.ticket: http1.Ticket | None = None
+        self.ticket: Ticket | None = None
 
     def on_result(self, result: Response | UpstreamError) -> None:
         self.exchange._on_result(self, result)
@@ -477,9 +478,12 @@ class Dispatcher:
         *,
         loop: asyncio.AbstractEventLoop | None = None,
         rng: random.Random | None = None,
+        connect: Connect = http1.Pool,
     ) -> None:
         self.config = config
         self.loop = loop or asyncio.get_running_loop()
+        # How a backend's connection pool is made (transport/base.py: real or in-process).
+        self._connect = connect
         self.rng = rng or random.Random()
         self.decision_sample = config.decision_sample
         self.upstreams: dict[str, Upstream] = {}
@@ -532,7 +536,7 @@ class Dispatcher:
                 continue
             host, port = parse_backend(url)
             backend = Backend(url, url, max_in_flight=self.config.max_in_flight, healthy=healthy)
-            pool = http1.Pool(
+            pool = self._connect(
                 host, port, max_connections=self.config.max_connections, loop=self.loop
             )
             self.upstreams[url] = Upstream(backend, pool)

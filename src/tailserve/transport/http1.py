@@ -24,6 +24,7 @@ from typing import cast
 import httptools
 
 from tailserve.errors import ConnectFailed, ConnectionLost, UpstreamError, UpstreamTimeout
+from tailserve.transport.base import PoolState
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -251,10 +252,14 @@ class Pool:
         self._waiting: deque[Ticket] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._opened = 0
 
     @property
     def open_connections(self) -> int:
         return len(self._open)
+
+    def state(self) -> PoolState:
+        return PoolState(len(self._open), len(self._idle), len(self._waiting), self._opened)
 
     @property
     def waiting(self) -> int:
@@ -372,6 +377,7 @@ class Pool:
             connection.abort()
             return
         self._open.add(connection)
+        self._opened += 1
         connection.idle_since = self.loop.time()
         self._idle.append(connection)
         self._pump()
