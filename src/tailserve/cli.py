@@ -281,8 +281,8 @@ def _add_cache_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
 def _precompute(args: argparse.Namespace) -> int:
     import orjson
 
-    from tailserve.cache.precompute import Job, precompute, summary
     from tailserve.errors import ConfigError
+    from tailserve.jobs.precompute import Job, precompute, summary
     from tailserve.loops import run
 
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
@@ -326,7 +326,7 @@ def _precompute(args: argparse.Namespace) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from tailserve.cache.warm import summary, warm
+    from tailserve.jobs.warm import summary, warm
     from tailserve.loops import run
 
     report = run(

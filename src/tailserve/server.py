@@ -26,6 +26,7 @@ from tailserve.cache.tiered import ResultCache
 from tailserve.collector import FullCollections, freeze_held
 from tailserve.engine import traffic
 from tailserve.engine.dataplane import DataPlane
+from tailserve.engine.served import VersionBuilder
 from tailserve.errors import ConfigError
 from tailserve.modelconfig import FeaturesConfig
 from tailserve.observability.loop_lag import LoopLag
@@ -67,14 +68,15 @@ class Worker:
         self.metrics.cache_source = self.cache
         # Made when the first model that reads the feature store loads.
         self.feature_store: FeatureStore | None = None
-        self.manager = ModelManager(
-            Path(settings.repository),
+        builder = VersionBuilder(
             observer=self.metrics,
-            on_ready_change=self.metrics.set_model_ready,
-            drain_timeout_s=settings.drain_timeout_s,
             loop=self.loop_lag,
             cache=self.cache,
             feature_resolver=self._feature_resolver if settings.redis_url else None,
+            drain_timeout_s=settings.drain_timeout_s,
+        )
+        self.manager = ModelManager(
+            Path(settings.repository), builder, on_ready_change=self.metrics.set_model_ready
         )
         self.dataplane = DataPlane(
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache

@@ -21,6 +21,7 @@ from tailserve.cache.tiered import MODES, Mode
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.scheduler import BatchStats
+from tailserve.engine.served import ServedVersion
 from tailserve.errors import InvalidInput, ModelNotFound, TailserveError
 from tailserve.modelconfig import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
@@ -37,7 +38,7 @@ EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "
 class DataPlane:
     def __init__(
         self,
-        manager: ModelManager,
+        manager: ModelManager[ServedVersion],
         *,
         strict_readiness: bool = False,
         cache: ResultCache | None = None,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -38,6 +37,7 @@ from tailserve.cache.entry import CachedResult, Lineage, Outputs
 from tailserve.cache.features import FeatureResolver, FeatureStore
 from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.tiered import ModelView, ResultCache
+from tailserve.engine.served import ServedVersion, VersionBuilder
 from tailserve.engine.validation import Checked
 from tailserve.errors import (
     ConfigError,
@@ -46,8 +46,9 @@ from tailserve.errors import (
     TailserveError,
     UpstreamError,
 )
+from tailserve.jobs.progress import Checkpoint, Progress
 from tailserve.modelconfig import FeatureInput, FeaturesConfig, ModelConfig
-from tailserve.repository.manager import ModelManager, ServedVersion
+from tailserve.repository.manager import ModelManager
 from tailserve.tensors import Tensor, from_json
 
 COMPUTED_BY = "precompute"
@@ -243,94 +244,6 @@ def _declared(config: ModelConfig, outputs: Outputs, rows: int | None) -> Output
     return chosen
 
 
-# --- the checkpoint -------------------------------------------------------------------------
-
-
-class Checkpoint:
-    """How many input lines are done, for one model version and input file."""
-
-    def __init__(self, path: Path, identity: dict[str, Any]) -> None:
-        self.path = path
-        self.identity = identity
-
-    def load(self) -> int:
-        try:
-            document = orjson.loads(self.path.read_bytes())
-        except FileNotFoundError:
-            return 0
-        except (OSError, orjson.JSONDecodeError) as exc:
-            raise ConfigError(f"checkpoint {self.path}: cannot read it: {exc}") from None
-        if not isinstance(document, dict) or not isinstance(document.get("lines_done"), int):
-            raise ConfigError(f"checkpoint {self.path}: not a precompute checkpoint")
-        for name, value in self.identity.items():
-            if document.get(name) != value:
-                raise ConfigError(
-                    f"checkpoint {self.path} is for {name} {document.get(name)!r}, not "
-                    f"{value!r}: give another --checkpoint, or delete it to start over"
-                )
-        done: int = document["lines_done"]
-        return done
-
-    def save(self, lines_done: int, **extra: Any) -> None:
-        """Write beside the file, then rename over it: a crash leaves the old or the new."""
-        document = {**self.identity, "lines_done": lines_done, **extra}
-        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
-        with partial.open("wb") as out:
-            out.write(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, self.path)
-
-
-# --- progress -------------------------------------------------------------------------------
-
-
-class Progress:
-    """A progress line on a stream: done/total, rate, ETA; redrawn in place on a terminal,
-    else printed every few seconds."""
-
-    def __init__(self, label: str, total: int, stream: TextIO | None, *, start: int = 0):
-        self.label = label
-        self.total = total
-        self.stream = stream
-        self.start = start
-        self.started = time.monotonic()
-        self.tty = stream is not None and stream.isatty()
-        self.every_s = 0.25 if self.tty else 5.0
-        self.shown = self.started
-        self.width = 0
-
-    def update(self, done: int, note: str = "", *, final: bool = False) -> None:
-        if self.stream is None:
-            return
-        now = time.monotonic()
-        if not final and now - self.shown < self.every_s:
-            return
-        self.shown = now
-        elapsed = max(now - self.started, 1e-9)
-        rate = (done - self.start) / elapsed
-        left = (self.total - done) / rate if rate > 0 else float("inf")
-        share = done / self.total if self.total else 1.0
-        line = (
-            f"{self.label}: {done:,}/{self.total:,} ({share:.0%})  {rate:,.0f}/s  "
-            f"ETA {_duration(left)}  {note}"
-        ).rstrip()
-        if self.tty:
-            self.width = max(self.width, len(line))
-            self.stream.write("\r" + line.ljust(self.width) + ("\n" if final else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-
-def _duration(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "--:--"
-    minutes, secs = divmod(int(seconds + 0.5), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
 # --- the job --------------------------------------------------------------------------------
 
 
@@ -350,7 +263,8 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
             store = FeatureStore(client, timeout_s=5.0)
         return FeatureResolver(config, store, time.monotonic)
 
-    manager = ModelManager(job.repository, cache=ResultCache(), feature_resolver=features)
+    builder = VersionBuilder(cache=ResultCache(), feature_resolver=features)
+    manager = ModelManager(job.repository, builder)
     tier: RedisTier | None = None
     try:
         await manager.load(job.model)

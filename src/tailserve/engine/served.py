@@ -1,0 +1,147 @@
+"""A served version of a model, and how one is built: runtimes loaded and warmed, a scheduler
+with the model's batching policy, its view of the result cache and its feature resolver.
+
+The catalogue (`tailserve.repository.manager`) decides which versions serve and when; this module
+is what it calls to make and retire one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tailserve.cache import ModelView, ResultCache, model_view
+from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
+from tailserve.engine.buckets import Bucket, BucketRule
+from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.scheduler import BatchObserver, LoopState, Scheduler
+from tailserve.engine.validation import InputPlan
+from tailserve.engine.warmup import load_and_warm
+from tailserve.errors import ModelNotServed
+from tailserve.modelconfig import FeaturesConfig, ModelConfig
+from tailserve.runtimes import Runtime, RuntimeContext
+
+if TYPE_CHECKING:
+    from tailserve.cache.features import FeatureResolver
+
+
+@dataclass(slots=True)
+class ServedVersion:
+    config: ModelConfig
+    version: int
+    runtimes: list[Runtime]
+    scheduler: Scheduler
+    plan: InputPlan
+    buckets: BucketRule
+    policy: str
+    # The result cache as this version uses it (None: the model does not cache).
+    cache: ModelView | None = None
+    # Fills inputs from the feature store by entity id (None: the client sends them all).
+    features: FeatureResolver | None = None
+
+
+class VersionBuilder:
+    """Builds served versions for the catalogue (`repository.manager.Builder`)."""
+
+    def __init__(
+        self,
+        *,
+        observer: BatchObserver | None = None,
+        loop: LoopState | None = None,
+        cache: ResultCache | None = None,
+        feature_resolver: Callable[[FeaturesConfig], FeatureResolver] | None = None,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.cache = cache
+        self._observer = observer
+        self._loop = loop
+        self._feature_resolver = feature_resolver
+        self._drain_timeout_s = drain_timeout_s
+        # Loads read files and build sessions: off the event loop, one at a time (2 cores).
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailserve-loader")
+
+    async def build(self, config: ModelConfig, version: int, version_dir: Path) -> ServedVersion:
+        if config.features is not None:
+            from tailserve.cache.features import check_features
+
+            check_features(config)
+        if config.features is not None and self._feature_resolver is None:
+            raise ModelNotServed(
+                f"model {config.name!r} is not served: it reads its inputs from the feature "
+                "store, which needs Redis (start the worker with --redis-url)"
+            )
+        loop = asyncio.get_running_loop()
+        context = RuntimeContext(config=config, version=version, version_dir=version_dir)
+        policy = batching_policy(config)
+        plan = InputPlan(config)
+        buckets = BucketRule(config, classes=policy == "deadline")
+        runtimes: list[Runtime] = []
+        timings: list[tuple[Bucket, int, float]] = []
+        try:
+            for _ in range(config.instances.count):
+                runtime, measured = await loop.run_in_executor(
+                    self._loader, load_and_warm, context, plan, buckets
+                )
+                runtimes.append(runtime)
+                timings += measured
+        except BaseException:
+            for runtime in runtimes:
+                runtime.unload()
+            raise
+        scheduler = Scheduler(
+            model=config.name,
+            runtimes=runtimes,
+            batcher=batcher_for(config, policy),
+            batched=config.batched,
+            observer=self._observer,
+            loop=self._loop,
+            inline_below_s=config.instances.inline_below_ms / 1e3,
+        )
+        for bucket, rows, seconds in timings:
+            scheduler.seed(bucket, rows, seconds)
+        scheduler.start()
+        served = ServedVersion(config, version, runtimes, scheduler, plan, buckets, policy)
+        if config.cache.enabled and self.cache is not None:
+            served.cache = model_view(self.cache, config, version)
+        if config.features is not None:
+            assert self._feature_resolver is not None  # checked before loading
+            served.features = self._feature_resolver(config.features)
+        return served
+
+    async def retire(self, served: ServedVersion) -> None:
+        await served.scheduler.close(drain_s=self._drain_timeout_s)
+        for runtime in served.runtimes:
+            runtime.unload()
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def batching_policy(config: ModelConfig) -> str:
+    """The policy in force: the configured one, or none for a model that cannot batch."""
+    if not config.batched or not config.batching.enabled:
+        return "none"
+    return config.batching.policy
+
+
+def batcher_for(config: ModelConfig, policy: str) -> Batcher:
+    batching = config.batching
+    if policy == "none":
+        return NoBatching(batching.max_queue_size)
+    if policy == "size_or_timeout":
+        return SizeOrTimeout(
+            max_rows=config.max_batch_size,
+            max_delay_s=batching.max_queue_delay_ms / 1000.0,
+            max_queue=batching.max_queue_size,
+        )
+    return DeadlineBatcher(
+        max_rows=config.max_batch_size,
+        instances=config.instances.count,
+        max_queue=batching.max_queue_size,
+        target_utilization=batching.target_utilization,
+        admission_target=batching.admission_target,
+    )
