@@ -65,7 +65,6 @@ class Worker:
         self.cache = ResultCache(
             redis=self._redis_tier(), worker_id=self.worker_id, observer=self.metrics
         )
-        self.metrics.cache_source = self.cache
         # Made when the first model that reads the feature store loads.
         self.feature_store: FeatureStore | None = None
         builder = VersionBuilder(
@@ -81,9 +80,11 @@ class Worker:
         self.dataplane = DataPlane(
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
         )
-        self.metrics.cost_source = self._cost_rows
-        if settings.reply_memo_mb > 0:
-            self.metrics.reply_memo = ReplyMemo(int(settings.reply_memo_mb * 2**20))
+        self.metrics.watch_costs(self._cost_rows)
+        memo = (
+            ReplyMemo(int(settings.reply_memo_mb * 2**20)) if settings.reply_memo_mb > 0 else None
+        )
+        self.metrics.watch_cache(self.cache, memo)
         self.recorder = None
         if settings.trace_file:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
@@ -94,7 +95,7 @@ class Worker:
             admin_token=settings.admin_token,
             admin_access=self.admin_access,
             recorder=self.recorder,
-            reply_memo=self.metrics.reply_memo,
+            reply_memo=memo,
             slow_fault=(
                 SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
                 if settings.fault_slow_fraction > 0

@@ -53,7 +53,7 @@ def test_rejections_by_reason_and_cost_models() -> None:
     metrics.on_reject("m", "deadline")
     metrics.on_reject("m", "deadline")
     metrics.on_reject("m", "expired")
-    metrics.cost_source = lambda: [CostRow("m", "1", "len<=16", 0.002, 0.00001)]
+    metrics.watch_costs(lambda: [CostRow("m", "1", "len<=16", 0.002, 0.00001)])
     got = samples(metrics)
     rejected = "tailserve_rejected_requests_total"
     assert got[(rejected, (("model", "m"), ("reason", "deadline")))] == 2

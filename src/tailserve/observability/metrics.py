@@ -138,11 +138,11 @@ class CostRow:
 
 
 class _CostCollector(Collector):
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[CostRow]] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        source = self._metrics.cost_source
+        source = self.source
         labels = ["model", "version", "bucket"]
         fixed = GaugeMetricFamily(
             "tailserve_cost_model_fixed_seconds",
@@ -164,11 +164,12 @@ class _CostCollector(Collector):
 class _CacheStateCollector(Collector):
     """L1 sizes and the L2 breaker, read from the cache when scraped."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
+    def __init__(self) -> None:
+        self.cache: ResultCache | None = None
+        self.memo: ReplyMemo | None = None
 
     def collect(self) -> Iterator[Metric]:
-        cache = self._metrics.cache_source
+        cache = self.cache
         entries = GaugeMetricFamily(
             "tailserve_cache_entries", "Results held in L1, by model.", labels=["model"]
         )
@@ -188,7 +189,7 @@ class _CacheStateCollector(Collector):
         yield entries
         yield size
         yield breaker
-        memo = self._metrics.reply_memo
+        memo = self.memo
         if memo is not None:
             yield GaugeMetricFamily(
                 "tailserve_cache_reply_memo_entries",
@@ -339,19 +340,27 @@ class Metrics:
             self.feature_lookups,
         ]
         self.registry.register(_LoopCollector(loop_metrics))
-        # Set by the worker: the cost model of each (model, version, cost class).
-        self.cost_source: Callable[[], Iterable[CostRow]] | None = None
-        self.registry.register(_CostCollector(self))
-        # Set by the worker: the result cache, for its sizes and breaker state.
-        self.cache_source: ResultCache | None = None
-        self.reply_memo: ReplyMemo | None = None
-        self.registry.register(_CacheStateCollector(self))
+        # Read when scraped: the cost models, the cache's sizes and breaker, the reply memo
+        # (the worker names them with the watch_* methods).
+        self._costs = _CostCollector()
+        self.registry.register(self._costs)
+        self._cache_state = _CacheStateCollector()
+        self.registry.register(self._cache_state)
         self.model_ready = Gauge(
             "tailserve_model_ready",
             "1 when the model's served versions are loaded and warm.",
             ["model"],
             registry=self.registry,
         )
+
+    def watch_costs(self, source: Callable[[], Iterable[CostRow]]) -> None:
+        """Export the cost model of each (model, version, cost class) that `source` lists."""
+        self._costs.source = source
+
+    def watch_cache(self, cache: ResultCache, memo: ReplyMemo | None = None) -> None:
+        """Export the result cache's L1 sizes and L2 breaker, and the reply memo's counts."""
+        self._cache_state.cache = cache
+        self._cache_state.memo = memo
 
     def on_request(self, model: str, protocol: str, status: int, seconds: float) -> None:
         outcome = "success" if status < 400 else "client_error" if status < 500 else "error"
