@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tailserve.router import command as route
 
     route.add_parser(commands)
-    from tailserve.fleet import command as fleet
+    from tailserve.compose import up as fleet
 
     fleet.add_parser(commands)
     _add_cache_commands(commands)
@@ -190,8 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from tailserve.compose.worker import Worker
     from tailserve.loops import run
-    from tailserve.server import Worker
 
     worker = Worker(settings)
     run(worker.serve())

@@ -19,9 +19,9 @@ import pytest
 from support.models import doubler_config, write_model
 from support.servers import async_wait_for
 from support.stub import StubApp, run_stub
+from tailserve.compose.stack import FleetConfig, Supervisor
 from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.processes import free_ports
-from tailserve.fleet.supervisor import FleetConfig, Supervisor
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]}]}

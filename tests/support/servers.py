@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from tailserve.compose.worker import Worker
 from tailserve.loops import run
-from tailserve.server import Worker
 from tailserve.settings import Settings
 
 

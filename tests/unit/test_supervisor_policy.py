@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tailserve.compose.up import add_parser, fleet_config
 from tailserve.errors import ConfigError
-from tailserve.fleet.command import add_parser, fleet_config
 from tailserve.fleet.restarts import Backoff, RestartPolicy
 
 BACKOFF = Backoff(first_s=0.5, cap_s=10.0, stable_s=30.0)

@@ -1,4 +1,3 @@
-"""The fleet on one machine (`tailserve up`): a supervisor that runs worker processes on
-loopback ports behind the router, restarts a worker that dies, and drains it all on SIGTERM.
-Its restart decision is a pure policy (`restarts`); processes and signals stay in
-`supervisor`."""
+"""The parts of the stack on one machine (`tailserve up`), which `tailserve.compose.stack`
+assembles and supervises: worker processes (`processes`), the restart policy (`restarts`, pure),
+the HAProxy front door's process (`haproxy`) and the admin lane (`admin`)."""

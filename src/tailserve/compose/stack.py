@@ -1,4 +1,5 @@
-"""The supervisor of `tailserve up`: worker processes on loopback ports, the front door in front.
+"""The stack of `tailserve up`, assembled and supervised: workers on loopback ports, the front
+door in front.
 
 Start: choose free loopback ports for each worker (HTTP, and gRPC when the stack serves it),
 start the admin lane (the fleet's own routes, `fleet.admin`), write the front door's config
