@@ -5,7 +5,7 @@ dispatch and answers), so the worker's CPU time a request sets its capacity. Wor
 deadline batcher and with size-or-timeout at 2 ms (``--policies`` for others) serve the same
 fixed rate in alternation (``--rounds`` each, a fresh worker each round, no result cache): the
 worker's CPU time per request (both threads), the mean batch, the client's p50 / p99 and the
-goodput. docs/batching.md ("Eleventh session") has what it showed.
+goodput. docs/decisions/0003-deadline-batcher.md has what it showed.
 
     python benchmarks/policy_cpu.py [--model churn|sentiment] [--rate 4000] [--duration 6]
                                     [--rounds 2] [--policies deadline,size-or-timeout-2ms]

@@ -9,8 +9,8 @@ Except for a batch the cost model predicts to take at most ``inline_below_s`` (a
 I/O: not a Python model's own code): it runs on the event loop's own thread, when the instance
 has nothing in its thread. Handing it over would cost more than running it: a queue put, a
 thread wake-up, the GIL changing hands twice, and a wake-up of the loop to take the result
-(docs/worker.md has the measurements). The loop then yields once before it looks for the next
-batch, so a long queue is not run in one stretch.
+(docs/decisions/0006-worker-event-loop.md has the measurements). The loop then yields once
+before it looks for the next batch, so a long queue is not run in one stretch.
 """
 
 from __future__ import annotations

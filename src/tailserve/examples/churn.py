@@ -169,7 +169,7 @@ def model_config(runtime: str) -> dict[str, Any]:
         "batching": {"enabled": True, "max_queue_delay_ms": 1, "max_queue_size": 2048},
         # Its batches (0.06-0.5 ms, 1 to 256 rows, as fast or slow as the machine runs) cost
         # the loop less run there than handed to the instance's thread, whose results come back
-        # late behind a busy loop (docs/batching.md, "Measured").
+        # late behind a busy loop (docs/decisions/0006-worker-event-loop.md).
         "instances": {"count": 1, "intra_op_threads": 1, "inline_below_ms": 1.0},
         "version_policy": {"latest": 1},
         "warmup": {"batch_sizes": [1, 16, 256], "repeat": 2},
