@@ -25,15 +25,10 @@ import orjson
 
 from tailserve.errors import TailserveError
 from tailserve.router.config import RouterConfig, backend_url, parse_backend
-from tailserve.router.dispatch import (
-    ANY,
-    Dispatcher,
-    Outcome,
-    body_key,
-    cost_class,
-    error_message,
-    request_framer,
-)
+from tailserve.router.dispatch import Dispatcher
+from tailserve.router.keys import body_key, cost_class
+from tailserve.router.messages import Outcome, error_message, request_framer
+from tailserve.router.upstreams import ANY
 from tailserve.tensors import datatype_of, from_json, to_json_data
 
 __all__ = ["Client", "InferResult", "InferenceError"]

@@ -22,7 +22,8 @@ from support.routing import running_router
 from support.servers import async_wait_for, free_port
 from support.stub import Arrival, StubApp, run_stub
 from tailserve.router.config import RouterConfig
-from tailserve.router.dispatch import Dispatcher, Outcome
+from tailserve.router.dispatch import Dispatcher
+from tailserve.router.messages import Outcome
 
 MIB = 1 << 20
 BODY = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1]}]})

@@ -11,8 +11,9 @@ from tailserve.errors import InvalidInput
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import parameters_of
 from tailserve.protocols.http.oip import decode_request
-from tailserve.router.dispatch import Outcome, body_key
 from tailserve.router.grpc_gateway import http_request, infer_response
+from tailserve.router.keys import body_key
+from tailserve.router.messages import Outcome
 from tailserve.tensors import to_binary
 
 WORDS = [b"ab", "\u00e9t\u00e9".encode()]

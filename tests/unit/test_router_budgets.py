@@ -10,7 +10,8 @@ from typing import cast
 import pytest
 
 from tailserve.router.config import RouterConfig
-from tailserve.router.dispatch import Dispatcher, Exchange
+from tailserve.router.dispatch import Dispatcher
+from tailserve.router.exchange import Exchange
 
 
 class Waiting:

@@ -14,9 +14,10 @@ from tailserve.protocols.http.app import SlowFault
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.router.app import classify, framer
 from tailserve.router.config import RouterConfig, parse_backend, parse_model_balance
-from tailserve.router.dispatch import ANY, body_key, cost_class
 from tailserve.router.hedging import HedgeBudget
+from tailserve.router.keys import body_key, cost_class
 from tailserve.router.membership import Membership, parse_members, write_members
+from tailserve.router.upstreams import ANY
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,11 @@ import orjson
 
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.server import Headers, Reply
-from tailserve.router.dispatch import ANY, Dispatcher, Framer, Outcome, body_key, cost_class
+from tailserve.router.dispatch import Dispatcher
+from tailserve.router.keys import body_key, cost_class
+from tailserve.router.messages import Framer, Outcome
 from tailserve.router.metrics import CONTENT_TYPE
+from tailserve.router.upstreams import ANY
 
 # Not forwarded either way: they describe one connection, not the request (RFC 9110 7.6.1),
 # or the router sets them itself.

@@ -48,14 +48,9 @@ from tailserve.protocols.grpc.common import (
     typed_array,
 )
 from tailserve.protocols.http.errors import status_of
-from tailserve.router.dispatch import (
-    ANY,
-    Outcome,
-    body_key,
-    cost_class,
-    error_message,
-    request_framer,
-)
+from tailserve.router.keys import body_key, cost_class
+from tailserve.router.messages import Outcome, error_message, request_framer
+from tailserve.router.upstreams import ANY
 from tailserve.tensors import from_json, to_binary
 
 if TYPE_CHECKING:
