@@ -15,7 +15,7 @@ __all__ = ["Settings", "TailserveError", "Worker", "__version__", "load_settings
 def __getattr__(name: str) -> object:
     # The worker pulls in its HTTP server and the runtimes: import it only when asked for.
     if name == "Worker":
-        from tailserve.compose.worker import Worker
+        from tailserve.assembly.worker import Worker
 
         return Worker
     raise AttributeError(f"module 'tailserve' has no attribute {name!r}")

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tailserve.router import command as route
 
     route.add_parser(commands)
-    from tailserve.compose import up as fleet
+    from tailserve.assembly import up as fleet
 
     fleet.add_parser(commands)
     _add_cache_commands(commands)
@@ -190,7 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from tailserve.compose.worker import Worker
+    from tailserve.assembly.worker import Worker
     from tailserve.loops import run
 
     worker = Worker(settings)

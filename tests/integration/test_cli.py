@@ -15,7 +15,7 @@ from support.servers import worker_process
 from tailserve import __version__
 from tailserve.settings import LOG_LEVELS
 
-# A line of the worker's log: "2026-11-25 23:20:51,259 INFO tailserve.compose.worker: HTTP on ..."
+# A line of the worker's log: "2026-11-25 23:20:51,259 INFO tailserve.assembly.worker: HTTP on ..."
 LOG_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<message>.*)$")
 
 

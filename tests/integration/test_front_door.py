@@ -19,7 +19,7 @@ import pytest
 from support.models import doubler_config, write_model
 from support.servers import async_wait_for
 from support.stub import StubApp, run_stub
-from tailserve.compose.stack import FleetConfig, Supervisor
+from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.processes import free_ports
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render

@@ -23,7 +23,7 @@ import tritonclient.grpc as triton_grpc
 from tritonclient.utils import triton_to_np_dtype as tensor_dtype
 
 from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
-from tailserve.compose.stack import FleetConfig, Supervisor
+from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.processes import ManagedWorker
 from tailserve.fleet.restarts import Backoff

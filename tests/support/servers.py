@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tailserve.compose.worker import Worker
+from tailserve.assembly.worker import Worker
 from tailserve.loops import run
 from tailserve.settings import Settings
 

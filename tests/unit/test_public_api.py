@@ -24,7 +24,7 @@ def test_public_names() -> None:
 def test_import_does_not_load_the_server_stack() -> None:
     code = (
         "import sys, tailserve; "
-        "print('tailserve.compose.worker' in sys.modules, 'httptools' in sys.modules, "
+        "print('tailserve.assembly.worker' in sys.modules, 'httptools' in sys.modules, "
         "'onnxruntime' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

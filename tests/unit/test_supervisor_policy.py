@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tailserve.compose.up import add_parser, fleet_config
+from tailserve.assembly.up import add_parser, fleet_config
 from tailserve.errors import ConfigError
 from tailserve.fleet.restarts import Backoff, RestartPolicy
 

@@ -25,7 +25,7 @@ from tailserve.router.lanes import DEFAULT_THRESHOLD_MS
 from tailserve.settings import LOG_LEVELS
 
 if TYPE_CHECKING:
-    from tailserve.compose.stack import FleetConfig
+    from tailserve.assembly.stack import FleetConfig
 
 EXAMPLES = Path("var/repository")
 
@@ -139,7 +139,7 @@ def handle(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from tailserve.compose.stack import Supervisor
+    from tailserve.assembly.stack import Supervisor
     from tailserve.loops import run
 
     run(Supervisor(fleet_config(args, os.environ)).run())
@@ -148,7 +148,7 @@ def handle(args: argparse.Namespace) -> int:
 
 def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfig:
     """The supervisor's settings from the flags (and the environment the workers will read)."""
-    from tailserve.compose.stack import FleetConfig
+    from tailserve.assembly.stack import FleetConfig
 
     repository = args.repository or str(example_repository(EXAMPLES))
     if not Path(repository).is_dir():

@@ -1,4 +1,4 @@
-"""The composition root: where the parts are assembled into what runs.
+"""The composition root: the one place where the parts are assembled into what runs.
 
 `worker` builds one worker process (catalogue, cache, batchers, protocols) and owns its
 lifecycle; `stack` builds the stack on one machine (workers, the front door, the hedging lane,
