@@ -13,7 +13,8 @@ import pytest
 from tailserve.engine.batching import Item
 from tailserve.engine.buckets import Bucket
 from tailserve.engine.cost import LinearCost
-from tailserve.engine.deadline import _LOOP_WAIT_S, DeadlineBatcher, _Class
+from tailserve.engine.deadline import _LOOP_WAIT_S, DeadlineBatcher
+from tailserve.engine.queues import ClassQueue
 
 SHORT, LONG = Bucket("short", "len<=16"), Bucket("long", "len<=512")
 MAX_ROWS = 64
@@ -232,7 +233,7 @@ def test_a_class_keeps_deadline_and_priority_order_as_priorities_mix_and_part() 
     # One heap serves both orders while one priority level is queued; a second level gives
     # deadline order a heap of its own until the class empties. Checked against a plain scan.
     rng = np.random.default_rng(11)
-    queue = _Class(SHORT, LinearCost())
+    queue = ClassQueue(SHORT, LinearCost())
     queued: list[tuple[int, Item]] = []
     for step in range(3000):
         phase = (step // 500) % 2  # mixed priorities, then a single level, and so on

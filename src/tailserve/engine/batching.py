@@ -41,7 +41,7 @@ class Item:
     # When the batcher expected it to be answered, as it admitted it.
     estimate: float = 0.0
     # The shed let it in before it was read (`Batcher.shed`, at the highest priority): its
-    # offer may let it queue for all of its time left (engine/deadline.py, "Admission").
+    # offer may let it queue for all of its time left (engine/admission.py).
     screened: bool = False
 
 

@@ -1,0 +1,185 @@
+"""Admission: refuse a request at once when its deadline cannot be met.
+
+A request is refused (429) when the queue is full, when not even a batch of its rows alone,
+started now, would end in time, or when the wait ahead of it would take more than a share of
+the time the known delays leave. The wait ahead is the work queued at its priority or higher in
+every class, with what the instances still run, spread over them; or the event loop's backlog,
+where that is longer. Refusing early keeps the admitted requests' latency under overload.
+
+The share is whole while the worker refuses next to nothing, and falls to ``admission_target``
+as refusals near a fifth of requests: the rest is headroom for the queues the worker cannot see.
+
+`shed` asks the same before a request is read, for the least request of its deadline. One it
+lets in is offered marked `Item.screened` and may queue for all of its time left: refusing it
+once decoded would save little.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from tailserve.engine.batching import Item, Rejection
+from tailserve.engine.delays import Delays
+from tailserve.engine.queues import ClassQueue, ClassQueues
+
+# The share of recent requests refused (a moving average over about 1/_REFUSAL_RATE requests)
+# at which the worker counts as overloaded: slow enough that a burst does not floor the share.
+_REFUSAL_RATE = 0.01
+_OVERLOADED_AT = 0.2
+# Below this the share of refusals counts as none, and an admitted request has nothing to count.
+_REFUSALS_NONE = 1e-4
+# A shed this soon after an offer may count the work queued as that offer did.
+_HINT_S = 0.005
+# Under overload, a shed's refusal stands this long for any request with less time left: the
+# server may answer those without asking again (refusals are then most of what it does).
+_REUSE_S = 0.001
+
+
+class Admission:
+    def __init__(
+        self,
+        queues: ClassQueues,
+        delays: Delays,
+        *,
+        max_queue: int,
+        admission_target: float,
+    ) -> None:
+        self.queues = queues
+        self.delays = delays
+        self.max_queue = max_queue
+        self.admission_target = admission_target
+        # The share of recent requests refused (moving average), and the share of its time
+        # left it lets a request queue (`share`).
+        self.refusals = 0.0
+        self._share = 1.0
+        # When the last offer counted the work queued, and that work with its own request's
+        # (if admitted): what a shed soon after may take for its own count.
+        self._hint = (-math.inf, 0.0)
+
+    def share(self) -> float:
+        """The share of its time left a request may spend queued."""
+        return self._share
+
+    def queue_full(self) -> Rejection:
+        """The refusal of any request while the queue holds ``max_queue``."""
+        self._count(refused=True)
+        return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
+
+    def admit(
+        self, item: Item, queue: ClassQueue, now: float, free_at: Sequence[float]
+    ) -> Rejection | None:
+        """Whether ``item`` may join its class ``queue``; admitted, it is given its estimate."""
+        delays = self.delays
+        cost = queue.cost
+        learnt = delays.learnt(now)
+        alone = cost.fixed_s + cost.per_row_s * item.rows + learnt[0] + delays.loop_delay_s
+        budget = item.deadline - now
+        if budget < alone:
+            return Rejection(
+                "deadline",
+                f"deadline in {budget * 1000:.1f} ms cannot be met: a batch of its "
+                f"{item.rows} row(s) alone takes ~{alone * 1000:.1f} ms",
+                1.0,
+            )
+        # Its own rows are taken off the time left, not counted against the share: a lone
+        # large request would be refused once the share fell, and keep it down.
+        work, own_work = self.queues.work_ahead(item.priority, item.rows, queue)
+        ahead = self._ahead(work, now, free_at)
+        own = own_work / (len(free_at) or 1)
+        waits = learnt[1] + delays.loop_delay_s
+        share = 1.0 if item.screened else self._share
+        if ahead > (budget - waits - own) * share:
+            self._hint = (now, work)
+            return self._unmeetable(budget, ahead + own, waits)
+        self._hint = (now, work + own_work)  # (admitted: its rows are ahead of the next one)
+        self._count(refused=False)
+        item.estimate = now + ahead + own + waits
+        return None
+
+    def shed(
+        self,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        deadline: float,
+        priority: int,
+        queue: bool = True,
+    ) -> Rejection | None:
+        """See `Batcher.shed`."""
+        budget = deadline - now
+        delays = self.delays
+        if not queue:
+            # It may be a cache hit, answered without the model, but it still waits for the
+            # event loop to read, decode and answer what it holds.
+            return self._refused_unread(budget, delays.loop_backlog_s, delays.loop_delay_s)
+        if self.queues.queued >= self.max_queue:
+            return self.queue_full()
+        # A recent offer's count of the work queued is a high one for this request (work has
+        # only been taken since): when it admits, that is the answer.
+        at, work = self._hint
+        if 0.0 <= now - at < _HINT_S:
+            ahead = self._ahead(work, now, free_at)
+            if ahead <= (budget - delays.learnt(now)[1] - delays.loop_delay_s) * self._share:
+                return None
+        work = self.queues.work_ahead(priority, 0, None)[0]
+        waits = delays.learnt(now)[1] + delays.loop_delay_s
+        return self._refused_unread(budget, self._ahead(work, now, free_at), waits)
+
+    def refused(self) -> None:
+        """A request was refused on the word of an earlier shed."""
+        self._count(refused=True)
+
+    def _ahead(self, work: float, now: float, free_at: Sequence[float]) -> float:
+        """The wait for what is ahead: the instances' remaining busy time and the ``work``
+        queued, shared between the instances, or the event loop's backlog where longer."""
+        busy = 0.0
+        for at in free_at:
+            if at > now:
+                busy += at - now
+        # The loop's backlog and the model's queue drain at the same time: the wait is the
+        # longer of them (their sum would count a request queued for the model twice).
+        ahead = (busy + work) / (len(free_at) or 1)
+        backlog = self.delays.loop_backlog_s
+        return ahead if ahead > backlog else backlog
+
+    def _refused_unread(self, budget: float, queueing: float, waits: float) -> Rejection | None:
+        """The shed's answer for a request with ``budget`` left, ``queueing`` ahead of it and
+        ``waits`` besides."""
+        if queueing > (budget - waits) * self._share:
+            rejection = self._unmeetable(budget, queueing, waits)
+            if self._share > self.admission_target + 1e-9:
+                return rejection
+            # Overloaded (the share at its floor): for a moment, a request with less time left
+            # than this one's least would be refused too, and may be without asking again.
+            least = queueing / self._share + waits
+            return dataclasses.replace(rejection, reusable_s=_REUSE_S, least_budget_s=least)
+        return None
+
+    def _unmeetable(self, budget: float, queueing: float, waits: float) -> Rejection:
+        """A refusal for the wait ahead, saying what makes it up and what share of the budget
+        it may take."""
+        self._count(refused=True)
+        wait = queueing + waits
+        backlog = self.delays.loop_backlog_s
+        return Rejection(
+            "deadline",
+            f"deadline in {budget * 1000:.1f} ms cannot be met: the work queued ahead needs "
+            f"~{wait * 1000:.1f} ms (the longer of the model's queue and the event loop's "
+            f"backlog, {backlog * 1000:.1f}: {queueing * 1000:.1f}; other delays "
+            f"{waits * 1000:.1f}; the queue may take {self._share:.0%} of the time the "
+            "delays leave)",
+            wait,
+        )
+
+    def _count(self, *, refused: bool) -> None:
+        if not refused and self.refusals <= _REFUSALS_NONE:
+            if self.refusals:  # (faded to nothing: the share is whole again)
+                self.refusals, self._share = 0.0, 1.0
+            return
+        refusals = self.refusals = self.refusals + _REFUSAL_RATE * (refused - self.refusals)
+        if refusals >= _OVERLOADED_AT:
+            self._share = self.admission_target
+        else:
+            self._share = 1.0 - (1.0 - self.admission_target) * (refusals / _OVERLOADED_AT)
