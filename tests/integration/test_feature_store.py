@@ -28,7 +28,8 @@ from support.servers import (
     run_worker,
 )
 from tailserve.cache.breaker import Breaker, BreakerState
-from tailserve.cache.features import FeatureResolver, FeatureStore, entity_key
+from tailserve.cache.feature_store import FeatureStore, entity_key
+from tailserve.cache.features import FeatureResolver
 from tailserve.cache.redis import connect
 from tailserve.errors import InvalidInput, Unavailable
 from tailserve.examples import load_features, ranker

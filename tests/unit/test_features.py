@@ -11,8 +11,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from tailserve.cache.feature_store import EntityId
 from tailserve.cache.features import (
-    EntityId,
     FeatureResolver,
     check_features,
     check_features_config,

@@ -39,7 +39,8 @@ from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
 
 if TYPE_CHECKING:
-    from tailserve.cache.features import FeatureResolver, FeatureStore
+    from tailserve.cache.feature_store import FeatureStore
+    from tailserve.cache.features import FeatureResolver
     from tailserve.protocols.grpc.service import InferenceService
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ class Worker:
         return connect(self.settings.redis_url, timeout_s=1.0, socket_timeout=None)
 
     def _feature_resolver(self, config: FeaturesConfig) -> FeatureResolver:
-        from tailserve.cache.features import FeatureResolver, FeatureStore
+        from tailserve.cache.feature_store import FeatureStore
+        from tailserve.cache.features import FeatureResolver
 
         if self.feature_store is None:
             self.feature_store = FeatureStore(self._redis_client())

@@ -271,7 +271,7 @@ def load_features(
 
 
 async def _load(model_dir: Path, redis_url: str, cluster: bool) -> dict[str, int]:
-    from tailserve.cache.features import FeatureStore
+    from tailserve.cache.feature_store import FeatureStore
     from tailserve.cache.redis import connect
 
     client = connect(redis_url, cluster=cluster, timeout_s=2.0)

@@ -34,7 +34,8 @@ import orjson
 
 from tailserve.cache import entry as codec
 from tailserve.cache.entry import CachedResult, Lineage, Outputs
-from tailserve.cache.features import FeatureResolver, FeatureStore
+from tailserve.cache.feature_store import FeatureStore
+from tailserve.cache.features import FeatureResolver
 from tailserve.cache.redis import RedisTier, connect
 from tailserve.cache.tiered import ModelView, ResultCache
 from tailserve.engine.served import ServedVersion, VersionBuilder
