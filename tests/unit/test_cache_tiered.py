@@ -7,10 +7,13 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
+from tailserve.cache.inprocess import InProcessStore, InProcessTier
 from tailserve.cache.keys import KeyBuilder
 from tailserve.cache.memory import MemoryCache
+from tailserve.cache.redis import INVALIDATION_CHANNEL
 from tailserve.cache.tiered import CachePolicy, ModelView, ResultCache
 from tailserve.errors import DeadlineUnmeetable
 
@@ -215,97 +218,19 @@ async def test_recomputations_are_told_apart_from_first_computations(evict: bool
     assert seen[0] is False and seen[-1] is True
 
 
-class FailingRedis:
-    """Redis whose key scan fails but whose pub/sub works, with writes still queued."""
-
-    def __init__(self) -> None:
-        self.published: list[bytes] = []
-        self.forgotten: list[str] = []
-
-    async def drop_prefix(self, prefix: str) -> int:
-        raise ConnectionError("SCAN failed")
-
-    async def publish(self, channel: str, message: bytes) -> None:
-        self.published.append(message)
-
-    def forget_writes(self, prefix: str) -> int:
-        self.forgotten.append(prefix)
-        return 0
-
-
-async def test_an_invalidation_is_published_even_when_redis_could_not_be_cleared() -> None:
-    redis = FailingRedis()
-    cache = ResultCache(redis=redis, worker_id="w1")  # type: ignore[arg-type]
+async def test_an_invalidation_is_published_even_when_l2_could_not_be_cleared() -> None:
+    # (The shared tier's other behaviour, against Redis and this twin alike:
+    # integration/test_cache_l2.py.)
+    store = InProcessStore()
+    cache = ResultCache(redis=InProcessTier(store), worker_id="w1")
+    heard = store.subscribe(INVALIDATION_CHANNEL)
+    v = view(Clock())
+    await cache.serve(v, "ts:{m}:v1:k", "use", Model())  # its write still waits to go out
+    store.fail("SCAN")
     report = await cache.invalidate("ts:{m}:")
     assert report == {"l1": 0, "l2": 0, "published": True}
-    assert len(redis.published) == 1 and b"ts:{m}:" in redis.published[0]
+    assert orjson.loads(heard.get_nowait()) == {"prefix": "ts:{m}:", "origin": "w1"}
     # And this worker's writes not yet sent under the prefix are dropped.
-    assert redis.forgotten == ["ts:{m}:"]
-
-
-class SharedRedis:
-    """Redis as the tiered cache uses it: values by key (whatever another worker put)."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-        self.gets = 0
-
-    async def get(self, key: str) -> bytes | None:
-        self.gets += 1
-        return self.values.get(key)
-
-    def put(self, key: str, value: bytes, ttl_s: float) -> None:
-        self.values[key] = value
-
-
-async def test_a_stale_l1_entry_is_refreshed_from_a_fresh_redis_value_without_the_model() -> None:
-    # L1 keeps a result 5 s, Redis 60 s: once the L1 copy is stale, the background refresh
-    # finds Redis's still fresh (or refreshed by another worker) and runs no model.
-    clock, wall = Clock(), Clock()
-    redis = SharedRedis()
-    cache, model = ResultCache(redis=redis, wall_clock=wall), Model()  # type: ignore[arg-type]
-    v = view(clock, CachePolicy(l1_ttl_s=5, l2_ttl_s=60, grace_s=10))
-    assert (await cache.serve(v, "k", "use", model)).source == "miss"
-    clock.now = wall.now = 6.0
-    assert (await cache.serve(v, "k", "use", model)).source == "stale"
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert model.runs == 1 and redis.gets == 2  # the first miss asked it too
-    answer = await cache.serve(v, "k", "use", model)
-    assert answer.source == "l1" and answer.outputs["y"].tolist() == [1.0]
-    # Once Redis's copy is stale too, the refresh runs the model.
-    clock.now = wall.now = 70.0
-    assert (await cache.serve(v, "k", "use", model)).source == "stale"
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert model.runs == 2
-
-
-class LeasingRedis(SharedRedis):
-    """Redis whose lease this worker always gets; records the leases given back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.released: list[tuple[str, str]] = []
-
-    async def lease(self, key: str, owner: str, ttl_s: float) -> bool:
-        return True
-
-    def release_lease(self, key: str, owner: str) -> None:
-        self.released.append((key, owner))
-
-
-async def test_a_leader_that_fails_gives_its_lease_back() -> None:
-    redis = LeasingRedis()
-    cache = ResultCache(redis=redis, worker_id="w1")  # type: ignore[arg-type]
-    v = view(Clock(), CachePolicy(l1_ttl_s=10, l2_ttl_s=10, lease_s=5.0))
-
-    async def failing() -> tuple[dict[str, Any], None]:
-        raise ValueError("model failed")
-
-    with pytest.raises(ValueError):
-        await cache.serve(v, "k", "use", failing)
-    assert redis.released == [("k", "w1")]
-    # One that succeeds keeps it: its result is what the others wait for.
-    assert (await cache.serve(v, "k2", "use", Model())).source == "miss"
-    assert redis.released == [("k", "w1")] and "k2" in redis.values
+    await cache.flush()
+    assert len(store) == 0
+    await cache.close()

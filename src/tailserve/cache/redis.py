@@ -210,6 +210,13 @@ class RedisTier:
         self._writes[:] = kept  # (the flush timer takes whatever the list holds then)
         return dropped
 
+    async def flush(self) -> None:
+        """Send the writes waiting for their window now, and wait for all this tier runs in
+        the background (writes, leases given back): before a drain closes it, say."""
+        self._flush_writes()
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def _flush_writes(self) -> None:
         batch, self._writes = self._writes, []
         if batch:

@@ -34,7 +34,8 @@ from tailserve.cache import entry as codec
 from tailserve.cache.entry import CachedResult, Lineage, Outputs
 from tailserve.cache.keys import PREFIX, KeyBuilder
 from tailserve.cache.memory import Lookup, MemoryCache
-from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier
+from tailserve.cache.redis import INVALIDATION_CHANNEL
+from tailserve.cache.tier import CacheTier
 from tailserve.errors import DeadlineExceeded, DeadlineUnmeetable, Overloaded
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class ResultCache:
     def __init__(
         self,
         *,
-        redis: RedisTier | None = None,
+        redis: CacheTier | None = None,
         worker_id: str = "",
         observer: CacheObserver | None = None,
         wall_clock: Callable[[], float] = time.time,
@@ -233,7 +234,7 @@ class ResultCache:
             raise
 
     async def _from_l2(
-        self, view: ModelView, key: str, compute: Compute, redis: RedisTier
+        self, view: ModelView, key: str, compute: Compute, redis: CacheTier
     ) -> Served | None:
         result = await self._read_l2(view, key, redis)
         if result is None:
@@ -247,7 +248,7 @@ class ResultCache:
         self._refresh_later(view, key, compute)
         return Served(result.outputs, "stale", result.lineage)
 
-    async def _read_l2(self, view: ModelView, key: str, redis: RedisTier) -> CachedResult | None:
+    async def _read_l2(self, view: ModelView, key: str, redis: CacheTier) -> CachedResult | None:
         """The value under ``key`` in Redis (None: none, or undecodable), filling L1 with it
         while it is fresh, for what is left of its life (its TTL in L1 is no longer than
         L2's)."""
@@ -266,7 +267,7 @@ class ResultCache:
         return result
 
     async def _await_other_worker(
-        self, view: ModelView, key: str, redis: RedisTier
+        self, view: ModelView, key: str, redis: CacheTier
     ) -> Served | None:
         """Another worker holds the lease: poll L2 for its result until the lease runs out."""
         loop = asyncio.get_running_loop()
@@ -328,7 +329,7 @@ class ResultCache:
 
         self._own(refresh())
 
-    async def _fresh_from_l2(self, view: ModelView, key: str, redis: RedisTier) -> bool:
+    async def _fresh_from_l2(self, view: ModelView, key: str, redis: CacheTier) -> bool:
         """Fill L1 from a fresh value in Redis, if there is one."""
         result = await self._read_l2(view, key, redis)
         if result is None or result.fresh_until <= self._wall():
@@ -430,6 +431,14 @@ class ResultCache:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def flush(self) -> None:
+        """Wait for the refreshes running in the background, then for the shared tier's
+        writes: what this worker knows is then in L2 for the others."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.redis is not None:
+            await self.redis.flush()
 
     async def close(self) -> None:
         tasks = list(self._tasks)
