@@ -133,10 +133,9 @@ async def test_answers_count_what_was_served_with_or_without_a_task_apart_from_r
     assert [_status(head) for head, _ in replies] == [200, 429, 200]
     # The task's count lands in its done callback, a turn of the loop after its reply; the
     # server is idle once it has run.
-    await asyncio.wait_for(server._idle.wait(), 5)
-    assert server.in_flight == 0
-    assert server.answered == 2
-    assert server.refused == 1
+    await asyncio.wait_for(server.wait_idle(), 5)
+    state = server.state()
+    assert (state.in_flight, state.answered, state.refused) == (0, 2, 1)
 
 
 async def test_a_head_request_gets_the_length_and_no_body(served: tuple[HttpServer, App]) -> None:
@@ -272,11 +271,11 @@ async def test_a_closed_connection_is_freed_at_once_not_by_a_full_collection(
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n")
         await asyncio.wait_for(reader.readuntil(b"now"), 5)
-        connections = [weakref.ref(c) for c in server._connections]
+        connections = [weakref.ref(c) for c in server.connections]
         assert len(connections) == 1
         writer.close()
         await writer.wait_closed()
-        await asyncio.wait_for(server._gone.wait(), 5)
+        await asyncio.wait_for(server.wait_no_connections(), 5)
         assert connections[0]() is None
     finally:
         gc.enable()
@@ -362,11 +361,11 @@ async def test_pipelined_bodies_pause_reading_by_their_bytes(
     post = b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
     for _ in range(40):  # 20 MB: far more than the socket buffers hold
         writer.write(post)
-    (connection,) = server._connections
+    (connection,) = server.connections
     for _ in range(50):
         await asyncio.sleep(0.02)
-        assert connection._queued_bytes <= MAX_QUEUED_BYTES + len(body)
-    assert connection._reading_paused
+        assert connection.state().queued_bytes <= MAX_QUEUED_BYTES + len(body)
+    assert connection.state().reading_paused
     app.release.set()
     for _ in range(41):
         await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
@@ -382,18 +381,19 @@ async def test_a_task_cancelled_before_it_ran_does_not_hold_a_drain(
 ) -> None:
     server, app = served
 
+    hung_up = asyncio.Event()
+
     def hang_up() -> None:  # the client's reset arrives before the task's first step
-        (connection,) = server._connections
+        (connection,) = server.connections
         connection.abort()
+        hung_up.set()
 
     app.hook = hang_up
     _, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"GET /hook HTTP/1.1\r\nhost: w\r\n\r\n")
-    for _ in range(500):
-        if not server._connections:
-            break
-        await asyncio.sleep(0.01)
-    assert not server._connections
+    await asyncio.wait_for(hung_up.wait(), 5)
+    await asyncio.wait_for(server.wait_no_connections(), 5)
+    assert server.state().connections == 0
     await asyncio.wait_for(server.drain(10.0), 2)
     writer.close()
 
@@ -448,7 +448,7 @@ async def test_a_body_that_stops_is_refused_unless_the_server_holds_it_back(
     writer.write(b"POST /echo HTTP/1.1\r\nhost: w\r\ncontent-length: 10\r\n\r\nabc")
     stalled = await _connection_reading(server)
     stalled.expire_read(time.monotonic() + 5, 10.0)
-    assert not stalled._ended  # not silent for 10 s yet
+    assert not stalled.state().ended  # not silent for 10 s yet
     stalled.expire_read(time.monotonic() + 11, 10.0)
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert _status(head) == 408
@@ -464,7 +464,7 @@ async def test_a_body_that_stops_is_refused_unless_the_server_holds_it_back(
     await asyncio.wait_for(app.started.wait(), 5)
     held = await _connection_reading(server)
     held.expire_read(time.monotonic() + 60, 10.0)
-    assert not held._ended
+    assert not held.state().ended
     app.release.set()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert _status(head) == 200 and await reader.readexactly(6) == b"waited"
@@ -473,7 +473,7 @@ async def test_a_body_that_stops_is_refused_unless_the_server_holds_it_back(
     )
     # 5 s after it was let in (a minute after it began): still in time.
     held.expire_read(time.monotonic() + 5, 10.0)
-    assert not held._ended
+    assert not held.state().ended
     writer.write(b"ok")
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert _status(head) == 200 and await reader.readexactly(7) == b"echo:ok"
@@ -483,7 +483,7 @@ async def test_a_body_that_stops_is_refused_unless_the_server_holds_it_back(
 async def _connection_reading(server: HttpServer) -> Any:
     """The server's one connection that is reading a request, once it is."""
     for _ in range(500):
-        reading = [c for c in server._connections if c.in_message]
+        reading = [c for c in server.connections if c.state().in_message]
         if reading:
             return reading[0]
         await asyncio.sleep(0.01)

@@ -14,7 +14,7 @@ What it models, and what it takes from the worker as it is:
   `time.thread_time` does not count the time the thread waits for a core.
 - The real `DeadlineBatcher` (shed, offer, poll, observe, completed, refused) and the real
   `LoopLag` driven through `LoopLag.sample` by a timer job on the simulated loop, wired as the
-  scheduler wires them (`Scheduler._read_loop`: lag, busy and backlog before each shed and
+  scheduler wires them (its reading of the loop: lag, busy and backlog before each shed and
   offer), with the HTTP adapter's kept refusals (a shed's refusal standing for a moment).
 
 Deterministic: one seed, no wall clock.

@@ -162,7 +162,8 @@ def test_get_many_answers_what_get_would_and_leaves_the_same_cache(policy: str) 
         assert missed == [i for i, (_, entry) in enumerate(singles) if entry is None]
         assert why == [lookup for lookup, entry in singles if entry is None]
         kinds.update(why)
-        assert _order(one) == _order(many)  # the same entries, each in the same recency order
+        # The same entries, each in the same segment and the same recency order.
+        assert one.segments() == many.segments()
     assert kinds == {Lookup.COLD, Lookup.EXPIRED, Lookup.EVICTED}
     assert one.evictions == many.evictions > 0
 
@@ -184,8 +185,3 @@ def test_fifo_evicts_the_oldest_stored_whatever_was_read_since() -> None:
 def test_get_many_on_a_disabled_cache_misses_every_key_cold() -> None:
     cache = MemoryCache(max_entries=10, max_bytes=100, clock=Clock(), enabled=False)
     assert cache.get_many(["a", "b"]) == ([None, None], [0, 1], [Lookup.COLD, Lookup.COLD])
-
-
-def _order(cache: MemoryCache) -> list[list[str]]:
-    segments = (cache._window, cache._probation, cache._protected)
-    return [list(segment.items) for segment in segments]

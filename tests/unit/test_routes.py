@@ -28,6 +28,6 @@ def test_the_memo_of_matched_paths_is_bounded(monkeypatch: pytest.MonkeyPatch) -
     for k in range(10):
         route, params, _ = router.match("POST", f"/v2/models/m{k}/infer")
         assert route is not None and params == {"model": f"m{k}"}
-    assert len(router._seen) == 3
+    assert router.remembered == 3
     # Past the bound, paths still match: they are only not kept.
     assert router.match("POST", "/v2/models/m9/infer")[1] == {"model": "m9"}

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
+from tailserve.engine.batching import Batcher, Item, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, Pad
 from tailserve.engine.deadline import DeadlineBatcher
 from tailserve.engine.scheduler import Scheduler
@@ -127,10 +127,14 @@ async def test_a_failing_batcher_fails_what_is_queued_and_the_scheduler_lives_on
 
 def test_an_endless_deadline_fills_a_batch_to_its_maximum() -> None:
     # A budget of 1e308 s would overflow int(): the batch may simply hold all it can.
-    batcher = DeadlineBatcher(max_rows=8, max_queue=10, instances=1)
-    queue = batcher._class(ALL)  # the class the request goes to
-    assert batcher._rows_in_time(queue, 1e308) == 8
-    assert batcher._rows_in_time(queue, float("inf")) == 8
+    for deadline in (1e308, float("inf")):
+        batcher = DeadlineBatcher(max_rows=8, max_queue=10, instances=1)
+        for rows, seconds in ((1, 0.002), (8, 0.009)):  # a cost per row: the rows that fit
+            batcher.observe(ALL, rows, seconds, -1)  # in the time left are worked out
+        assert all(cost.per_row_s > 0 for cost in batcher.costs().values())
+        for _ in range(10):
+            assert batcher.offer(Item(1, ALL, 0.0, deadline), 0.0, [0.0]) is None
+        assert len(batcher.poll(0.0, [0.0], draining=True).batch) == 8
 
 
 async def test_full_queue_refuses_at_once() -> None:

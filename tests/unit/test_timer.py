@@ -63,9 +63,10 @@ def test_closing_lets_go_of_the_descriptor() -> None:
     async def main() -> int:
         t = timer(asyncio.get_running_loop(), lambda: None)
         assert isinstance(t, PreciseTimer)
-        fd = t._fd
-        assert fd is not None
+        fd = t.fileno()
+        assert fd >= 0
         t.close()
+        assert t.fileno() == -1
         with pytest.raises(RuntimeError, match="closed"):
             t.at(time.monotonic())
         return fd

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -110,6 +111,16 @@ class _Segment:
 
     def oldest(self) -> str | None:
         return next(iter(self.items), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """The keys in each of a cache's segments, least recently used first (LRU and FIFO keep
+    every entry in ``protected``): how W-TinyLFU has placed what it holds."""
+
+    window: tuple[str, ...]
+    probation: tuple[str, ...]
+    protected: tuple[str, ...]
 
 
 class MemoryCache:
@@ -223,6 +234,11 @@ class MemoryCache:
     @property
     def bytes(self) -> int:
         return self._window.bytes + self._probation.bytes + self._protected.bytes
+
+    def segments(self) -> Segments:
+        return Segments(
+            tuple(self._window.items), tuple(self._probation.items), tuple(self._protected.items)
+        )
 
     # --- writing ----------------------------------------------------------------------------
 

@@ -98,6 +98,10 @@ class PreciseTimer:
         self._ref = ctypes.byref(self._spec)
         loop.add_reader(fd, self._fire)
 
+    def fileno(self) -> int:
+        """Its timerfd (-1 once closed, as a socket's)."""
+        return -1 if self._fd is None else self._fd
+
     def at(self, when: float) -> None:
         if self._fd is None:
             raise RuntimeError("the timer is closed")

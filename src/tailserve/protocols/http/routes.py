@@ -109,6 +109,11 @@ class Router:
         # route and its parameters, up to _SEEN entries (a client could send endless paths).
         self._seen: dict[tuple[str, str], tuple[Route, dict[str, str]]] = {}
 
+    @property
+    def remembered(self) -> int:
+        """Paths with parameters matched and kept for next time (no more than _SEEN)."""
+        return len(self._seen)
+
     def match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
         """The route, its path parameters (the caller's to read, not to change), and whether
         the path exists under another method."""

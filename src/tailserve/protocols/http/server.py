@@ -28,6 +28,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import httptools
@@ -58,6 +59,28 @@ _FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection", b"
 # before reading pauses.
 MAX_PIPELINED = 32
 MAX_QUEUED_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    """The server at one moment, as an operator (or a test) sees it."""
+
+    connections: int
+    in_flight: int  # requests being answered by a task
+    answered: int
+    refused: int
+    draining: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionState:
+    """One connection at one moment."""
+
+    in_message: bool  # a request is being read
+    queued: int  # requests read and waiting their turn
+    queued_bytes: int  # ... and the bytes of their bodies
+    reading_paused: bool  # held back: too much is queued
+    ended: bool  # reading nothing more (the requests read are answered, then it closes)
 
 
 class Application(Protocol):
@@ -108,6 +131,24 @@ class HttpServer:
     @property
     def port(self) -> int:
         return int(self._servers[0].sockets[0].getsockname()[1])
+
+    @property
+    def connections(self) -> tuple[_Connection, ...]:
+        """The connections open now."""
+        return tuple(self._connections)
+
+    def state(self) -> ServerState:
+        return ServerState(
+            len(self._connections), self._busy, self.answered, self.refused, self.draining
+        )
+
+    async def wait_idle(self) -> None:
+        """Until no request is being answered (and what each answered is counted)."""
+        await self._idle.wait()
+
+    async def wait_no_connections(self) -> None:
+        """Until every connection has closed."""
+        await self._gone.wait()
 
     async def start(
         self,
@@ -505,6 +546,15 @@ class _Connection(HeadReading, asyncio.Protocol):
         ):
             self._closing = True
             self._transport.close()
+
+    def state(self) -> ConnectionState:
+        return ConnectionState(
+            self.in_message,
+            len(self._queue),
+            self._queued_bytes,
+            self._reading_paused,
+            self._ended,
+        )
 
     def expire_read(self, now: float, timeout_s: float) -> None:
         """Refuse the request being read (408, then close) if it stopped coming."""
