@@ -97,3 +97,27 @@ def test_an_empty_admin_token_is_none(tmp_path: Path) -> None:
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["up", "--repository", str(tmp_path)])
     assert fleet_config(args, {"TAILSERVE_ADMIN_TOKEN": ""}).admin_token is None
+
+
+def up_args(tmp_path: Path, *flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["up", "--repository", str(tmp_path), *flags])
+
+
+def test_min_and_max_workers_turn_autoscaling_on(tmp_path: Path) -> None:
+    args = up_args(tmp_path, "--min-workers", "1", "--max-workers", "3", "--warm-pool", "1")
+    config = fleet_config(args, {})
+    assert config.scaling is not None and config.workers == 1
+    assert (config.scaling.scaling.min_workers, config.scaling.scaling.max_workers) == (1, 3)
+    assert config.scaling.warm_pool == 1 and config.scaling.slots == 4
+    assert fleet_config(up_args(tmp_path, "--workers", "2"), {}).scaling is None
+
+
+def test_scaling_flags_that_cannot_work_are_refused_in_plain_words(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--warm-pool needs --max-workers"):
+        fleet_config(up_args(tmp_path, "--warm-pool", "1"), {})
+    with pytest.raises(ConfigError, match=r"max_workers \(1\) must be at least min_workers \(2\)"):
+        fleet_config(up_args(tmp_path, "--min-workers", "2", "--max-workers", "1"), {})
+    with pytest.raises(ConfigError, match="--warm-pool must be at least 0"):
+        fleet_config(up_args(tmp_path, "--max-workers", "2", "--warm-pool", "-1"), {})

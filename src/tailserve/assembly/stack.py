@@ -28,21 +28,27 @@ import contextlib
 import dataclasses
 import logging
 import os
-import resource
 import signal
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tailserve.admin import AdminAccess, admin_access
+from tailserve.assembly.commands import (
+    descriptor_limit,
+    lane_command,
+    repository_models,
+    worker_command,
+)
+from tailserve.assembly.scaling import Scaler, ScalingPlan
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet.admin import AdminLane, Slot
 from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.processes import (
     LOOPBACK,
     ManagedWorker,
+    Role,
     free_ports,
     owned_task,
     prediction,
@@ -51,11 +57,16 @@ from tailserve.fleet.processes import (
     until_ready,
 )
 from tailserve.fleet.restarts import Backoff, RestartPolicy
-from tailserve.modelconfig import load_model_config
 from tailserve.protocols.http.server import HttpServer
-from tailserve.repository.discovery import model_dirs
 from tailserve.router.config import backend_url
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+from tailserve.router.frontdoor import (
+    SERVING_WEIGHT,
+    FrontDoorPolicy,
+    Listen,
+    Member,
+    render,
+    worker_backends,
+)
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS, slow_models
 from tailserve.transport.http1 import Pool, frame_request
 
@@ -66,8 +77,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Beyond the drain timeout, the time a drained worker has to close its models and exit.
 EXIT_GRACE_S = 5.0
-# A model whose config cannot be read is routed with this SLO (its workers say what is wrong).
-DEFAULT_SLO_MS = 1000.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +104,8 @@ class FleetConfig:
     hedge_models: tuple[str, ...] = ()
     # How often the workers' cost models are read to sort the models into lanes.
     classify_interval_s: float = 5.0
+    # Autoscaling between bounds, with a warm pool (None: `workers` serve, always).
+    scaling: ScalingPlan | None = None
 
     @property
     def lane(self) -> bool:
@@ -103,6 +114,13 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, not {self.workers}")
+        if self.scaling is not None and not (
+            self.scaling.scaling.min_workers <= self.workers <= self.scaling.scaling.max_workers
+        ):
+            raise ConfigError(
+                f"the workers to start with ({self.workers}) must be within --min-workers "
+                f"and --max-workers"
+            )
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be at least 0, not {self.drain_timeout_s}")
 
@@ -120,6 +138,8 @@ class Supervisor:
         self._signalled = asyncio.Event()
         self._run_dir = tempfile.TemporaryDirectory(prefix="tailserve-up-")
         self.front_door_process = HAProxy(Path(self._run_dir.name))
+        # The hedging lane's workers: those in the rotation (it watches the file).
+        self._lane_backends = Path(self._run_dir.name) / "lane-backends"
         self._admin = AdminLane(self, admin_access(config.host, config.admin_token))
         self._admin_server = HttpServer(self._admin, max_body_bytes=16 * 1024 * 1024)
         self._models: dict[str, float] = {}
@@ -129,12 +149,14 @@ class Supervisor:
         # it takes.
         self.lane: ManagedWorker | None = None
         self.slow: frozenset[str] = frozenset(config.hedge_models)
-        self._keepers: list[asyncio.Task[None]] = []  # one a worker (and the lane)
+        self._keepers: dict[str, asyncio.Task[None]] = {}  # a running slot's (and the lane's)
         self._door_keeper: asyncio.Task[None] | None = None
         self._announcer: asyncio.Task[None] | None = None
         self._classifier: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
+        self.scaler = None if config.scaling is None else Scaler(self, config.scaling)
+        self._scaling: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -153,6 +175,9 @@ class Supervisor:
 
     def slots(self) -> list[Slot]:
         return [worker.slot() for worker in self.workers]
+
+    def autoscaler(self) -> dict[str, Any] | None:
+        return None if self.scaler is None else self.scaler.document()
 
     def front_door(self) -> dict[str, Any]:
         door = self.front_door_process
@@ -218,17 +243,23 @@ class Supervisor:
         """Start the admin lane, the front door, then the workers; return without waiting for
         the workers to be ready."""
         grpc = self.config.grpc_port != 0
-        ports = free_ports(self.config.workers * (2 if grpc else 1) + 2)
+        plan = self.config.scaling
+        count = self.config.workers if plan is None else plan.slots
+        ports = free_ports(count * (2 if grpc else 1) + 2)
         self._stats_port, lane_port = ports.pop(), ports.pop()
         self.workers = [
-            ManagedWorker(f"worker-{i}", ports[i], ports[self.config.workers + i] if grpc else 0)
-            for i in range(self.config.workers)
+            ManagedWorker(f"worker-{i}", ports[i], ports[count + i] if grpc else 0)
+            for i in range(count)
         ]
-        for worker in self.workers:
-            worker.command = self._worker_command(worker)
+        standby = self.config.workers + (0 if plan is None else plan.warm_pool)
+        for i, worker in enumerate(self.workers):
+            worker.command = worker_command(self.config, worker)
+            serving = i < self.config.workers
+            worker.role = Role.SERVING if serving else Role.STANDBY if i < standby else Role.OFF
         if self.config.lane:
             self.lane = ManagedWorker("lane", lane_port)
-            self.lane.command = self._lane_command(self.lane)
+            self._write_lane_backends()
+            self.lane.command = lane_command(self.config, self.lane, self._lane_backends)
         await self._admin_server.start(LOOPBACK, 0)
         self._models = repository_models(Path(self.config.repository))
         # The front door first: a taken public port fails before any worker has started.
@@ -247,8 +278,12 @@ class Supervisor:
                 self.config.host,
             )
         self._door_keeper = owned_task(self._keep_front_door(), "keep the front door")
-        self._keepers = [owned_task(self._keep(w), f"keep {w.name}") for w in self._slots()]
+        for worker in self._slots():
+            if worker.role is not Role.OFF:
+                self.activate(worker)
         self._announcer = owned_task(self._announce(), "announce")
+        if self.scaler is not None:
+            self._scaling = owned_task(self.scaler.run(), "autoscale")
         if self.lane is not None and self.config.hedge_lane_ms > 0:
             self._classifier = owned_task(self._classify(), "classify")
 
@@ -258,7 +293,7 @@ class Supervisor:
         if self._stopping.is_set():
             return
         self._stopping.set()  # from here on nothing is restarted
-        for task in (self._announcer, self._classifier, self._door_keeper):
+        for task in (self._scaling, self._announcer, self._classifier, self._door_keeper):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -281,17 +316,53 @@ class Supervisor:
         slots = self._slots()
         for worker in slots:
             worker.terminate()
-        if not self._keepers:
+        keepers = list(self._keepers.values())
+        if not keepers:
             return
-        await asyncio.wait(self._keepers, timeout=self.config.drain_timeout_s + EXIT_GRACE_S)
+        await asyncio.wait(keepers, timeout=self.config.drain_timeout_s + EXIT_GRACE_S)
         for worker in slots:
             if worker.running:
                 log.warning("%s (pid %s) did not exit in time: killed", worker.name, worker.pid)
                 worker.kill()
-        await asyncio.gather(*self._keepers, return_exceptions=True)
+        await asyncio.gather(*keepers, return_exceptions=True)
 
-    def _front_door_config(self) -> str:
-        listen = Listen(
+    # --- the rotation (the autoscaler's hands) --------------------------------------------------
+
+    def activate(self, worker: ManagedWorker, role: Role | None = None) -> None:
+        """Keep a process running in ``worker``'s slot (started now unless it runs)."""
+        if role is not None:
+            worker.role = role
+        keeper = self._keepers.get(worker.name)
+        if keeper is None or keeper.done():
+            self._keepers[worker.name] = owned_task(self._keep(worker), f"keep {worker.name}")
+
+    async def rotate(self, worker: ManagedWorker, role: Role) -> None:
+        """Put ``worker`` in the front door's rotation (SERVING) or take it out, at once."""
+        async with self._reload_lock:
+            worker.role = role
+            weight = SERVING_WEIGHT if role is Role.SERVING else 0
+            await self.front_door_process.set_weight(worker.name, self.worker_backends(), weight)
+            if self.lane is not None:
+                self._write_lane_backends()
+        if role is Role.SERVING:
+            self.activate(worker)
+
+    async def reload_front_door(self) -> None:
+        async with self._reload_lock:
+            if not self._stopping.is_set():
+                await self.front_door_process.reload(self._front_door_config())
+
+    def _write_lane_backends(self) -> None:
+        serving = [w.url for w in self.workers if w.role is Role.SERVING]
+        partial = self._lane_backends.with_suffix(".partial")
+        partial.write_text("".join(f"{url}\n" for url in serving), encoding="utf-8")
+        partial.replace(self._lane_backends)
+
+    def worker_backends(self) -> list[str]:
+        return worker_backends(self._listen(), self._models)
+
+    def _listen(self) -> Listen:
+        return Listen(
             host=self.config.host,
             port=self._listen_port,
             grpc_port=self.config.grpc_port,
@@ -301,10 +372,16 @@ class Supervisor:
             state_file=str(self.front_door_process.state_path),
             lane_port=self.lane.port if self.lane else 0,
         )
-        members = [Member(w.name, LOOPBACK, w.port, w.grpc_port) for w in self.workers]
+
+    def _front_door_config(self) -> str:
+        listen = self._listen()
+        members = [
+            Member(w.name, LOOPBACK, w.port, w.grpc_port, serving=w.role is Role.SERVING)
+            for w in self.workers
+        ]
         # HAProxy needs two descriptors a connection, and refuses to start past the limit.
         policy = self.config.policy
-        most = max(256, _descriptor_limit() // 2 - 100)
+        most = max(256, descriptor_limit() // 2 - 100)
         if policy.max_connections > most:
             policy = dataclasses.replace(policy, max_connections=most)
         return render(listen, members, self._models, policy, self.slow)
@@ -348,7 +425,7 @@ class Supervisor:
             process = await self._spawn(worker)
             started = loop.time()
             code = await self._watch(worker, process)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or worker.role is Role.OFF:
                 log.info("%s (pid %d) exited with %s", worker.name, process.pid, code)
                 return
             delay = policy.delay(started_at=started, exited_at=loop.time())
@@ -368,6 +445,7 @@ class Supervisor:
             *worker.command, env=self._worker_env(), start_new_session=True
         )
         worker.process = process
+        worker.started_at, worker.ready_at = asyncio.get_running_loop().time(), None
         if self._stopping.is_set():  # stop() ran while it started, and did not see it
             worker.terminate()
         log.info("%s started (pid %d) on %s", worker.name, process.pid, worker.url)
@@ -392,9 +470,11 @@ class Supervisor:
 
     def _worker_ready(self, worker: ManagedWorker, process: asyncio.subprocess.Process) -> None:
         worker.ready = True
+        worker.ready_at = asyncio.get_running_loop().time()
         again = " again" if worker.restarts else ""
-        log.info("%s (pid %d) ready%s on %s", worker.name, process.pid, again, worker.url)
-        if all(w.ready for w in self.workers):
+        role = "" if worker.role is Role.SERVING else f" ({worker.role.value})"
+        log.info("%s (pid %d) ready%s on %s%s", worker.name, process.pid, again, worker.url, role)
+        if all(w.ready for w in self.workers if w.role is not Role.OFF):
             self._workers_ready.set()
 
     async def _announce(self) -> None:
@@ -407,7 +487,7 @@ class Supervisor:
         )
         await until_ready(pool, self.config.ready_interval_s)
         await self._until_routed()
-        count = len(self.workers)
+        count = sum(w.role is Role.SERVING for w in self.workers)
         noun = "worker" if count == 1 else "workers"
         grpc = self.config.grpc_port
         also = f" (gRPC on port {grpc})" if grpc else ""
@@ -436,46 +516,6 @@ class Supervisor:
                         await until_ok(door, path, self.config.ready_interval_s / 5)
         finally:
             await asyncio.gather(direct.close(), door.close())
-
-    def _worker_command(self, worker: ManagedWorker) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "tailserve.cli",
-            "serve",
-            "--repository",
-            self.config.repository,
-            "--host",
-            LOOPBACK,
-            "--http-port",
-            str(worker.port),
-            "--grpc-port",
-            str(worker.grpc_port),
-            "--worker-id",
-            worker.name,
-            "--drain-timeout",
-            str(self.config.drain_timeout_s),
-            "--log-level",
-            self.config.log_level,
-            *self.config.worker_args,
-        ]
-
-    def _lane_command(self, lane: ManagedWorker) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "tailserve.cli",
-            "route",
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(lane.port),
-            "--grpc-port",
-            "0",
-            "--log-level",
-            self.config.log_level,
-            *(f"--backend={worker.url}" for worker in self.workers),
-        ]
 
     async def _classify(self) -> None:
         """Every few seconds, the models whose cost models say they are slow take the lane."""
@@ -507,19 +547,3 @@ class Supervisor:
         if self.config.admin_token is None:
             return None
         return {**os.environ, "TAILSERVE_ADMIN_TOKEN": self.config.admin_token}
-
-
-def _descriptor_limit() -> int:
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return hard if hard != resource.RLIM_INFINITY else 1 << 20
-
-
-def repository_models(repository: Path) -> dict[str, float]:
-    """Each model of the repository, with its SLO (p99, ms)."""
-    models = {}
-    for name, directory in model_dirs(repository).items():
-        try:
-            models[name] = float(load_model_config(directory).slo.p99_ms)
-        except ConfigError:
-            models[name] = DEFAULT_SLO_MS
-    return models

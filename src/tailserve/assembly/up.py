@@ -18,7 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tailserve.assembly.commands import repository_models
+from tailserve.assembly.scaling import ScalingPlan
 from tailserve.errors import ConfigError
+from tailserve.fleet.autoscaler import ScalingConfig
 from tailserve.router.config import parse_model_balance
 from tailserve.router.frontdoor import BALANCE, FrontDoorPolicy
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS
@@ -58,6 +61,7 @@ def add_parser(commands: Any) -> None:
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
     add_front_door_arguments(up)
     add_lane_arguments(up)
+    add_scaling_arguments(up)
     up.add_argument(
         "--drain-timeout",
         type=float,
@@ -110,6 +114,54 @@ def add_front_door_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--min-workers",
+        type=int,
+        help="autoscale: the fewest serving workers (with --max-workers; default: --workers)",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        help="autoscale: the most serving workers (a worker beyond the cores adds no capacity)",
+    )
+    parser.add_argument(
+        "--warm-pool",
+        type=int,
+        default=0,
+        help="autoscale: workers kept loaded and warm outside the rotation, promoted in "
+        "milliseconds (0)",
+    )
+    parser.add_argument(
+        "--target-in-flight",
+        type=float,
+        default=ScalingConfig().target_in_flight,
+        help="autoscale: requests in flight one worker should carry "
+        f"({ScalingConfig().target_in_flight:g})",
+    )
+
+
+def scaling_plan(args: argparse.Namespace, repository: str) -> tuple[int, ScalingPlan | None]:
+    """The workers to start with, and the autoscaler's plan (None: a fixed count)."""
+    if args.min_workers is None and args.max_workers is None:
+        if args.warm_pool:
+            raise ConfigError("--warm-pool needs --max-workers (it is part of autoscaling)")
+        return args.workers, None
+    lowest = args.min_workers if args.min_workers is not None else 1
+    highest = args.max_workers if args.max_workers is not None else max(lowest, args.workers)
+    if args.warm_pool < 0:
+        raise ConfigError(f"--warm-pool must be at least 0, not {args.warm_pool}")
+    slos = repository_models(Path(repository)).values()
+    scaling = ScalingConfig(
+        min_workers=lowest,
+        max_workers=highest,
+        slo_s=min(slos, default=1000.0) / 1e3,
+        target_in_flight=args.target_in_flight,
+        cores=usable_cores(),
+    )
+    return lowest, ScalingPlan(scaling=scaling, warm_pool=args.warm_pool)
+
+
 def add_lane_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hedge-lane-ms",
@@ -155,12 +207,14 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         raise ConfigError(f"no model repository at {repository}")
     # A token set as TAILSERVE_ADMIN_TOKEN reaches the workers; the router needs it as well.
     admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN") or None
+    workers, plan = scaling_plan(args, repository)
     return FleetConfig(
         repository=repository,
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
-        workers=args.workers,
+        workers=workers,
+        scaling=plan,
         policy=FrontDoorPolicy(
             balance=args.balance,
             model_balance=parse_model_balance(args.model_balance),

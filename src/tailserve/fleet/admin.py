@@ -4,7 +4,8 @@ Off the inference path (HAProxy routes only these paths to it), on the worker's 
 
 - ``GET /metrics``: one Prometheus page for the whole stack: every worker's series with a
   ``worker`` label, and the front door's (HAProxy's exporter) with ``worker="frontdoor"``;
-- ``GET /v2/fleet``: the workers (name, url, pid, ready, restarts) and the front door;
+- ``GET /v2/fleet``: the workers (name, url, pid, state, restarts, cold start), the front
+  door, and the autoscaler's last decision with its reason and inputs;
 - ``POST /v2/cache/invalidate``: sent to every worker, so each one's in-process cache drops
   the entries with or without Redis (a worker that is down comes back with an empty cache);
 - ``/v2/repository/...``: an index from one ready worker; a load or an unload on every
@@ -51,12 +52,17 @@ class Slot:
     ready: bool
     restarts: int
     running: bool
+    # warming, standby, serving, draining, restarting or off (fleet.processes.ManagedWorker).
+    state: str = ""
+    cold_start_s: float | None = None
 
 
 class Fleet(Protocol):
     def slots(self) -> list[Slot]: ...
 
     def front_door(self) -> dict[str, Any]: ...
+
+    def autoscaler(self) -> dict[str, Any] | None: ...
 
     @property
     def stats_port(self) -> int: ...
@@ -111,11 +117,16 @@ class AdminLane:
                 "pid": s.pid,
                 "ready": s.ready,
                 "restarts": s.restarts,
-                "state": _state(s),
+                "state": s.state or _state(s),
+                "cold_start_s": s.cold_start_s,
             }
             for s in self.fleet.slots()
         ]
-        return {"workers": workers, "front_door": self.fleet.front_door()}
+        return {
+            "workers": workers,
+            "front_door": self.fleet.front_door(),
+            "autoscaler": self.fleet.autoscaler(),
+        }
 
     async def _metrics(self) -> Reply:
         slots = [s for s in self.fleet.slots() if s.running]

@@ -22,7 +22,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,16 @@ class HAProxy:
             if line.startswith("# old workers"):
                 break
         return pids
+
+    async def set_weight(self, server: str, backends: list[str], weight: int) -> None:
+        """``server``'s weight in each of ``backends``, at once (the runtime API: no reload).
+        Weight 0 takes it out of the rotation; its checks go on."""
+        if not backends or not self.running:
+            return
+        line = "; ".join(f"@1 set weight {backend}/{server} {weight}" for backend in backends)
+        answer = (await self.command(line)).strip()
+        if answer:
+            raise UpstreamError(f"the front door refused a weight for {server}: {answer}")
 
     async def command(self, text: str) -> str:
         """One command on the master's CLI socket, and its answer."""

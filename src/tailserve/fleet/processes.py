@@ -9,6 +9,7 @@ import logging
 import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -24,6 +25,14 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 
+class Role(StrEnum):
+    """What the supervisor wants of a slot."""
+
+    SERVING = "serving"  # in the front door's rotation
+    STANDBY = "standby"  # started, loaded and warm, out of rotation (the warm pool)
+    OFF = "off"  # no process (one still running drains, then exits)
+
+
 @dataclass(eq=False, slots=True)
 class ManagedWorker:
     """One worker slot: its ports stay while its process is replaced."""
@@ -37,6 +46,10 @@ class ManagedWorker:
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     ready: bool = False
+    role: Role = Role.SERVING
+    # When its process last started and became ready (the event loop's clock): a cold start.
+    started_at: float | None = None
+    ready_at: float | None = None
     # The process that has been sent SIGTERM: a second one would make it exit without draining.
     _terminated: asyncio.subprocess.Process | None = field(default=None, repr=False)
 
@@ -64,9 +77,35 @@ class ManagedWorker:
             assert self.process is not None
             self.process.kill()
 
+    @property
+    def state(self) -> str:
+        """``warming``, ``standby``, ``serving``, ``draining``, ``restarting`` or ``off``."""
+        if self.role is Role.OFF:
+            return "draining" if self.running else "off"
+        if not self.running and self.process is not None:
+            return "restarting"
+        if not self.ready:
+            return "warming"
+        return self.role.value
+
+    @property
+    def cold_start_s(self) -> float | None:
+        """Process start to ready, the last time it started."""
+        if self.started_at is None or self.ready_at is None or self.ready_at < self.started_at:
+            return None
+        return self.ready_at - self.started_at
+
     def slot(self) -> Slot:
         return Slot(
-            self.name, LOOPBACK, self.port, self.pid, self.ready, self.restarts, self.running
+            self.name,
+            LOOPBACK,
+            self.port,
+            self.pid,
+            self.ready,
+            self.restarts,
+            self.running,
+            self.state,
+            self.cold_start_s,
         )
 
 

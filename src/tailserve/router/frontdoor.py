@@ -63,6 +63,9 @@ class Member:
     host: str
     http_port: int
     grpc_port: int = 0
+    # In rotation. A worker out of it (a warm standby, one draining) is checked as the others
+    # but takes no request: weight 0, until the runtime API or a reload changes it.
+    serving: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,7 +297,7 @@ def _backend(
         f"    timeout queue {_ms(queue_ms)}",
         # A server's full queue sends the request on to the backend's, which has no bound of
         # its own: refuse at once when the queues together are full.
-        f"    http-request deny deny_status 503 if {{ queue ge {policy.max_queue * len(members)} }}",  # noqa: E501
+        f"    http-request deny deny_status 503 if {{ queue ge {policy.max_queue * _serving(members)} }}",  # noqa: E501
         f"    option httpchk GET {check}",
         "    http-check expect status 200",
     ]
@@ -308,8 +311,26 @@ def _backend(
         f"maxconn {policy.max_conn} maxqueue {policy.max_queue} "
         f"observe layer7 error-limit {policy.error_limit} on-error mark-down"
     )
-    lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}" for m in members]
+    lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}{_weight(m)}" for m in members]
     return [*lines, ""]
+
+
+def _serving(members: list[Member]) -> int:
+    return max(1, sum(m.serving for m in members))
+
+
+# A serving worker's weight (HAProxy's default: every worker alike); out of rotation, 0.
+SERVING_WEIGHT = 1
+
+
+def _weight(member: Member) -> str:
+    return "" if member.serving else " weight 0"
+
+
+def worker_backends(listen: Listen, models: dict[str, float]) -> list[str]:
+    """The backends that hold every worker as a server (what a change of rotation touches)."""
+    names = [f"m.{model}" for model in sorted(models) if routable(model)] + ["workers"]
+    return names + (["grpc"] if listen.grpc_port else [])
 
 
 def _grpc(
@@ -331,7 +352,7 @@ def _grpc(
     ]
     lines += [
         f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 "
-        f"check port {m.http_port} check-proto h1"
+        f"check port {m.http_port} check-proto h1{_weight(m)}"
         for m in members
         if m.grpc_port
     ]
