@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _wrk2
 import orjson
+
+import _wrk2
 from _harness import QUIET, examples, free_port, get_json, one_model, wait_ready
 from tailserve.loadgen.capacity import CapacitySearch, Step
 
