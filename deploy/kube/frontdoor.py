@@ -9,7 +9,8 @@ and then given what a cluster changes:
   DNS answers (`server-template ... resolvers k8s init-addr none`): only ready workers are in
   them, and HAProxy needs no DNS to start or to check the config;
 - the bound on a backend's queue is per worker serving (`avg_queue`), as membership changes;
-- the global section has no master-worker process nor state file (the pod is the unit);
+- the global section has no master-worker process nor state file (the pod is the unit), and
+  its connection limit follows the container's file descriptor limit;
 - HAProxy's Prometheus exporter and a /healthz for the kubelet, on the metrics port;
 - no admin lane: model load and unload through the front door would reach one worker only, so
   they answer 405 (a new model is a new image, rolled out); cache invalidation reaches every
@@ -133,7 +134,9 @@ def _global(values: Values, rules: FrontDoorPolicy) -> list[str]:
     return [
         "global",
         f"    nbthread {rules.threads}",
-        f"    maxconn {rules.max_connections}",
+        # No fixed maxconn: HAProxy derives it from the file descriptors the container may
+        # open (a fixed one past them stops it at start), up to what maxconn needs.
+        f"    fd-hard-limit {2 * rules.max_connections + 1000}",
         f"    hard-stop-after {values['frontdoor']['drainTimeoutSeconds'] * 1000}ms",
     ]
 

@@ -8,15 +8,20 @@ tailserve's own parser, and the Redis Cluster's scripts against real redis-serve
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -497,3 +502,121 @@ def test_the_cluster_forms_once_and_survives_new_addresses(
         wait_settled(moved)
     finally:
         stop(processes)
+
+
+# The front door's discovery, run: HAProxy with the rendered config, its DNS answered by a stub
+# (as the cluster's DNS answers for the headless Service), in front of two stub workers.
+
+
+class StubDNS:
+    """Answers A queries for one name with ``self.addresses``; nothing else."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.addresses: list[str] = []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port: int = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                query, peer = self.sock.recvfrom(4096)
+            except OSError:
+                return
+            self.sock.sendto(self._answer(query), peer)
+
+    def _answer(self, query: bytes) -> bytes:
+        end = 12
+        labels = []
+        while query[end]:
+            labels.append(query[end + 1 : end + 1 + query[end]].decode())
+            end += 1 + query[end]
+        qtype = struct.unpack("!H", query[end + 1 : end + 3])[0]
+        question = query[12 : end + 5]
+        found = self.addresses if qtype == 1 and ".".join(labels) == self.name else []
+        head = query[:2] + struct.pack("!HHHHH", 0x8180, 1, len(found), 0, 0)
+        records = b"".join(
+            struct.pack("!HHHIH", 0xC00C, 1, 1, 1, 4) + socket.inet_aton(ip) for ip in found
+        )
+        return head + question + records
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Echo(http.server.BaseHTTPRequestHandler):
+    def _reply(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = self.server.server_address[0].encode()  # type: ignore[union-attr]
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _reply
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_front_door_follows_the_workers_dns_answers(tmp_path: Path) -> None:
+    from support.servers import free_port, wait_for
+
+    worker_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    objects = rendered(
+        f"worker.httpPort={worker_port}",
+        "worker.grpcPort=0",
+        f"frontdoor.httpPort={http_port}",
+        f"frontdoor.metricsPort={metrics_port}",
+    )
+    config = one(objects, "ConfigMap", "tailserve-frontdoor")["data"]["haproxy.cfg"]
+    dns = StubDNS("tailserve-workers.tailserve.svc.cluster.local")
+    config = config.replace("parse-resolv-conf", f"nameserver stub 127.0.0.1:{dns.port}")
+    (tmp_path / "haproxy.cfg").write_text(config)
+    workers = [http.server.ThreadingHTTPServer((ip, worker_port), _Echo) for ip in WORKER_IPS]
+    for server in workers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    proxy = subprocess.Popen(
+        [find_binary(), "-db", "-f", str(tmp_path / "haproxy.cfg")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{http_port}"
+
+    def answered(n: int) -> set[str]:
+        seen = set()
+        for _ in range(n):
+            reply = httpx.post(f"{url}/v2/models/churn/infer", content=b"{}", timeout=5)
+            assert reply.status_code == 200, reply.text
+            seen.add(reply.text)
+        return seen
+
+    try:
+        # No worker in the answers yet: not ready, and a request is a JSON 503.
+        wait_for(lambda: _get(f"http://127.0.0.1:{metrics_port}/healthz") == 200, 10, "haproxy")
+        assert _get(f"{url}/v2/health/ready") == 503
+        dns.addresses = list(WORKER_IPS)
+        wait_for(lambda: _get(f"{url}/v2/health/ready") == 200, 15, "workers from DNS")
+        wait_for(lambda: answered(20) == set(WORKER_IPS), 15, "both workers serving")
+        # One leaves the answers (its pod is stopping): it gets no more requests.
+        dns.addresses = [WORKER_IPS[0]]
+        wait_for(lambda: answered(20) == {WORKER_IPS[0]}, 15, "the other worker left")
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+        for server in workers:
+            server.shutdown()
+            server.server_close()
+        dns.close()
+
+
+WORKER_IPS = ("127.0.0.21", "127.0.0.22")
+
+
+def _get(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
