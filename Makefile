@@ -46,15 +46,15 @@ endif
 	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
 test: setup-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks deploy
+	$(BIN)/ruff format --check src tests benchmarks deploy
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 lint: setup-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks deploy
+	$(BIN)/ruff format --check src tests benchmarks deploy
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
