@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -211,3 +212,34 @@ async def test_load_scales_the_fleet_up_within_seconds_and_down_when_it_ends(
             lambda: asyncio.sleep(0, serving() == 1), timeout_s=30, what="a scale-down"
         )
         assert set(load.statuses) == {200}, sorted(set(load.statuses))
+
+
+async def test_a_worker_exports_its_requests_in_flight(tmp_path: Path) -> None:
+    # What a cluster's autoscaler divides by the requests a worker should carry.
+    config = FleetConfig(
+        repository=repository(tmp_path, delay_s=0.5),
+        port=0,
+        hedge_lane_ms=0,
+        workers=1,
+        drain_timeout_s=5,
+    )
+
+    async def in_flight(client: httpx.AsyncClient) -> float:
+        page = (await client.get("/metrics")).text
+        (line,) = [x for x in page.splitlines() if x.startswith("tailserve_requests_in_flight ")]
+        return float(line.split()[1])
+
+    async with started(config) as supervisor:
+        url = supervisor.workers[0].url
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            assert await in_flight(client) == 1  # the scrape itself
+            slow = [asyncio.create_task(client.post(INFER, json=X)) for _ in range(3)]
+            await async_wait_for(
+                lambda: _equals(in_flight(client), 4), what="three requests in flight"
+            )
+            assert all(r.status_code == 200 for r in await asyncio.gather(*slow))
+            assert await in_flight(client) == 1
+
+
+async def _equals(value: Any, expected: float) -> bool:
+    return bool(await value == expected)

@@ -194,6 +194,7 @@ class Worker:
             if self._grpc_service is not None:
                 counts.append(self._grpc_service.traffic)
             self.loop_lag.requests = lambda: traffic.total(counts)
+            self.metrics.watch_traffic(self.loop_lag.requests)
             log.info("HTTP on %s:%d", self.settings.host, self._http.port)
             if self.admin_access is AdminAccess.CLOSED:
                 log.warning(

@@ -161,6 +161,22 @@ class _CostCollector(Collector):
         yield per_row
 
 
+class _TrafficCollector(Collector):
+    """The requests the protocol adapters hold now, HTTP and gRPC together."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], tuple[int, int, int]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = self.source()[0] if self.source is not None else 0
+        yield GaugeMetricFamily(
+            "tailserve_requests_in_flight",
+            "Requests being answered now, HTTP and gRPC together, the scrape that reads this "
+            "among them (what an autoscaler divides by the requests a worker should carry).",
+            value=in_flight,
+        )
+
+
 class _CacheStateCollector(Collector):
     """L1 sizes and the L2 breaker, read from the cache when scraped."""
 
@@ -346,6 +362,8 @@ class Metrics:
         self.registry.register(self._costs)
         self._cache_state = _CacheStateCollector()
         self.registry.register(self._cache_state)
+        self._traffic = _TrafficCollector()
+        self.registry.register(self._traffic)
         self.model_ready = Gauge(
             "tailserve_model_ready",
             "1 when the model's served versions are loaded and warm.",
@@ -356,6 +374,10 @@ class Metrics:
     def watch_costs(self, source: Callable[[], Iterable[CostRow]]) -> None:
         """Export the cost model of each (model, version, cost class) that `source` lists."""
         self._costs.source = source
+
+    def watch_traffic(self, source: Callable[[], tuple[int, int, int]]) -> None:
+        """Export the requests in flight: the first of (in flight, answered, refused)."""
+        self._traffic.source = source
 
     def watch_cache(self, cache: ResultCache, memo: ReplyMemo | None = None) -> None:
         """Export the result cache's L1 sizes and L2 breaker, and the reply memo's counts."""
