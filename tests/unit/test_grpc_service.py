@@ -95,13 +95,21 @@ def test_a_response_goes_back_raw_with_its_parameters() -> None:
 
 
 class Plane:
-    """A data plane that records what it is asked to infer."""
+    """A data plane that records what it is asked to shed and infer."""
 
     def __init__(self) -> None:
         self.seen: list[InferRequest] = []
+        self.sheds: list[float | None] = []
+        self.screened: list[bool] = []
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def shed(
+        self, name: str, version: str | None, *, received_at: float, deadline_ms: float | None
+    ) -> None:
+        self.sheds.append(deadline_ms)
+
+    async def infer(self, request: InferRequest, *, screened: bool = False) -> InferResponse:
         self.seen.append(request)
+        self.screened.append(screened)
         return InferResponse(model=request.model, version="1", outputs=[], parameters={})
 
 
@@ -122,6 +130,24 @@ async def test_the_calls_deadline_is_the_requests(
     await service.model_infer(request_with_parameters(), Context(remaining))  # type: ignore[arg-type]
     (seen,) = plane.seen
     assert seen.deadline_ms == deadline_ms and seen.received_at is not None
+
+
+@pytest.mark.parametrize(
+    ("remaining", "has_timeout", "sheds"),
+    [(0.25, True, [250.0]), (None, False, [None]), (None, True, [])],
+)
+async def test_a_call_is_shed_before_it_is_decoded(
+    remaining: float | None, has_timeout: bool, sheds: list[float | None]
+) -> None:
+    # As over HTTP: for the call's deadline, else the SLO; but a `timeout` parameter with no
+    # gRPC deadline may be looser than the SLO, and is left to admission.
+    message = request_with_parameters()
+    if not has_timeout:
+        del message.parameters["timeout"]
+    plane = Plane()
+    service = InferenceService(plane)  # type: ignore[arg-type]
+    await service.model_infer(message, Context(remaining))  # type: ignore[arg-type]
+    assert plane.sheds == sheds and plane.screened == [bool(sheds)]
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])

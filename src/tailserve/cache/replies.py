@@ -4,9 +4,9 @@ A hit still costs decoding the request, building its key and encoding the reply:
 ranker's 500 candidates most of a hit's time. A client asking again with the same bytes (a
 returning user, a retry, a hedge) can have the reply encoded the first time, once L1 confirms
 that the entry it was made from is still the one it serves, fresh, under the version that
-would serve the request now (`DataPlane.replay`). So the reply memo adds no freshness rules of
-its own: an invalidation, an expiry, a stale entry or a new version sends the request down the
-whole path again, and the memo's entry is dropped.
+would serve the request now (protocols/http/replay.py). So the reply memo adds no freshness
+rules of its own: an invalidation, an expiry, a stale entry or a new version sends the request
+down the whole path again, and the memo's entry is dropped.
 
 Bounded by bytes, oldest stored first out (an entry lives no longer than its L1 entry, which
 has one TTL per model: the oldest has the least life left). Pure: no clock, no I/O.

@@ -1,25 +1,22 @@
 """The one data plane behind every protocol: health, metadata, inference and the repository.
 
-HTTP (and later gRPC) endpoints convert their wire format to these calls and back; nothing here
-knows a status code or a header.
+The HTTP and gRPC adapters convert their wire format to these calls and back; nothing here
+knows a status code, a header or an encoded reply.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from tailserve.cache import ResultCache, keys
+from tailserve.cache import ModelView, ResultCache, keys
 from tailserve.cache.entry import Outputs
-from tailserve.cache.memory import Lookup
-from tailserve.cache.replies import Replay
-from tailserve.cache.tiered import MODES, Mode
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
+from tailserve.engine.options import cache_mode, deadline_and_priority
 from tailserve.engine.scheduler import BatchStats
 from tailserve.engine.served import ServedVersion
 from tailserve.errors import InvalidInput, ModelNotFound, TailserveError
@@ -29,10 +26,17 @@ from tailserve.tensors import Tensor, numpy_dtype
 from tailserve.version import __version__
 
 _CACHED = BatchStats(0.0, 0.0, 0, "")
-# The longest deadline a request may have (see _deadline_and_priority).
-_MAX_BUDGET_S = 86_400.0
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+
+
+class Hit(NamedTuple):
+    """A fresh L1 hit: the served version's cache view, the key and the entry's stored bytes
+    (an adapter may keep its encoded reply against that entry, while L1 holds it)."""
+
+    view: ModelView
+    key: str
+    value: bytes
 
 
 class DataPlane:
@@ -107,39 +111,46 @@ class DataPlane:
     # --- inference --------------------------------------------------------------------------
 
     def shed(
-        self, name: str, version: str | None, received_at: float, deadline_ms: float | None
-    ) -> bool:
-        """Before reading a request: refuse it at once if its model is already too busy for
-        any request of its deadline (the header's, else the SLO). A priority or timeout in
-        the body is not known yet: the request is taken to have the highest priority.
+        self,
+        name: str,
+        version: str | None,
+        *,
+        received_at: float,
+        deadline_ms: float | None,
+    ) -> None:
+        """Before a request is decoded: refuse it at once if its model is already too busy for
+        any request of its deadline (``deadline_ms``, else the SLO), taken at the highest
+        priority. A request let in is then inferred ``screened``: its offer to the batcher may
+        use more of its time left (`Item.screened`). A caller whose request may name a looser
+        ``timeout`` than the SLO, and has no ``deadline_ms``, leaves it to `infer`.
 
-        A model with a result cache is refused here only for the event loop's backlog, which
-        a hit waits for as a miss does: its request may be a hit, answered without the model
-        (refused for the model's queue, hits were lost under load while misses filled it). A
-        miss meets the model's test when it is offered to the scheduler.
-
-        Returns True: the shed looked at it (and admitted it), so the request is *screened*,
-        and its offer to the batcher may give it more of its time left (`Item.screened`): read
-        and decoded, refusing it saves little, and the headroom for the requests not yet read
-        was kept when it was shed (a hit and a miss alike, for the loop's backlog).
+        A model with a result cache is refused here only for the event loop's backlog, which a
+        hit waits for as a miss does; a miss meets the model's test when it is offered.
         """
         served = self.manager.get(name, version)
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
         cached = served.cache is not None and self.cache is not None
         served.scheduler.shed(deadline=received_at + budget, priority=1, queue=not cached)
-        return True
 
     def refused(self, name: str, version: str | None) -> None:
         """Count a request refused on an earlier shed's word (`DeadlineUnmeetable.
         reusable_until`) against the model that refused it."""
         self.manager.get(name, version).scheduler.refused()
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(
+        self,
+        request: InferRequest,
+        *,
+        screened: bool = False,
+        on_hit: Callable[[Hit], None] | None = None,
+    ) -> InferResponse:
+        """The request's response. ``screened``: `shed` let it in before it was decoded.
+        ``on_hit``: told when the answer came fresh from L1."""
         served = self.manager.get(request.model, request.version)
         config = served.config
         wanted = _wanted_outputs(config, request)
-        deadline, hard, priority = _deadline_and_priority(config, request)
+        deadline, hard, priority = deadline_and_priority(config, request)
 
         checked = None
         view = served.cache
@@ -162,20 +173,18 @@ class DataPlane:
                 deadline=deadline,
                 priority=priority,
                 hard_deadline=hard,
-                screened=request.screened,
+                screened=screened,
             )
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}
-        origin = None
         if view is None or self.cache is None:
             outputs, stats = await compute()
         else:
-            mode = _cache_mode(request)
             key = view.keys.key(request.inputs, request.parameters)
-            answer = await self.cache.serve(view, key, mode, compute)
+            answer = await self.cache.serve(view, key, cache_mode(request), compute)
             outputs, stats = answer.outputs, answer.extra
-            if answer.value is not None:
-                origin = (view, key, answer.value)
+            if answer.value is not None and on_hit is not None:
+                on_hit(Hit(view, key, answer.value))
             parameters["cache"] = answer.source
             if answer.lineage is not None and stats is None:
                 lineage = answer.lineage
@@ -199,37 +208,7 @@ class DataPlane:
             outputs=tensors,
             id=request.id,
             parameters=parameters,
-            origin=origin,
         )
-
-    def memoizable(self, model: str, version: str | None) -> bool:
-        """Whether a reply for ``model`` (and ``version``) may come from the reply memo: the
-        version that would serve it has a result cache with an L1."""
-        if self.cache is None:
-            return False
-        try:
-            served = self.manager.get(model, version)
-        except TailserveError:
-            return False
-        return served.cache is not None and served.cache.l1.enabled
-
-    def replay(self, replay: Replay, request: InferRequest) -> bool:
-        """Whether a reply kept in the reply memo may answer ``request`` (its headers' options
-        on it) again: the version that would serve it now is the one that answered, and L1
-        still holds, fresh, the entry the reply was made from. Then counted as the L1 hit it
-        is (and only then: a refused replay leaves the lookup to the whole path). Raises what
-        the whole path would for the request's options (a priority out of range)."""
-        served = self.manager.get(request.model, request.version)
-        _deadline_and_priority(served.config, request)
-        view = served.cache
-        if self.cache is None or view is None or view.serial != replay.view:
-            return False
-        lookup, found = view.l1.peek(replay.key)
-        if found is None or lookup is not Lookup.HIT or found[0] is not replay.value:
-            return False
-        view.l1.get(replay.key)
-        self.cache.observer.on_lookup(request.model, "l1", lookup.value)
-        return True
 
     async def invalidate(
         self, model: str | None = None, version: str | None = None, prefix: str | None = None
@@ -337,53 +316,6 @@ class DataPlane:
 
     async def unload_model(self, name: str) -> None:
         await self.manager.unload(name)
-
-
-def _deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[float, bool, int]:
-    """The absolute deadline (monotonic clock), whether the client set it, and the priority.
-
-    The budget is the tighter of the OIP ``timeout`` parameter (µs, Triton's name) and the
-    ``X-Deadline-Ms`` header, else the model's SLO; it counts from the request's arrival.
-    """
-    budgets = []
-    timeout = request.parameters.get("timeout")
-    if timeout is not None:
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not 0 < timeout < math.inf
-        ):
-            raise InvalidInput(
-                f"parameter 'timeout' must be a positive number of µs, got {timeout!r}"
-            )
-        # (min first: an integer of hundreds of digits is no float.)
-        budgets.append(min(timeout, _MAX_BUDGET_S * 1e6) / 1e6)
-    if request.deadline_ms is not None:
-        budgets.append(request.deadline_ms / 1e3)
-    # A budget longer than a day is no deadline to speak of; capped, the policy's arithmetic
-    # stays in range whatever a client sends.
-    budget = min(min(budgets) if budgets else config.slo.p99_ms / 1e3, _MAX_BUDGET_S)
-    received = request.received_at if request.received_at is not None else time.monotonic()
-    levels = config.batching.priority_levels
-    priority = request.parameters.get("priority", request.priority)
-    hard = bool(budgets)
-    if priority is None or priority == 0:  # 0: the default level, as in Triton
-        return received + budget, hard, config.batching.default_priority
-    if isinstance(priority, bool) or not isinstance(priority, int) or not 1 <= priority <= levels:
-        raise InvalidInput(
-            f"parameter 'priority' must be a whole number in 1..{levels} (1 is the highest; "
-            f"0 or none: the default {config.batching.default_priority}), got {priority!r}"
-        )
-    return received + budget, hard, priority
-
-
-def _cache_mode(request: InferRequest) -> Mode:
-    mode = request.parameters.get("cache", request.cache_mode)
-    if mode is None:
-        return "use"
-    if mode not in MODES:
-        raise InvalidInput(f"parameter 'cache' must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode  # type: ignore[no-any-return]
 
 
 def _delays(batcher: Any) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 Health (ServerLive, ServerReady, ModelReady), metadata (ServerMetadata, ModelMetadata) and
 ModelInfer, on the worker's event loop beside the HTTP server, into the same data plane: a
-gRPC request is batched, cached, admitted and refused like an HTTP one. ``tritonclient.grpc``
+gRPC request is shed, batched, cached, admitted and refused like an HTTP one. ``tritonclient.grpc``
 and the KServe clients work unchanged.
 
 - Inputs come as ``raw_input_contents`` (one raw buffer per input, in order; BYTES items
@@ -125,12 +125,24 @@ class InferenceService:
         status = 200
         self.traffic.in_flight += 1
         try:
-            infer = decode_request(request)
-            infer.received_at = time.monotonic()
+            received = time.monotonic()
             remaining = time_left_s(context)
-            if remaining is not None:  # the client's gRPC deadline, as X-Deadline-Ms
-                infer.deadline_ms = remaining * 1e3
-            return encode_response(await self.dataplane.infer(infer))
+            # The client's gRPC deadline counts as X-Deadline-Ms does.
+            deadline_ms = remaining * 1e3 if remaining is not None else None
+            # Shed before decoding, as over HTTP; a ``timeout`` parameter with no gRPC deadline
+            # may be looser than the SLO, and is left to admission.
+            screened = deadline_ms is not None or "timeout" not in request.parameters
+            if screened:
+                self.dataplane.shed(
+                    request.model_name,
+                    request.model_version or None,
+                    received_at=received,
+                    deadline_ms=deadline_ms,
+                )
+            infer = decode_request(request)
+            infer.received_at = received
+            infer.deadline_ms = deadline_ms
+            return encode_response(await self.dataplane.infer(infer, screened=screened))
         except TailserveError as exc:
             status = status_of(exc)
             raise

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -22,9 +21,8 @@ from typing import TypeVar
 import orjson
 
 from tailserve.admin import CLOSED_MESSAGE, AdminAccess
-from tailserve.cache.replies import Replay, ReplyMemo, digest
-from tailserve.engine.dataplane import DataPlane
-from tailserve.engine.messages import InferRequest, InferResponse
+from tailserve.cache.replies import ReplyMemo
+from tailserve.engine.dataplane import DataPlane, Hit
 from tailserve.errors import (
     DeadlineUnmeetable,
     Forbidden,
@@ -37,17 +35,16 @@ from tailserve.observability.metrics import Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.protocols.http import kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
+from tailserve.protocols.http.headers import Headers, Reply, request_options, served_headers
 from tailserve.protocols.http.openapi import openapi_document
+from tailserve.protocols.http.replay import Replayer
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.routes import Route, Router
 
 log = logging.getLogger(__name__)
 
 # A kept refusal: until when it stands, the least budget, the budget refused, the reply.
-_Kept = tuple[float, float, float, "Reply"]
-
-Headers = list[tuple[bytes, bytes]]
-Reply = tuple[int, Headers, bytes]
+_Kept = tuple[float, float, float, Reply]
 
 _JSON: Headers = [(b"content-type", b"application/json")]
 # An inference body up to this size with no X-Deadline-Ms is looked at before the early
@@ -55,8 +52,6 @@ _JSON: Headers = [(b"content-type", b"application/json")]
 # SLO).
 _PEEK_BYTES = 64 * 1024
 _TIMEOUT = b'"timeout"'
-# Bodies up to this size are looked up in the reply memo (a digest costs ~1 ms a MiB).
-_MEMO_BODY_BYTES = 1024 * 1024
 # The most overloaded models' refusals kept at once (`HttpApp._shed`).
 _KEPT_REFUSALS = 256
 # A body past this size, or a compressed one (40 KB of gzip can hold 40 MiB), is decompressed
@@ -103,7 +98,9 @@ class HttpApp:
     ) -> None:
         self.dataplane = dataplane
         # Not with the test-only fault: it delays replies, a kept one as much as any.
-        self._memo = reply_memo if reply_memo is not None and slow_fault is None else None
+        self._replayer = None
+        if reply_memo is not None and slow_fault is None:
+            self._replayer = Replayer(dataplane, reply_memo, recorder)
         self._slow_fault = slow_fault
         self.metrics = metrics
         self._admin = f"Bearer {admin_token}".encode() if admin_token else None
@@ -129,8 +126,8 @@ class HttpApp:
         request.params = params
         if route.handler not in _SHED:
             return None
-        if self._memo is not None and route.handler == "infer":
-            kept = self._replayed(request, self._memo)
+        if self._replayer is not None and route.handler == "infer":
+            kept = self._replayer.replayed(request)
             if kept is not None:
                 return self._counted(request, route, *kept)
         try:
@@ -174,45 +171,6 @@ class HttpApp:
             elapsed = time.monotonic() - request.received_at
             self.metrics.on_request(label, route.protocol, status, elapsed)
         return status, headers, body
-
-    def _replayed(self, request: HttpRequest, memo: ReplyMemo) -> Reply | None:
-        """The reply kept for a request of the same bytes, while L1 still serves, fresh, the
-        entry it was made from (cache/replies.py). Only for requests that would read the
-        cache and whose headers the whole path would accept."""
-        mode = request.header(b"x-cache-mode")
-        if mode is not None and mode != b"use":
-            return None
-        body = request.raw_body
-        params = request.params
-        model, version = params["model"], params.get("version")
-        if len(body) > _MEMO_BODY_BYTES or not self.dataplane.memoizable(model, version):
-            return None
-        key = request.memo_key = digest(
-            model.encode(),
-            (version or "").encode(),
-            request.header(b"inference-header-content-length") or b"",
-            request.header(b"content-encoding") or b"",
-            body,
-        )
-        replay = memo.get(key)
-        if replay is None:
-            return None
-        options = InferRequest(model, [], version=version)
-        try:
-            _request_options(request, options)
-            replayed = self.dataplane.replay(replay, options)
-        except TailserveError:
-            return None  # the whole path answers it with its 4xx
-        if not replayed:
-            memo.drop(key)
-            memo.stale += 1
-            return None
-        memo.hits += 1
-        if self._recorder is not None:
-            self._recorder.record(
-                request.method, request.path, request.headers, request.decoded_body()
-            )
-        return replay.status, replay.headers, replay.body
 
     def _authorize(self, request: HttpRequest) -> None:
         if self._admin_closed:
@@ -266,7 +224,9 @@ class HttpApp:
             else:
                 del self._refusals[key]
         try:
-            request.screened = self.dataplane.shed(model, version, request.received_at, deadline_ms)
+            self.dataplane.shed(
+                model, version, received_at=request.received_at, deadline_ms=deadline_ms
+            )
         except DeadlineUnmeetable as exc:
             if not exc.reusable_until:
                 raise
@@ -276,6 +236,7 @@ class HttpApp:
             budget = exc.deadline - request.received_at
             self._refusals[key] = (exc.reusable_until, exc.least_budget_s, budget, reply)
             return reply
+        request.screened = True
         return None
 
     # --- health and metadata ----------------------------------------------------------------
@@ -352,13 +313,18 @@ class HttpApp:
         infer_request = await self._decode(
             request, lambda body: oip.decode_request(model, version, body, header_length)
         )
-        _request_options(request, infer_request)
-        response = await self.dataplane.infer(infer_request)
+        request_options(request, infer_request)
+        replayer = self._replayer
+        hits: list[Hit] = []
+        response = await self.dataplane.infer(
+            infer_request,
+            screened=request.screened,
+            on_hit=hits.append if replayer is not None and request.memo_key else None,
+        )
         payload, headers = oip.encode_response(infer_request, response)
-        headers += _served_headers(response)
-        if response.origin is not None and self._memo is not None and request.memo_key:
-            view, key, value = response.origin
-            self._memo.put(request.memo_key, Replay(view.serial, key, value, 200, headers, payload))
+        headers += served_headers(response)
+        if hits and replayer is not None:
+            replayer.keep(request, hits[0], headers, payload)
         return 200, headers, payload
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
@@ -367,9 +333,9 @@ class HttpApp:
         infer_request = await self._decode(
             request, lambda body: kserve_v1.decode_records(name, config, body)
         )
-        _request_options(request, infer_request)
-        response = await self.dataplane.infer(infer_request)
-        headers = [*_JSON, *_served_headers(response)]
+        request_options(request, infer_request)
+        response = await self.dataplane.infer(infer_request, screened=request.screened)
+        headers = [*_JSON, *served_headers(response)]
         return 200, headers, kserve_v1.encode_predictions(response)
 
     async def _model_status_v1(self, request: HttpRequest) -> Reply:
@@ -416,41 +382,6 @@ class HttpApp:
 
     async def _openapi(self, request: HttpRequest) -> Reply:
         return 200, _JSON, self._openapi_body
-
-
-def _request_options(request: HttpRequest, infer: InferRequest) -> None:
-    """Arrival time, and the deadline and priority headers, onto the engine's request."""
-    infer.received_at = request.received_at
-    infer.screened = request.screened
-    deadline = request.header(b"x-deadline-ms")
-    if deadline is not None:
-        try:
-            infer.deadline_ms = float(deadline)
-        except ValueError:
-            infer.deadline_ms = -1.0
-        if not 0 < infer.deadline_ms < math.inf:  # (nan fails both)
-            raise InvalidInput(f"X-Deadline-Ms must be a positive number of ms, got {deadline!r}")
-    mode = request.header(b"x-cache-mode")
-    if mode is not None:
-        infer.cache_mode = mode.decode(errors="replace")
-    priority = request.header(b"x-priority")
-    if priority is not None:
-        if not priority.isdigit():
-            raise InvalidInput(f"X-Priority must be a whole number, got {priority!r}")
-        infer.priority = int(priority)
-
-
-def _served_headers(response: InferResponse) -> Headers:
-    """How the request was served, as headers (v2 carries it in `parameters` as well)."""
-    params = response.parameters
-    return [
-        (b"x-model-version", response.version.encode()),
-        (b"x-queue-us", str(params["queue_us"]).encode()),
-        (b"x-compute-us", str(params["compute_us"]).encode()),
-        (b"x-batch-size", str(params["batch_size"]).encode()),
-        (b"x-cost-class", str(params["cost_class"]).encode()),
-        *([(b"x-cache", params["cache"].encode())] if "cache" in params else []),
-    ]
 
 
 def _header_length(value: bytes | None) -> int | None:
