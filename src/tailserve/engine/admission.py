@@ -1,6 +1,6 @@
 """Admission: refuse a request at once when its deadline cannot be met.
 
-A request is refused (429) when the queue is full, when not even a batch of its rows alone,
+A request is refused when the queue is full, when not even a batch of its rows alone,
 started now, would end in time, or when the wait ahead of it would take more than a share of
 the time the known delays leave. The wait ahead is the work queued at its priority or higher in
 every class, with what the instances still run, spread over them; or the event loop's backlog,
