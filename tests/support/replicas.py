@@ -9,11 +9,11 @@ from typing import Any, Protocol
 
 import orjson
 
+from tailserve.protocols.http.memory import MemoryNetwork
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.server import HttpServer
 from tailserve.transport import http1
 from tailserve.transport.base import Connect
-from tailserve.transport.memory import MemoryNetwork
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 _JSON = [(b"content-type", b"application/json")]

@@ -1,5 +1,6 @@
-"""The client transport's in-process twin: requests go to an `Application` (what the worker's
-HTTP server serves) in the same event loop, with no socket in between.
+"""The client transport's in-process twin (transport/base.py's contract): requests go to an
+`Application` (what the worker's HTTP server serves) in the same event loop, with no socket in
+between.
 
 `MemoryNetwork` stands for the loopback network: `listen(app)` gives an application an address,
 `connect(host, port, ...)` makes a `MemoryPool` to it with `http1.Pool`'s surface and
