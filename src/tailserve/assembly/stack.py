@@ -245,8 +245,11 @@ class Supervisor:
         grpc = self.config.grpc_port != 0
         plan = self.config.scaling
         count = self.config.workers if plan is None else plan.slots
-        ports = free_ports(count * (2 if grpc else 1) + 2)
-        self._stats_port, lane_port = ports.pop(), ports.pop()
+        # The admin lane binds its port first, and every other port is chosen in one go: a
+        # port chosen free and released could be the next one the system hands out.
+        await self._admin_server.start(LOOPBACK, 0)
+        ports = free_ports(count * (2 if grpc else 1) + 3)
+        self._stats_port, lane_port, listen_port = ports.pop(), ports.pop(), ports.pop()
         self.workers = [
             ManagedWorker(f"worker-{i}", ports[i], ports[count + i] if grpc else 0)
             for i in range(count)
@@ -260,10 +263,9 @@ class Supervisor:
             self.lane = ManagedWorker("lane", lane_port)
             self._write_lane_backends()
             self.lane.command = lane_command(self.config, self.lane, self._lane_backends)
-        await self._admin_server.start(LOOPBACK, 0)
         self._models = repository_models(Path(self.config.repository))
         # The front door first: a taken public port fails before any worker has started.
-        self._listen_port = self.config.port or free_ports(1)[0]
+        self._listen_port = self.config.port or listen_port
         try:
             await self.front_door_process.start(self._front_door_config())
         except ConfigError as exc:
