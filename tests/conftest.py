@@ -44,6 +44,17 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningR
 
 
 @pytest.fixture
+def replicated_cluster(tmp_path: Path) -> Iterator[RunningRedisCluster]:
+    """A Redis Cluster of the test's own, three masters with a replica each, quick to fail
+    over (a node is failing after 1 s of silence): to kill a master."""
+    try:
+        with servers.redis_cluster(tmp_path, replicas=1, node_timeout_ms=1000) as c:
+            yield c
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[OwnRedisServer]:
     """A redis-server of the test's own, to pause (SIGSTOP), kill and restart on its port
     without disturbing the other tests."""

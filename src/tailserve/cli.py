@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: no gRPC)")
-    serve.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
+    serve.add_argument(
+        "--redis-url",
+        help="Redis for shared state (default: none, in memory); redis+cluster://HOST:PORT: a "
+        "node of a Redis Cluster",
+    )
     serve.add_argument(
         "--redis-cluster",
         action="store_true",

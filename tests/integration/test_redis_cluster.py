@@ -1,20 +1,26 @@
 """The L2 tier against a real three-node Redis Cluster: a model's keys in one slot, models
 spread over the nodes, writes with their TTL, invalidation by prefix across nodes, and pub/sub
-from one node to a subscriber on another."""
+from one node to a subscriber on another. Against one with replicas: after a master dies and its
+replica takes over, the tier and the feature store read from the replica, with no new client."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from support.servers import RunningRedisCluster, async_wait_for, command_calls
+from tailserve.cache.breaker import Breaker, BreakerState
+from tailserve.cache.feature_store import FeatureStore
 from tailserve.cache.keys import model_prefix, version_prefix
 from tailserve.cache.redis import INVALIDATION_CHANNEL, RedisTier, connect
+from tailserve.errors import Unavailable
 
 
 def fresh_model(name: str = "m") -> str:
@@ -173,3 +179,63 @@ async def test_a_message_published_on_one_node_reaches_a_subscriber_on_another(
     finally:
         await pubsub.unsubscribe()
         await pubsub.aclose()
+
+
+# --- a master dies and its replica takes over -----------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_after_a_failover_the_tier_and_the_store_read_from_the_promoted_replica(
+    replicated_cluster: RunningRedisCluster,
+) -> None:
+    # The breakers run on the test's clock: their probes go when it says, not after cool-downs.
+    cluster = replicated_cluster
+    victim = cluster.owner("{m}")
+    near, far = cluster.tag_on(victim), cluster.tag_on(victim, elsewhere=True)
+    key = version_prefix("m", 1) + "k"
+    url = f"redis+cluster://127.0.0.1:{victim}"  # the node the clients start from dies
+    clock = Clock()
+    tier = RedisTier(connect(url), budget_s=1.0, cluster=True, breaker=Breaker(clock=clock))
+    store = FeatureStore(connect(url, timeout_s=2.0), timeout_s=2.0, cluster=True, clock=clock)
+    try:
+        await tier.put_now([(key, b"v", 60)])
+        for entity in (near, far):
+            await store.write_matrix(entity, "1", range(3), ["f0"], np.ones((3, 1), np.float32))
+        async with Redis(port=victim) as master:  # the replica holds all of it
+            assert await master.execute_command("WAIT", 1, 5000) == 1
+
+        cluster.kill(victim)
+        for _ in range(5):
+            assert await tier.get(key) is None
+            with pytest.raises(Unavailable):
+                await store.read(near, "1", [1], ["f0"])
+            # Another master's entity is read all along (and the client has read the slot map
+            # again since: it still names the dead master).
+            assert (await store.read(far, "1", [1], ["f0"])).tolist() == [[1.0]]
+        assert tier.breaker.state is BreakerState.OPEN
+        assert store.breaker(near).state is BreakerState.OPEN
+        assert store.breaker(far).state is BreakerState.CLOSED
+        await asyncio.to_thread(cluster.wait_failed_over, victim)
+
+        clock.now += 60  # the cool-downs are over: the next call of each is a probe
+        assert (await store.read(near, "1", [1], ["f0"])).tolist() == [[1.0]]
+        assert await tier.get(key) is None  # the probe's lookup: a miss, answered at once
+
+        async def closed() -> bool:
+            return tier.breaker.state is BreakerState.CLOSED
+
+        await async_wait_for(closed, what="the tier's probe to close its breaker")
+        assert await tier.get(key) == b"v"
+        tier.put(key + "2", b"w", ttl_s=60)
+        await tier.flush()
+        assert await tier.get(key + "2") == b"w"
+    finally:
+        await tier.close()
+        await store.close()

@@ -298,9 +298,11 @@ def restart_redis(server: OwnRedisServer) -> None:
 
 @dataclass
 class RunningRedisCluster:
-    """Three master nodes on loopback sharing the 16384 slots, no replicas."""
+    """A Redis Cluster on loopback: masters sharing the 16384 slots, and their replicas."""
 
     processes: list[subprocess.Popen[bytes]]
+    # Every node's client port: the masters first, then the replicas (as formed; a failover
+    # swaps the roles, ``masters()`` says what they are now).
     ports: list[int]
 
     @property
@@ -311,19 +313,139 @@ class RunningRedisCluster:
     def node_url(self, index: int) -> str:
         return f"redis://127.0.0.1:{self.ports[index]}/0"
 
+    def alive(self) -> list[int]:
+        return [
+            port for port, p in zip(self.ports, self.processes, strict=True) if p.poll() is None
+        ]
 
-@contextlib.contextmanager
-def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[RunningRedisCluster]:
-    """A private Redis Cluster, formed and with ``cluster_state:ok`` on every node."""
+    def nodes(self) -> list[ClusterNode]:
+        """The cluster as a live node sees it (CLUSTER NODES)."""
+        return _cluster_nodes(self.alive()[0])
+
+    def masters(self) -> dict[int, ClusterNode]:
+        """The masters that serve slots now, by port, as every live node sees them."""
+        return {n.port: n for n in self.nodes() if n.master and n.slots and not n.failed}
+
+    def owner(self, key: str | bytes) -> int:
+        """The port of the master serving ``key``'s slot now."""
+        from redis.crc import key_slot
+
+        slot = key_slot(key.encode() if isinstance(key, str) else key)
+        return next(port for port, n in self.masters().items() if n.serves(slot))
+
+    def tag_on(self, port: int, *, elsewhere: bool = False) -> str:
+        """A hash tag (``e<n>``) whose slot the master on ``port`` serves (or another does)."""
+        from redis.crc import key_slot
+
+        masters = self.masters()
+        for n in range(10_000):
+            tag = f"e{n}"
+            owner = next(p for p, node in masters.items() if node.serves(key_slot(tag.encode())))
+            if (owner == port) != elsewhere:
+                return tag
+        raise AssertionError(f"no tag on :{port}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node, as a crash."""
+        process = self.processes[self.ports.index(port)]
+        process.kill()
+        process.wait(timeout=10)
+
+    def wait_failed_over(self, port: int, timeout: float = 30.0) -> int:
+        """Wait until a replica of the dead master on ``port`` serves its slots, as every live
+        node sees it, with ``cluster_state:ok`` everywhere; the new master's port."""
+        slots = next(n.slots for n in self.nodes() if n.port == port)
+        promoted: list[int] = []
+
+        def done() -> bool:
+            owners = set()
+            for alive in self.alive():
+                view = _cluster_nodes(alive)
+                owners.add(
+                    frozenset(
+                        n.port for n in view if n.master and not n.failed and n.slots == slots
+                    )
+                )
+                with _client(alive) as client:
+                    if not _cluster_ok(client, len(self.ports)):
+                        return False
+            (agreed,) = owners if len(owners) == 1 else (frozenset(),)
+            if len(agreed) != 1 or port in agreed:
+                return False
+            promoted[:] = agreed
+            return True
+
+        wait_for(done, timeout=timeout, what=f"a replica to take over from :{port}")
+        return promoted[0]
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One line of CLUSTER NODES."""
+
+    id: str
+    port: int
+    master: bool
+    failed: bool  # flagged fail (or pfail, by the node asked)
+    master_id: str | None
+    slots: tuple[tuple[int, int], ...]
+
+    def serves(self, slot: int) -> bool:
+        return any(first <= slot <= last for first, last in self.slots)
+
+
+def _client(port: int) -> Any:
     import redis as redis_py
 
+    return redis_py.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+
+
+def _cluster_nodes(port: int) -> list[ClusterNode]:
+    with _client(port) as client:
+        raw = client.execute_command("CLUSTER", "NODES")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    nodes = []
+    for line in text.splitlines():
+        fields = line.split()
+        flags = set(fields[2].split(","))
+        slots = []
+        for part in fields[8:]:
+            if part.startswith("["):  # a slot being migrated
+                continue
+            first, _, last = part.partition("-")
+            slots.append((int(first), int(last or first)))
+        nodes.append(
+            ClusterNode(
+                id=fields[0],
+                port=int(fields[1].split("@")[0].rsplit(":", 1)[1]),
+                master="master" in flags,
+                failed=bool(flags & {"fail", "fail?"}),
+                master_id=None if fields[3] == "-" else fields[3],
+                slots=tuple(sorted(slots)),
+            )
+        )
+    return nodes
+
+
+@contextlib.contextmanager
+def redis_cluster(
+    workdir: Path, nodes: int = 3, *, replicas: int = 0, node_timeout_ms: int | None = None
+) -> Iterator[RunningRedisCluster]:
+    """A private Redis Cluster of ``nodes`` masters with ``replicas`` replicas each (what
+    ``redis-cli --cluster create --cluster-replicas N`` makes), formed, every replica in sync,
+    and ``cluster_state:ok`` on every node. Configured as deploy/kube/redis.py configures the
+    real one; ``node_timeout_ms`` sets how soon a dead master's replica takes over."""
+    import redis as redis_py
+
+    count = nodes * (1 + replicas)
     ports: list[int] = []
-    while len(ports) < 2 * nodes:  # a client port and a bus port per node, all distinct
+    while len(ports) < 2 * count:  # a client port and a bus port per node, all distinct
         port = free_port()
         if port not in ports:
             ports.append(port)
     # The bus port is named: the default (port + 10000) may be taken, or past 65535.
-    client_ports, bus_ports = ports[:nodes], ports[nodes:]
+    client_ports, bus_ports = ports[:count], ports[count:]
+    timeout = [] if node_timeout_ms is None else ["--cluster-node-timeout", str(node_timeout_ms)]
     processes: list[subprocess.Popen[bytes]] = []
     try:
         for port, bus_port in zip(client_ports, bus_ports, strict=True):
@@ -336,13 +458,28 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[RunningRedisCluster
                 str(bus_port),
                 "--cluster-config-file",
                 str(directory / "nodes.conf"),
+                "--cluster-require-full-coverage",
+                "no",
+                "--cluster-replica-validity-factor",
+                "0",
+                # A replica's first sync starts at once, not after the diskless default's 5 s.
+                "--repl-diskless-sync-delay",
+                "0",
+                *timeout,
             ]
             processes.append(start_redis(port, directory, *options))
         clients = [redis_py.Redis(host="127.0.0.1", port=p, socket_timeout=5) for p in client_ports]
         try:
-            _form_cluster(clients, client_ports, bus_ports)
+            _form_cluster(clients[:nodes], client_ports, bus_ports)
             for port, client in zip(client_ports, clients, strict=True):
-                wait_for(functools.partial(_cluster_ok, client, nodes), what=f"node :{port}")
+                wait_for(functools.partial(_knows_all, client, count), what=f"node :{port} to meet")
+            for index, client in enumerate(clients[nodes:]):
+                master = clients[index % nodes].execute_command("CLUSTER", "MYID")
+                client.execute_command("CLUSTER", "REPLICATE", master)
+            for port, client in zip(client_ports, clients, strict=True):
+                wait_for(functools.partial(_cluster_ok, client, count), what=f"node :{port}")
+            for port, client in zip(client_ports[nodes:], clients[nodes:], strict=True):
+                wait_for(functools.partial(_in_sync, client), what=f"replica :{port} to sync")
         finally:
             for client in clients:
                 client.close()
@@ -352,23 +489,36 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[RunningRedisCluster
             stop_redis(process)
 
 
-def _form_cluster(clients: list[Any], ports: list[int], bus_ports: list[int]) -> None:
-    """What ``redis-cli --cluster create --cluster-replicas 0`` does: even slot ranges, a
-    distinct config epoch per node, then the first node meets the others."""
-    count = len(clients)
-    for index, client in enumerate(clients):
+def _form_cluster(masters: list[Any], ports: list[int], bus_ports: list[int]) -> None:
+    """What ``redis-cli --cluster create`` does: even slot ranges over the masters, a distinct
+    config epoch per master, then the first node meets every other."""
+    count = len(masters)
+    for index, client in enumerate(masters):
         first, last = index * 16384 // count, (index + 1) * 16384 // count - 1
         client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
         client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", index + 1)
     for port, bus_port in zip(ports[1:], bus_ports[1:], strict=True):
-        clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus_port)
+        masters[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus_port)
+
+
+def _cluster_info(client: Any) -> dict[str, str]:
+    info = client.execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def _knows_all(client: Any, nodes: int) -> bool:
+    return _cluster_info(client).get("cluster_known_nodes") == str(nodes)
 
 
 def _cluster_ok(client: Any, nodes: int) -> bool:
-    info = client.execute_command("CLUSTER", "INFO")
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+    fields = _cluster_info(client)
     return fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(nodes)
+
+
+def _in_sync(client: Any) -> bool:
+    info = client.info("replication")
+    return info.get("master_link_status") == "up" and not info.get("master_sync_in_progress")
 
 
 async def async_wait_for(

@@ -121,3 +121,15 @@ def test_scaling_flags_that_cannot_work_are_refused_in_plain_words(tmp_path: Pat
         fleet_config(up_args(tmp_path, "--min-workers", "2", "--max-workers", "1"), {})
     with pytest.raises(ConfigError, match="--warm-pool must be at least 0"):
         fleet_config(up_args(tmp_path, "--max-workers", "2", "--warm-pool", "-1"), {})
+
+
+def test_up_passes_a_cluster_url_to_its_workers_and_refuses_an_unknown_scheme(
+    tmp_path: Path,
+) -> None:
+    url = "redis+cluster://127.0.0.1:7000"
+    assert fleet_config(up_args(tmp_path, "--redis-url", url), {}).worker_args == (
+        "--redis-url",
+        url,
+    )
+    with pytest.raises(ConfigError, match=r"'http://cache:6379': the scheme must be redis://"):
+        fleet_config(up_args(tmp_path, "--redis-url", "http://cache:6379"), {})

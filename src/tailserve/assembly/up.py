@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tailserve.assembly.commands import repository_models
 from tailserve.assembly.scaling import ScalingPlan
+from tailserve.cache.redis import parse_url
 from tailserve.errors import ConfigError
 from tailserve.fleet.autoscaler import ScalingConfig
 from tailserve.router.config import parse_model_balance
@@ -54,7 +55,11 @@ def add_parser(commands: Any) -> None:
         default=usable_cores(),
         help="worker processes (default: one per core)",
     )
-    up.add_argument("--redis-url", help="Redis for shared state (default: none, in memory)")
+    up.add_argument(
+        "--redis-url",
+        help="Redis for shared state (default: none, in memory); redis+cluster://HOST:PORT: a "
+        "node of a Redis Cluster",
+    )
     up.add_argument(
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
     )
@@ -235,6 +240,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """The flags of ours that each ``tailserve serve`` takes as they are."""
     out: list[str] = []
     if args.redis_url is not None:
+        parse_url(args.redis_url, cluster=args.redis_cluster)  # a bad one stops us, not them
         out += ["--redis-url", args.redis_url]
     if args.redis_cluster:
         out.append("--redis-cluster")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailserve.admin import AdminAccess, admin_access
-from tailserve.cache.redis import RedisTier, connect
+from tailserve.cache.redis import RedisTier, connect, node_url, parse_url
 from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
@@ -53,6 +53,10 @@ class Worker:
         if not Path(settings.repository).is_dir():
             raise ConfigError(f"model repository {settings.repository} is not a folder")
         self.settings = settings
+        if settings.redis_url:  # redis+cluster://... is redis://... on a cluster
+            url, cluster = parse_url(settings.redis_url, cluster=settings.redis_cluster)
+            self.settings = settings.replace(redis_url=url, redis_cluster=cluster)
+        self._subscriptions = 0
         self.metrics = Metrics()
         self.loop_lag = LoopLag(on_sample=self.metrics.loop_lag.child().observe)
         self.collections = (
@@ -63,9 +67,8 @@ class Worker:
             else None
         )
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.cache = ResultCache(
-            redis=self._redis_tier(), worker_id=self.worker_id, observer=self.metrics
-        )
+        self._l2 = self._redis_tier()
+        self.cache = ResultCache(redis=self._l2, worker_id=self.worker_id, observer=self.metrics)
         # Made when the first model that reads the feature store loads.
         self.feature_store: FeatureStore | None = None
         builder = VersionBuilder(
@@ -143,16 +146,26 @@ class Worker:
 
     def _pubsub_client(self) -> Any:
         # Pub/sub needs a plain connection (on a cluster, any node hears every PUBLISH), and
-        # no socket timeout: it waits for messages.
-        assert self.settings.redis_url is not None
-        return connect(self.settings.redis_url, timeout_s=1.0, socket_timeout=None)
+        # no socket timeout: it waits for messages. On a cluster, the node the URL names first,
+        # then in turn those the cluster client knows: the one named may be the one that died.
+        url = self.settings.redis_url
+        assert url is not None
+        turn, self._subscriptions = self._subscriptions, self._subscriptions + 1
+        if turn and self.settings.redis_cluster and self._l2 is not None:
+            nodes = self._l2.client.get_nodes()
+            if nodes:
+                node = nodes[(turn - 1) % len(nodes)]
+                url = node_url(url, node.host, node.port)
+        return connect(url, timeout_s=1.0, socket_timeout=None)
 
     def _feature_resolver(self, config: FeaturesConfig) -> FeatureResolver:
         from tailserve.cache.feature_store import FeatureStore
         from tailserve.cache.features import FeatureResolver
 
         if self.feature_store is None:
-            self.feature_store = FeatureStore(self._redis_client())
+            self.feature_store = FeatureStore(
+                self._redis_client(), cluster=self.settings.redis_cluster
+            )
         return FeatureResolver(config, self.feature_store, time.monotonic, observer=self.metrics)
 
     def _cost_rows(self) -> list[CostRow]:

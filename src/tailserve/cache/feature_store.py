@@ -23,15 +23,18 @@ packed bytes of the model's fields, so a request's matrix is one join.
 Errors are converted here: an id the store does not hold is an ``InvalidInput`` (400) naming
 the tensor, the entity and the id; Redis down, slow or holding no such version is
 ``Unavailable`` (503). A read waits at most ``timeout_s`` (250 ms); five failed or late reads
-in a row open a breaker, and until a probe read succeeds the reads fail at once rather than
-each waiting out its time for a Redis that is not answering (rows in the in-process cache are
-served all the while).
+of an entity type in a row open its breaker, and until a probe read succeeds its reads fail at
+once rather than each waiting out its time for a Redis that is not answering (rows in the
+in-process cache are served all the while). The breaker is the entity type's because its keys
+share a slot: on a cluster, a dead master refuses the reads of its entities only, and a probe
+reads the slot map afresh first (its replica may have taken over).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +43,8 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
-from tailserve.cache.breaker import Breaker
+from tailserve.cache.breaker import Breaker, BreakerState
+from tailserve.cache.redis import refresh_slots
 from tailserve.errors import ConfigError, InvalidInput, Unavailable
 
 EntityId = int | str | bytes
@@ -109,15 +113,21 @@ class FeatureStore:
         timeout_s: float = 0.25,
         chunk: int = 2000,
         breaker: Breaker | None = None,
+        cluster: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
+        self.cluster = cluster  # a RedisCluster client
+        self._clock = clock  # the breakers'
         self.timeout_s = timeout_s
         self.chunk = chunk
-        # Reads that Redis failed or did not answer in time, in a row, open it: the requests
-        # after fail at once (503) rather than each waiting out ``timeout_s`` for nothing,
-        # until a probe read succeeds (the L1 feature cache still answers what it holds).
-        self.breaker = breaker or Breaker(clock=time.monotonic)
-        self._script = client.register_script(_READ)
+        # Reads that Redis failed or did not answer in time, in a row, open an entity type's
+        # breaker: its requests after fail at once (503) rather than each waiting out
+        # ``timeout_s`` for nothing, until a probe read succeeds (the L1 feature cache still
+        # answers what it holds). One for every entity type when ``breaker`` is given.
+        self._shared = breaker
+        self._breakers: dict[str, Breaker] = {}
+        self._sha = hashlib.sha1(_READ.encode()).hexdigest()
         # (raw schema, wanted fields) -> (stored width, columns to take; None: all, in order)
         self._columns: dict[tuple[bytes, tuple[str, ...]], tuple[int, list[int] | None]] = {}
 
@@ -134,17 +144,22 @@ class FeatureStore:
             return np.empty((0, len(fields)), dtype=np.float32)
         prefix = schema_key(entity, version).encode() + b":"
         keys = [schema_key(entity, version).encode(), *(prefix + _id_bytes(i) for i in ids)]
-        breaker = self.breaker
+        breaker = self.breaker(entity)
         if not breaker.allow():
             raise Unavailable(
                 f"the feature store is failing ({entity} features): not asked again until a "
                 f"probe succeeds",
                 retry_after_s=1.0,
             )
+        probe = self.cluster and breaker.state is BreakerState.HALF_OPEN
+
+        async def call() -> Any:
+            if probe:
+                await refresh_slots(self.client)
+            return await self._run_read(keys)
+
         try:
-            reply = await self._call(
-                entity, lambda: self._script(keys=keys, args=[VALUE_FIELD]), self.timeout_s
-            )
+            reply = await self._call(entity, call, self.timeout_s)
         except Unavailable:
             breaker.failure()
             raise
@@ -166,6 +181,26 @@ class FeatureStore:
             raise Unavailable(f"the feature store holds a malformed {entity} row for id {bad!r}")
         matrix = np.frombuffer(joined, dtype=FLOAT).reshape(len(values), width)
         return matrix.copy() if columns is None else matrix[:, columns]
+
+    async def _run_read(self, keys: list[bytes]) -> Any:
+        from redis.exceptions import NoScriptError
+
+        try:
+            return await self.client.evalsha(self._sha, len(keys), *keys, VALUE_FIELD)
+        except NoScriptError:
+            # The node has not run it yet (a promoted replica, say): EVAL runs it and keeps it
+            # there. Not SCRIPT LOAD, which a cluster client sends to every master, and which
+            # fails while one of them is down.
+            return await self.client.eval(_READ, len(keys), *keys, VALUE_FIELD)
+
+    def breaker(self, entity: str) -> Breaker:
+        """The breaker of ``entity``'s reads."""
+        if self._shared is not None:
+            return self._shared
+        found = self._breakers.get(entity)
+        if found is None:
+            found = self._breakers[entity] = Breaker(clock=self._clock)
+        return found
 
     def _layout(
         self, entity: str, version: str, raw: bytes | None, fields: Sequence[str]

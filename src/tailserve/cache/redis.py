@@ -8,6 +8,9 @@ slow Redis is skipped (the lookup counts as a miss and a failure), not waited on
 repeated failures the breaker stops asking until a probe succeeds. Nothing here raises to
 the caller: the shared tier is an optimisation, so its faults degrade to misses.
 
+On a cluster, the probe after a failed call reads the slot map afresh first: a master that
+died may have been replaced by its replica (``_probe_cluster``).
+
 What the tier did without is counted by operation (lookup, write) and reason: ``breaker``
 (open: Redis was not asked), ``budget`` (a lookup with no answer in time) and ``error``
 (Redis or the connection failed); ``on_skip`` hears each (the worker's
@@ -23,13 +26,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from tailserve.cache.breaker import Breaker, BreakerState
 from tailserve.cache.resp import LeanRedis
+from tailserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 INVALIDATION_CHANNEL = "tailserve:invalidate"
+_SCHEMES = ("redis", "rediss", "unix")
 # Delete a lease only if it is still the caller's (it may have run out and been taken since).
 _RELEASE = """
 if redis.call("GET", KEYS[1]) == ARGV[1] then return redis.call("DEL", KEYS[1]) end
@@ -37,9 +43,59 @@ return 0
 """
 
 
+def parse_url(url: str, *, cluster: bool = False) -> tuple[str, bool]:
+    """The URL redis-py takes for ``url``, and whether it names a node of a Redis Cluster.
+
+    ``redis+cluster://host:port[/0]`` (``rediss+cluster://`` with TLS) is ``redis://`` with
+    ``cluster`` (``--redis-cluster``); ``redis://``, ``rediss://`` and ``unix://`` are taken as
+    they are. Anything else is a ``ConfigError`` naming what is taken."""
+    given = url
+    scheme, sep, rest = url.partition("://")
+    base, plus, kind = scheme.lower().partition("+")
+    if not sep or base not in _SCHEMES or (plus and (kind != "cluster" or base == "unix")):
+        raise ConfigError(
+            f"Redis URL {_where(given)!r}: the scheme must be redis://, rediss://, unix:// or, "
+            "for a node of a Redis Cluster, redis+cluster:// (rediss+cluster://)"
+        )
+    if plus:
+        url, cluster = f"{base}://{rest}", True
+    if cluster:
+        if base == "unix":
+            raise ConfigError("a Redis Cluster is reached over TCP: redis+cluster://host:port")
+        if urlsplit(url).path.strip("/") not in ("", "0"):
+            raise ConfigError(f"Redis URL {_where(given)!r}: a Redis Cluster has database 0 only")
+    return url, cluster
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """``url`` (credentials, options) aimed at another node, ``host:port``."""
+    parts = urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return parts._replace(netloc=f"{userinfo}@{netloc}" if userinfo else netloc).geturl()
+
+
+async def refresh_slots(client: Any) -> None:
+    """Have a redis-py cluster client read the slot map afresh, keeping its connections to
+    the nodes that stay. It reads it again by itself only at the next single command after
+    one failed, which may be another slot's command, before a failover is over; and never
+    after a failed pipeline (the MGET by slot, the SET pipeline) when it may not retry."""
+    await client.nodes_manager.initialize()
+
+
+def _where(url: str) -> str:
+    """The URL without its password (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+
+
 def connect(url: str, *, cluster: bool = False, timeout_s: float = 0.25, **extra: Any) -> Any:
     """A redis-py asyncio client (hiredis parses replies when installed) that fails fast:
-    no retries of its own (the breaker decides), short connect and socket timeouts."""
+    no retries of its own (the breaker decides), short connect and socket timeouts. ``url``
+    as ``parse_url`` takes it (``redis+cluster://`` names a node of a cluster)."""
     from redis.asyncio import Redis, RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
@@ -50,6 +106,7 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float = 0.25, **extra
         "retry": Retry(NoBackoff(), 0),
         **extra,
     }
+    url, cluster = parse_url(url, cluster=cluster)
     if cluster:
         return RedisCluster.from_url(url, **options)
     return Redis.from_url(url, **options)
@@ -81,6 +138,8 @@ class RedisTier:
         self.write_window_s = write_window_s
         self.cluster = cluster
         self.breaker = breaker or Breaker(clock=time.monotonic, on_change=on_breaker)
+        # A cluster call failed: the slot map may name a node that is gone (_probe_cluster).
+        self._stale_slots = False
         self._on_latency = on_latency
         self._pending: list[tuple[str, asyncio.Future[bytes | None]]] = []
         self._writes: list[tuple[str, bytes, int]] = []
@@ -132,12 +191,42 @@ class RedisTier:
 
     def _flush_lookups(self) -> None:
         batch, self._pending = self._pending, []
-        if batch:
-            # One timer a batch, not one a lookup: what has no answer when it fires is a miss.
-            loop = asyncio.get_running_loop()
-            expired: list[bool] = [False]
-            loop.call_later(self.budget_s + self._lag(), self._expire, batch, expired)
-            self._own(self._mget(batch, expired))
+        if not batch:
+            return
+        if self._stale_slots and self.breaker.state is BreakerState.HALF_OPEN:
+            self._probe_cluster(batch)
+        else:
+            self._send(batch)
+
+    def _send(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
+        # One timer a batch, not one a lookup: what has no answer when it fires is a miss.
+        loop = asyncio.get_running_loop()
+        expired: list[bool] = [False]
+        loop.call_later(self.budget_s + self._lag(), self._expire, batch, expired)
+        self._own(self._mget(batch, expired))
+
+    def _probe_cluster(self, batch: list[tuple[str, asyncio.Future[bytes | None]]]) -> None:
+        """The probe after a cluster call failed: its lookups are misses at once, and in the
+        background the client reads the slot map afresh (after a master died, its replica may
+        hold the slots now) and asks for their keys, with no budget (reconnecting alone may
+        take more), for the breaker's verdict."""
+        self._stale_slots = False
+        for _, future in batch:
+            if not future.done():
+                self._skip("lookup", "breaker")
+                future.set_result(None)
+
+        async def probe() -> None:
+            try:
+                async with asyncio.timeout(1.0):
+                    await refresh_slots(self.client)
+                    await self.client.mget_nonatomic([key for key, _ in batch])
+            except Exception as exc:
+                self._failed("MGET", exc)
+            else:
+                self.breaker.success()
+
+        self._own(probe())
 
     def _expire(
         self, batch: list[tuple[str, asyncio.Future[bytes | None]]], expired: list[bool]
@@ -307,6 +396,7 @@ class RedisTier:
     def _failed(self, what: str, exc: BaseException) -> None:
         if self.breaker.state is BreakerState.CLOSED:
             log.warning("redis %s failed: %s: %s", what, type(exc).__name__, exc)
+        self._stale_slots = self.cluster  # (the next probe reads the slot map afresh)
         self.breaker.failure()
 
     def _own(self, coroutine: Any) -> None:

@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,7 +36,7 @@ from tailserve.cache import entry as codec
 from tailserve.cache.entry import CachedResult, Lineage, Outputs
 from tailserve.cache.feature_store import FeatureStore
 from tailserve.cache.features import FeatureResolver
-from tailserve.cache.redis import RedisTier, connect
+from tailserve.cache.redis import RedisTier, connect, parse_url
 from tailserve.cache.tiered import ModelView, ResultCache
 from tailserve.engine.served import ServedVersion, VersionBuilder
 from tailserve.engine.validation import Checked
@@ -253,6 +253,8 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
         raise ConfigError("--batch-size must be >= 1")
     if job.ttl_s is not None and not job.ttl_s > 0:
         raise ConfigError("--ttl-s must be > 0")
+    url, cluster = parse_url(job.redis_url, cluster=job.cluster)  # redis+cluster://
+    job = replace(job, redis_url=url, cluster=cluster)
     total = _count_lines(job.input)
     store: FeatureStore | None = None
 
@@ -261,7 +263,7 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
         nonlocal store
         if store is None:
             client = connect(job.redis_url, cluster=job.cluster, timeout_s=5.0)
-            store = FeatureStore(client, timeout_s=5.0)
+            store = FeatureStore(client, timeout_s=5.0, cluster=job.cluster)
         return FeatureResolver(config, store, time.monotonic)
 
     builder = VersionBuilder(cache=ResultCache(), feature_resolver=features)
