@@ -195,7 +195,9 @@ def test_a_new_version_changes_every_key(repository: Path) -> None:
 
 
 def test_stale_is_served_then_refreshed(tmp_path: Path) -> None:
-    write_model(tmp_path, "m", cached_config(ttl_s=0.2, stale_s=60))
+    # Each entry stays fresh for a second: longer than a loaded machine takes between two of
+    # the test's requests, so no request but the one the test waits for finds it stale.
+    write_model(tmp_path, "m", cached_config(ttl_s=1.0, stale_s=60))
     with run_worker(Settings(repository=str(tmp_path))) as running:
         assert "cache_computed_at" not in infer(running.url, body(5.0)).json()["parameters"]
         computed = infer(running.url, body(5.0)).json()["parameters"]["cache_computed_at"]

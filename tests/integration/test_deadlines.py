@@ -213,6 +213,13 @@ def test_a_client_deadline_expires_in_the_queue_and_an_slo_one_runs_late(
             httpx.post, url, json=body([2.0]), headers={"X-Deadline-Ms": "150"}, timeout=30
         )
         soft = pool.submit(httpx.post, url, json=body([3.0]), timeout=30)
+
+        def queued() -> int:
+            stats = httpx.get(f"{worker.url}/v2/models/held/stats").json()
+            count: int = stats["model_stats"][0]["batching"]["queued"]
+            return count
+
+        wait_for(lambda: queued() == 2, what="both to wait behind the held batch")
         time.sleep(0.3)  # past the 150 ms deadline while the instance is held
         files["gate"].touch()
         replies = [first.result(), hard.result(), soft.result()]

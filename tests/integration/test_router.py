@@ -9,7 +9,6 @@ import contextlib
 import gc
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from tailserve.router.membership import write_members
 from tailserve.router.proxy import Router
 
 _router = running_router
+# The requests that teach the hedging router a model's latency before it hedges any.
+LEARNING = 20
 
 
 async def _until(predicate: Callable[[], bool], what: str) -> None:
@@ -112,17 +113,16 @@ async def test_a_hedge_wins_and_the_loser_is_dropped_from_the_worker_queue(
     tmp_path: Path,
 ) -> None:
     async with _hedging(tmp_path, "round-robin", 1.0) as (urls, router, client):
-        for i in range(20):  # learn the model's p95 (milliseconds)
+        for i in range(LEARNING):  # learn the model's p95 (milliseconds)
             assert (await _infer(client, router.url, 100.0 + i)).status_code == 200
         before = len(slowable.ran(tmp_path, 0))
         slowable.slow(tmp_path, 0, 1.5)
-        started = time.monotonic()
         replies = await asyncio.gather(*(_infer(client, router.url, float(x)) for x in range(1, 7)))
-        took = time.monotonic() - started
         assert [_y(r) for r in replies] == [2.0 * x for x in range(1, 7)]
-        assert took < 1.0, f"hedges should have answered long before 1.5 s, took {took:.2f}"
+        # None waited for the slow worker: those sent to it were answered by their hedges.
+        assert {r.headers["x-tailserve-replica"] for r in replies} == {urls[1]}
         hedged = [r for r in replies if r.headers.get("x-tailserve-hedged") == "1"]
-        assert hedged and all(r.headers["x-tailserve-replica"] == urls[1] for r in hedged)
+        assert hedged
         # The slow worker saw its copies cancelled (499: the one it was running, at least;
         # a copy still waiting for a connection is withdrawn before it is sent) and ran at
         # most the one it had already started: the rest left its queue without running.
@@ -151,7 +151,7 @@ def _cancelled(url: str) -> float:
 
 async def test_the_budget_caps_hedges(tmp_path: Path) -> None:
     async with _hedging(tmp_path, "round-robin", 0.1) as (_, router, client):
-        for i in range(20):
+        for i in range(LEARNING):
             await _infer(client, router.url, float(i))
         slowable.slow(tmp_path, 0, 0.1)
         replies = await asyncio.gather(*(_infer(client, router.url, float(x)) for x in range(30)))
@@ -168,22 +168,24 @@ async def test_the_budget_caps_hedges(tmp_path: Path) -> None:
 async def _hedging(
     tmp: Path, balance: str, ratio: float
 ) -> AsyncIterator[tuple[list[str], Router, httpx.AsyncClient]]:
-    """Two slowable workers behind a router that hedges once 5 replies are known, within
-    ``ratio`` of the requests; yields the workers' URLs, the router and a client."""
+    """Two slowable workers behind a router that hedges once the LEARNING requests have
+    answered, within ``ratio`` of the requests; yields the workers' URLs, the router and a
+    client. None of the learning requests is hedged: a slow one on a loaded machine would
+    otherwise have a hedge of its own, spend a token and mark its replica overtaken."""
     with slowable.workers(tmp, 2) as workers:
         urls = [w.url for w in workers]
         async with (
-            _router(urls, balance=balance, hedge_min_samples=5, hedge_ratio=ratio) as router,
+            _router(urls, balance=balance, hedge_min_samples=LEARNING, hedge_ratio=ratio) as router,
             httpx.AsyncClient(timeout=30) as client,
         ):
             yield urls, router, client
 
 
 async def _learn_keys(client: httpx.AsyncClient, url: str) -> dict[str, str]:
-    """20 requests, each with an affinity key of its own (the router learns the model's p95
-    from them): answers, for each worker, a key whose requests go to it."""
+    """LEARNING requests, each with an affinity key of its own (the router learns the model's
+    p95 from them): answers, for each worker, a key whose requests go to it."""
     home: dict[str, str] = {}
-    for i in range(20):
+    for i in range(LEARNING):
         reply = await _infer(client, url, 100.0 + i, headers={"x-affinity-key": f"k{i}"})
         home.setdefault(reply.headers["x-tailserve-replica"], f"k{i}")
     return home
@@ -197,10 +199,8 @@ async def test_a_hedge_that_finds_the_budget_empty_goes_out_with_the_next_token(
         home = await _learn_keys(client, router.url)
         slow_key, fast_key = home[urls[0]], home[urls[1]]
         dispatcher = router.dispatcher
-        # (A learning request slower than the p99 may have had a late hedge of its own.)
         late = dispatcher.late_hedges
         slowable.slow(tmp_path, 0, 3.0)
-        started = time.monotonic()
         stuck = asyncio.ensure_future(
             _infer(client, router.url, 1.0, headers={"x-affinity-key": slow_key})
         )
@@ -217,10 +217,9 @@ async def test_a_hedge_that_finds_the_budget_empty_goes_out_with_the_next_token(
             assert reply.status_code == 200
             earning += 1
         reply = await stuck
-        took = time.monotonic() - started
+        # The late hedge answered before the 3 s reply.
         assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
         assert reply.headers["x-tailserve-replica"] == urls[1]
-        assert took < 2.0, f"the late hedge should have answered before the 3 s reply: {took}"
         assert dispatcher.late_hedges == late + 1 and dispatcher.hedges_waiting == 0
         # It waited for the token the requests after it earned: the budget still holds.
         budget = dispatcher.hedge_budget
@@ -239,11 +238,10 @@ async def test_a_rationed_hedge_goes_out_when_overdue_with_no_new_requests(
         assert 1.0 <= dispatcher.hedge_budget.tokens < 5.0
         late = dispatcher.late_hedges
         slowable.slow(tmp_path, 0, 3.0)
-        started = time.monotonic()
         reply = await _infer(client, router.url, 1.0, headers={"x-affinity-key": home[urls[0]]})
-        took = time.monotonic() - started
+        # The rationed hedge went out when overdue and answered before the 3 s reply.
         assert reply.status_code == 200 and reply.headers.get("x-tailserve-hedged") == "1"
-        assert took < 2.0, f"the rationed hedge should have gone out when overdue: {took}"
+        assert reply.headers["x-tailserve-replica"] == urls[1]
         assert dispatcher.hedge_budget.refused >= 1 and dispatcher.late_hedges == late + 1
         slowable.slow(tmp_path, 0, 0)
 
@@ -387,12 +385,10 @@ async def test_requests_are_shed_at_once_when_every_replica_is_saturated(tmp_pat
         ):
             slow = asyncio.ensure_future(_infer(client, router.url, 1.0))
             await _until(lambda: router.dispatcher.backends[0].in_flight == 1, what="one in flight")
-            started = time.monotonic()
             shed = await _infer(client, router.url, 2.0)
-            took = time.monotonic() - started
+            assert not slow.done(), "the shed request waited for the 3 s reply"
             assert shed.status_code == 503 and shed.headers["retry-after"] == "1"
             assert "in-flight limit" in shed.json()["error"]
-            assert took < 1.5  # not after the 3 s reply (the slack: a stalling machine)
             assert (await slow).status_code == 200
         slowable.slow(tmp_path, 0, 0)
 

@@ -5,7 +5,6 @@ health and metadata, and errors as gRPC statuses that name the problem."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -184,14 +183,12 @@ async def test_a_grpc_call_is_hedged_to_another_replica(
             for i in range(20):  # the model's p95, learnt (milliseconds)
                 await caller.call(request(100.0 + i))
             slowable.slow(tmp_path, 0, 1.5)
-            started = time.monotonic()
             replies = await asyncio.gather(*(caller.call(request(float(x))) for x in range(1, 7)))
-            took = time.monotonic() - started
             slowable.slow(tmp_path, 0, 0)
             assert [y_of(reply) for reply, _ in replies] == [2.0 * x for x in range(1, 7)]
-            assert took < 1.0, f"hedges should have answered long before 1.5 s, took {took:.2f}"
-            hedged = [m for _, m in replies if m.get("x-tailserve-hedged") == "1"]
-            assert hedged and all(m["x-tailserve-replica"] == urls[1] for m in hedged)
+            # None waited for the slow worker: those sent to it were answered by their hedges.
+            assert {m["x-tailserve-replica"] for _, m in replies} == {urls[1]}
+            assert any(m.get("x-tailserve-hedged") == "1" for _, m in replies)
 
 
 async def test_a_saturated_fleet_sheds_grpc_calls_at_once(
@@ -207,11 +204,9 @@ async def test_a_saturated_fleet_sheds_grpc_calls_at_once(
                 return router.dispatcher.backends[0].in_flight == 1
 
             await async_wait_for(one_in_flight, what="the first call to take the one slot")
-            started = time.monotonic()
             shed = await caller.error(request(2.0))
-            took = time.monotonic() - started
+            assert not held.done(), "the shed call waited for the 3 s reply"
             assert shed.code() == grpc.StatusCode.UNAVAILABLE, shed.details()
-            assert took < 1.5, f"shed after {took:.2f} s"  # not after the 3 s reply
             assert "retry-after" in dict(shed.trailing_metadata() or ())
             slowable.slow(tmp_path, 0, 0)
             reply, _ = await held

@@ -200,22 +200,32 @@ async def test_a_deadline_that_cannot_be_met_is_refused_at_once() -> None:
 
 
 async def test_a_request_whose_deadline_passes_in_the_queue_expires_and_is_not_run() -> None:
+    # The deadlines are on the test's clock: a loaded machine's stall cannot move them.
+    now = [0.0]
     runtime = Recorder()
     runtime.release.clear()
-    s = scheduler(runtime, batcher=deadline_batcher())
+    s = Scheduler(
+        model="m",
+        runtimes=[runtime],
+        batcher=deadline_batcher(),
+        batched=True,
+        clock=lambda: now[0],
+    )
+    s.start()
     s.seed(ALL, 1, 0.001)
-    first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=time.monotonic() + 5))
+    first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=5.0))
     assert await asyncio.to_thread(runtime.entered.wait, 5)
     # The running batch has overrun its 1 ms prediction (a stall): nothing is handed over
     # behind it, so what waits can still expire.
-    await asyncio.sleep(0.01)
+    now[0] = 0.01
     # Admitted (the running batch was predicted to end soon), but the instance stays busy.
-    late = asyncio.create_task(
-        s.infer(x(1.0), 1, ALL, deadline=time.monotonic() + 0.05, hard_deadline=True)
-    )
+    late = asyncio.create_task(s.infer(x(1.0), 1, ALL, deadline=0.06, hard_deadline=True))
     # A request with only the SLO's deadline waits too, and runs late rather than fail.
-    soft = asyncio.create_task(s.infer(x(2.0), 1, ALL, deadline=time.monotonic() + 0.05))
-    await asyncio.sleep(0.1)
+    soft = asyncio.create_task(s.infer(x(2.0), 1, ALL, deadline=0.06))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert s.queue_depth == 2  # both queued behind the held batch
+    now[0] = 0.11  # both deadlines pass while the instance is held
     runtime.release.set()
     await first
     with pytest.raises(DeadlineExceeded, match="deadline can no longer be met"):
@@ -262,28 +272,35 @@ async def test_the_next_batch_waits_in_the_instances_thread_not_on_the_loop() ->
     s = Scheduler(
         model="m",
         runtimes=[runtime],
-        batcher=deadline_batcher(),
+        # One row a batch: a batch this slow would otherwise wait for company.
+        batcher=DeadlineBatcher(max_rows=1, instances=1, max_queue=100),
         batched=True,
         clock=lambda: now[0],
     )
     s.start()
-    s.seed(ALL, 1, 0.010)  # batches take ~10 ms
+    s.seed(ALL, 1, 0.5)  # batches take ~0.5 s
     first = asyncio.create_task(s.infer(x(0.0), 1, ALL, deadline=10.0))
     assert await asyncio.to_thread(runtime.entered.wait, 5)
-    now[0] = 0.0099  # the running batch is due to end within the loop's hand-off time
+    now[0] = 0.4999  # the running batch is due to end within the loop's hand-off time
     second = asyncio.create_task(s.infer(x(1.0), 1, ALL, deadline=10.0))
-    # The busy instance's worker looks again when its timer says (set for ~9 ms, real time:
-    # the arrival does not wake it), and hands the batch over behind the running one.
+    # The busy instance's worker looks again when its timer says (set for ~0.5 s of real
+    # time, far longer than a loaded machine stalls this loop: the arrival does not wake
+    # it), and hands the batch over behind the running one.
     for _ in range(3):
         await asyncio.sleep(0)
     assert s.queue_depth == 1  # queued, not yet handed over
-    for _ in range(400):
+    for _ in range(2000):
         if s.queue_depth == 0:
             break
         await asyncio.sleep(0.005)
     assert s.queue_depth == 0  # handed to the instance already, behind the running batch
+    for _ in range(3):  # (the task that handed it over puts it in the thread's queue)
+        await asyncio.sleep(0)
     runtime.release.set()
-    time.sleep(0.2)  # noqa: ASYNC251 - the loop is blocked on purpose: the thread goes on
+    # The loop is blocked on purpose while the thread goes on to the second batch.
+    blocked_until = time.monotonic() + 10
+    while runtime.batches != [1, 1] and time.monotonic() < blocked_until:
+        time.sleep(0.005)  # noqa: ASYNC251
     assert runtime.batches == [1, 1]
     results = await asyncio.gather(first, second)
     assert [out["y"][0, 0] for out, _ in results] == [100.0, 101.0]
@@ -314,12 +331,15 @@ class ThreadRecorder(Recorder):
 
 
 def inline_scheduler(runtime: Any, bound_s: float) -> Scheduler:
+    # The clock stands still: a batch that a loaded machine happens to preempt must not be
+    # measured as slow, and leave the loop's thread for a reason the test did not give.
     s = Scheduler(
         model="m",
         runtimes=[runtime],
         batcher=NoBatching(max_queue=100),
         batched=True,
         inline_below_s=bound_s,
+        clock=lambda: 0.0,
     )
     s.start()
     return s
