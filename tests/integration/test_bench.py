@@ -60,8 +60,9 @@ def test_a_constant_rate_is_kept_in_count_and_spacing() -> None:
     assert result["generator"]["timer"] == "fine"
 
 
-def _send_gaps_ms(url: str, timer: str) -> Any:
-    """Gaps between the generator's sends of 1,000 requests due 0.5 ms apart."""
+def _clumps(url: str, timer: str) -> tuple[int, int]:
+    """Of 1,000 requests due 0.5 ms apart, the ones sent on time (not over 0.2 ms late), and
+    how many of those had the next one sent with them (within 0.1 ms)."""
     spec = workload(url, schedule={"kind": "constant", "rate": 2000}, duration_s=0.5, timer=timer)
     target = url.removeprefix("http://")
     host, port = target.split(":")
@@ -71,19 +72,23 @@ def _send_gaps_ms(url: str, timer: str) -> Any:
     )
     samples = run(runner.run())
     assert not np.isnan(samples.done).any()
-    return np.diff(samples.dispatched) * 1000.0
+    on_time = (samples.dispatched - samples.intended)[:-1] <= 0.2e-3
+    together = np.diff(samples.dispatched) < 0.1e-3
+    return int(on_time.sum()), int((on_time & together).sum())
 
 
 def test_the_fine_timer_sends_each_request_at_its_time_not_in_millisecond_clumps() -> None:
     # The loop's timers count whole milliseconds: each fire sends what is due within one, so
     # requests 0.5 ms apart leave in pairs and triples, and the server is blamed for the
-    # wait. The fine timer sends each on its own.
+    # wait. The fine timer sends each on its own. (Only the sends that left on time tell:
+    # a sender that a loaded machine holds back sends what is overdue together, whatever
+    # its timer.)
     with run_stub(StubApp()) as stub:
-        fine = _send_gaps_ms(stub.url, "fine")
-        loop = _send_gaps_ms(stub.url, "loop")
-    assert statistics.median(fine) == pytest.approx(0.5, abs=0.15)
-    assert np.mean(fine < 0.1) < 0.2
-    assert np.mean(loop < 0.1) > 0.4
+        fine, fine_clumped = _clumps(stub.url, "fine")
+        loop, loop_clumped = _clumps(stub.url, "loop")
+    assert fine >= 10 and loop >= 10, (fine, loop)
+    assert fine_clumped == 0
+    assert loop_clumped > 0.3 * loop, (loop_clumped, loop)
 
 
 def test_the_plan_is_kept_out_of_full_collections_before_the_run() -> None:
