@@ -38,7 +38,8 @@ COMMANDS = dict(commands(build_parser()))
 
 def test_every_command_is_walked() -> None:
     expected = {"serve", "examples", "bench", "route", "up", "precompute", "warm"}
-    assert set(COMMANDS) == {"tailserve"} | {f"tailserve {name}" for name in expected}
+    # (At least these: a new command is walked, and held to the same rules, as it comes.)
+    assert set(COMMANDS) >= {"tailserve"} | {f"tailserve {name}" for name in expected}
 
 
 @pytest.mark.parametrize("name", COMMANDS)
