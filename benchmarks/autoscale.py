@@ -2,7 +2,8 @@
 against three stacks side by side (churn with unique inputs, p99 <= 50 ms):
 
 - `fixed`: `tailserve up --workers 1`, a single worker;
-- `cold`: `tailserve up --min-workers 1 --max-workers 2`, autoscaling from cold;
+- `cold`: `tailserve up --min-workers 1 --max-workers 2 --scale-down-after 20`, autoscaling
+  from cold;
 - `warm`: the same with `--warm-pool 1`, a warm standby to promote.
 
 The load comes from wrk2 (open loop, C): one run at 1x for the whole time and a second at 3x
@@ -48,10 +49,13 @@ from tailserve.loadgen.capacity import CapacitySearch, Step
 SLO_MS = 50.0
 LOW_S, HIGH_S, AFTER_S = 20.0, 30.0, 100.0  # the step: 1x, 4x, 1x
 PROBE_RPS = 100.0
+# A worker leaves after 20 s in which fewer would have done (60 by default): the scale-down
+# falls inside the run, under the 1x load.
+SCALING = ["--min-workers", "1", "--max-workers", "2", "--scale-down-after", "20"]
 STACKS = {
     "fixed": ["--workers", "1"],
-    "cold": ["--min-workers", "1", "--max-workers", "2"],
-    "warm": ["--min-workers", "1", "--max-workers", "2", "--warm-pool", "1"],
+    "cold": SCALING,
+    "warm": [*SCALING, "--warm-pool", "1"],
 }
 
 

@@ -97,7 +97,9 @@ async def test_a_standby_is_promoted_in_milliseconds_and_the_pool_refills(tmp_pa
         hedge_lane_ms=0,
         workers=1,
         drain_timeout_s=5,
-        scaling=ScalingPlan(scaling=scaling, warm_pool=1, interval_s=NEVER_S),
+        scaling=ScalingPlan(
+            scaling=scaling, warm_pool=1, interval_s=NEVER_S, refill_after_s=1.0
+        ),
     )
     async with started(config) as supervisor, httpx.AsyncClient(base_url=supervisor.url) as c:
         await async_wait_for(
@@ -128,6 +130,7 @@ async def test_a_standby_is_promoted_in_milliseconds_and_the_pool_refills(tmp_pa
             assert (await c.post(INFER, json=X)).status_code == 200
         after = await served_by(supervisor)
         assert after["worker-1"] > before["worker-1"]  # in the rotation at once
+        assert states(supervisor)["worker-2"] == "off"  # not while the fleet grows
         await async_wait_for(
             lambda: asyncio.sleep(0, states(supervisor)["worker-2"] == "standby"),
             timeout_s=60,

@@ -9,7 +9,9 @@ autoscaler (`fleet.autoscaler`, pure) how many should serve, and carries the ans
   requests in flight and queued finish, and only then does it get SIGTERM (it drains anything
   else itself). No request fails for it.
 - **The warm pool** is refilled in the background: `warm_pool` slots kept started and warm
-  outside the rotation while there is room.
+  outside the rotation while there is room. A promoted standby is replaced only once the fleet
+  has stopped growing for `refill_after_s`: on a small machine a cold start in the middle of a
+  step takes the CPU the serving workers need.
 
 After a change the front door is reloaded too (debounced), so that its queue bound follows the
 number of serving workers; the weights it renders are the same the runtime API set.
@@ -49,6 +51,9 @@ class ScalingPlan:
     scaling: ScalingConfig
     warm_pool: int = 0
     interval_s: float = 1.0
+    # A promoted standby is replaced once the fleet has not grown for this long: a cold start
+    # takes a core for a second or more, which a fleet that is still absorbing a step needs.
+    refill_after_s: float = 10.0
 
     @property
     def slots(self) -> int:
@@ -68,6 +73,8 @@ class Scaler:
         self._pools: dict[int, Pool] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._reload: asyncio.Task[None] | None = None
+        self._refill: asyncio.Task[None] | None = None
+        self._grew_at = -float("inf")
 
     def document(self) -> dict[str, Any]:
         """For ``GET /v2/fleet``."""
@@ -95,7 +102,8 @@ class Scaler:
                 except (OSError, UpstreamError) as exc:
                     log.warning("autoscaler: could not sample the fleet: %s", exc)
         finally:
-            for task in [*self._drains.values(), *([self._reload] if self._reload else [])]:
+            others = [t for t in (self._reload, self._refill) if t is not None]
+            for task in [*self._drains.values(), *others]:
                 task.cancel()
             await asyncio.gather(*self._drains.values(), return_exceptions=True)
             await asyncio.gather(*(pool.close() for pool in self._pools.values()))
@@ -129,20 +137,35 @@ class Scaler:
         changed = False
         for _ in range(wanted - len(serving)):
             changed |= await self._add()
+            self._grew_at = time.monotonic()
         if wanted < len(serving):
             # The youngest leave first: the oldest have the warmest caches.
             leaving = sorted(serving, key=lambda w: w.ready_at or float("inf"))[wanted:]
             for worker in leaving:
                 await self._retire(worker)
             changed = True
-        standby = [w for w in workers if w.role is Role.STANDBY]
-        for worker in [w for w in workers if w.role is Role.OFF and not w.running]:
-            if len(standby) >= self.plan.warm_pool:
-                break
-            self.supervisor.activate(worker, Role.STANDBY)
-            standby.append(worker)
         if changed:
             self._reload_soon()
+        self._refill_soon()
+
+    def _refill_soon(self) -> None:
+        """Refill the warm pool once the fleet has not grown for `refill_after_s`."""
+        if self._refill is not None and not self._refill.done():
+            return
+
+        async def refill() -> None:
+            # The deadline moves each time the fleet grows again meanwhile.
+            while (wait := self._grew_at + self.plan.refill_after_s - time.monotonic()) > 0:  # noqa: ASYNC110
+                await asyncio.sleep(wait)
+            workers = self.supervisor.workers
+            standby = [w for w in workers if w.role is Role.STANDBY]
+            for worker in [w for w in workers if w.role is Role.OFF and not w.running]:
+                if len(standby) >= self.plan.warm_pool:
+                    break
+                self.supervisor.activate(worker, Role.STANDBY)
+                standby.append(worker)
+
+        self._refill = owned_task(refill(), "refill the warm pool")
 
     async def _add(self) -> bool:
         """One more slot in the rotation: a ready standby at once, else a warming one, else a

@@ -138,6 +138,14 @@ def add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
         "milliseconds (0)",
     )
     parser.add_argument(
+        "--scale-down-after",
+        type=float,
+        default=ScalingConfig().downscale_delay_s,
+        metavar="SECONDS",
+        help="autoscale: a worker is removed after this long in which fewer would have done "
+        f"({ScalingConfig().downscale_delay_s:g})",
+    )
+    parser.add_argument(
         "--target-in-flight",
         type=float,
         default=ScalingConfig().target_in_flight,
@@ -162,6 +170,7 @@ def scaling_plan(args: argparse.Namespace, repository: str) -> tuple[int, Scalin
         max_workers=highest,
         slo_s=min(slos, default=1000.0) / 1e3,
         target_in_flight=args.target_in_flight,
+        downscale_delay_s=args.scale_down_after,
         cores=usable_cores(),
     )
     return lowest, ScalingPlan(scaling=scaling, warm_pool=args.warm_pool)
