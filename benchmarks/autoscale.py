@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import socket
 import subprocess
 import sys
@@ -224,19 +225,17 @@ def absorbed(outcome: Outcome) -> float | None:
     return None if last >= HIGH_S else last
 
 
-def draining_failures(outcome: Outcome) -> tuple[float, float]:
-    """5xx answers while a worker drained, and the seconds it drained, by the door's counters."""
-    failed = drained = 0.0
-    previous: dict[str, float] | None = None
-    door = dict(outcome.door)
-    for t, document in outcome.fleet:
-        counters = door.get(t)
-        draining = any(w["state"] == "draining" for w in document["workers"])
-        if counters is not None and previous is not None and draining:
-            failed += counters.get("hrsp_5xx", 0) - previous.get("hrsp_5xx", 0)
-            drained += 1
-        previous = counters or previous
-    return failed, drained
+def scale_down_failures(outcome: Outcome) -> tuple[float | None, float]:
+    """When the fleet shrank (s from the start), and the 5xx answers the front door gave from
+    2 s before it to 10 s after (its counters, read each second); (None, 0) if it never did."""
+    counts = serving_over_time(outcome)
+    shrank = next((t for (_, m), (t, n) in itertools.pairwise(counts) if n < m), None)
+    if shrank is None:
+        return None, 0.0
+    window = [c.get("hrsp_5xx", 0.0) for t, c in outcome.door if shrank - 2 <= t <= shrank + 10]
+    # A reload of the front door (after each change) starts its counters again from 0.
+    steps = [b - a if b >= a else b for a, b in itertools.pairwise(window)]
+    return shrank, float(sum(steps))
 
 
 def serving_over_time(outcome: Outcome) -> list[tuple[float, int]]:
@@ -274,13 +273,13 @@ def report(outcomes: list[Outcome], quarter: float, out: Path) -> None:
     print(f"\nstep: {quarter:.0f} -> {4 * quarter:.0f} -> {quarter:.0f} req/s (wrk2, 64 conn)")
     print(
         "\n| stack | absorbed the step in | p99 in the step (wrk2 3x) | refusals (503) "
-        "| failed while draining | serving at the end | cold start | promotion |"
+        "| scaled down at | 5xx around it | serving at the end | cold start | promotion |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for o in outcomes:
         took = absorbed(o)
         refused = sum(r.unavailable + r.refused for r in (o.base, o.step) if r is not None)
-        failed, drained = draining_failures(o)
+        shrank, failed = scale_down_failures(o)
         last = o.fleet[-1][1] if o.fleet else {"workers": [], "autoscaler": None}
         scaler = last.get("autoscaler") or {}
         cold = scaler.get("cold_start_s")
@@ -289,10 +288,13 @@ def report(outcomes: list[Outcome], quarter: float, out: Path) -> None:
         p99 = o.step.quantile(0.99) if o.step else float("nan")
         print(
             f"| {o.name} | {'never' if took is None else f'{took:.0f} s'} | {p99:.1f} ms "
-            f"| {refused} | {failed:.0f} in {drained:.0f} s | {serving} "
+            f"| {refused} | {'-' if shrank is None else f'{shrank:.0f} s'} | {failed:.0f} "
+            f"| {serving} "
             f"| {'-' if cold is None else f'{cold:.1f} s'} "
             f"| {'-' if promoted is None else f'{promoted * 1e3:.1f} ms'} |"
         )
+    samples = {o.name: {"fleet": o.fleet, "door": o.door, "probe": o.timeline} for o in outcomes}
+    (out / "autoscale-samples.json").write_bytes(orjson.dumps(samples))
     plot(outcomes, out / "autoscale.png")
     print(f"\nplot: {out / 'autoscale.png'}")
 
