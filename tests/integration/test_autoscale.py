@@ -97,9 +97,7 @@ async def test_a_standby_is_promoted_in_milliseconds_and_the_pool_refills(tmp_pa
         hedge_lane_ms=0,
         workers=1,
         drain_timeout_s=5,
-        scaling=ScalingPlan(
-            scaling=scaling, warm_pool=1, interval_s=NEVER_S, refill_after_s=1.0
-        ),
+        scaling=ScalingPlan(scaling=scaling, warm_pool=1, interval_s=NEVER_S, refill_after_s=1.0),
     )
     async with started(config) as supervisor, httpx.AsyncClient(base_url=supervisor.url) as c:
         await async_wait_for(
