@@ -21,6 +21,7 @@ from support.servers import async_wait_for
 from support.stub import StubApp, run_stub
 from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.fleet.haproxy import HAProxy
+from tailserve.fleet.load import parse_stat
 from tailserve.fleet.processes import free_ports
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
 
@@ -54,11 +55,19 @@ async def test_an_overflowing_queue_answers_503_at_once(tmp_path: Path) -> None:
     # One worker, one request in flight and one queued: the rest are refused at the door.
     # The SLO sets the queue's timeout (half of it, 5 s): a refusal that had waited in the
     # queue would come after that, one at the door within a small part of it.
-    slow = doubler_config(parameters={"delay": 0.4}, slo={"p99_ms": 10_000})
+    # Each takes 1 s: the first is still running when the last four come.
+    slow = doubler_config(
+        parameters={"delay": 1.0}, slo={"p99_ms": 10_000}, warmup={"batch_sizes": [1]}
+    )
     write_model(tmp_path / "repo", "slow", slow)
     policy = FrontDoorPolicy(max_conn=1, max_queue=1)
+    # No hedging lane: a model this slow would take it, and the lane has no such bound.
     config = FleetConfig(
-        repository=str(tmp_path / "repo"), port=0, policy=policy, drain_timeout_s=5
+        repository=str(tmp_path / "repo"),
+        port=0,
+        policy=policy,
+        drain_timeout_s=5,
+        hedge_lane_ms=0,
     )
     async with (
         started(config) as stack,
@@ -70,7 +79,23 @@ async def test_an_overflowing_queue_answers_503_at_once(tmp_path: Path) -> None:
             reply = await client.post(infer("slow"), json=X)
             return reply.status_code, time.perf_counter() - begun, reply
 
-        results = await asyncio.gather(*(one() for _ in range(6)))
+        # Two first; the next four once the door holds one in flight and one queued (sent
+        # together, all six could pass the door's check before any of them was queued).
+        first = [asyncio.create_task(one()) for _ in range(2)]
+
+        async def held() -> bool:
+            try:
+                stat = parse_stat(await stack.front_door_process.command("@1 show stat"))
+            except OSError:  # its master socket, while a reload re-creates it
+                return False
+            server = stat.get(("m.slow", "worker-0"), {})
+            backend = stat.get(("m.slow", "BACKEND"), {})
+            counts = (server.get("scur"), server.get("qcur"), backend.get("qcur"))
+            return sum(int(count or 0) for count in counts) >= 2
+
+        await async_wait_for(held, what="one request in flight and one queued")
+        rest = await asyncio.gather(*(one() for _ in range(4)))
+        results = [*await asyncio.gather(*first), *rest]
     served = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 503]
     assert len(served) == 2 and len(refused) == 4, [r[0] for r in results]

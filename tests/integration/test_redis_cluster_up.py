@@ -243,7 +243,8 @@ def _l2_shared(client: httpx.AsyncClient, stack: Supervisor) -> Any:
             return False  # not stored yet (or the first worker's breaker is still open)
         reply = await ask(second.url, written.pop())
         shared: dict[str, Any] = reply.json()["parameters"]
-        return (shared["cache"], shared["cache_computed_by"]) == ("l2", signature)
+        # A miss (its own breaker still open) has no signature: not yet.
+        return (shared.get("cache"), shared.get("cache_computed_by")) == ("l2", signature)
 
     return check
 

@@ -200,7 +200,12 @@ class Scaler:
         deadline = loop.time() + supervisor.config.drain_timeout_s
         try:
             while loop.time() < deadline and worker.role is Role.OFF:
-                stat = parse_stat(await supervisor.front_door_process.command("@1 show stat"))
+                try:
+                    text = await supervisor.front_door_process.command("@1 show stat")
+                except OSError:  # the master socket, while a reload re-creates it
+                    await asyncio.sleep(DRAIN_POLL_S)
+                    continue
+                stat = parse_stat(text)
                 carried = sum(
                     int(stat.get((b, worker.name), {}).get("scur") or 0)
                     + int(stat.get((b, worker.name), {}).get("qcur") or 0)

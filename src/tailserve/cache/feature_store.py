@@ -154,9 +154,18 @@ class FeatureStore:
         probe = self.cluster and breaker.state is BreakerState.HALF_OPEN
 
         async def call() -> Any:
+            from redis.exceptions import ConnectionError as Dropped
+
             if probe:
                 await refresh_slots(self.client)
-            return await self._run_read(keys)
+            try:
+                return await self._run_read(keys)
+            except (Dropped, ConnectionError, RuntimeError) as exc:
+                if isinstance(exc, RuntimeError) and "closed" not in str(exc):
+                    raise
+                # A connection closed under the read (another read's probe re-read the slot
+                # map and dropped it): a read is safe to send again, on a fresh connection.
+                return await self._run_read(keys)
 
         try:
             reply = await self._call(entity, call, self.timeout_s)
