@@ -45,6 +45,7 @@ import orjson
 
 import _wrk2
 from _harness import QUIET, examples, free_port, get_json, one_model, wait_ready
+from tailserve.fleet.load import parse_stat
 from tailserve.loadgen.capacity import CapacitySearch, Step
 
 SLO_MS = 50.0
@@ -123,12 +124,9 @@ def door_counters(url: str) -> dict[str, float]:
         sock.sendall(b"@1 show stat -1 1 -1\n")
         sock.shutdown(socket.SHUT_WR)
         text = b"".join(iter(lambda: sock.recv(65536), b"")).decode()
-    lines = text.splitlines()
-    columns = lines[0][2:].split(",")
     totals: dict[str, float] = {}
-    for line in lines[1:]:
-        row = dict(zip(columns, line.split(","), strict=False))
-        if row.get("svname") == "FRONTEND" and row.get("pxname") == "http":
+    for (proxy, server), row in parse_stat(text).items():
+        if server == "FRONTEND" and proxy == "http":
             for key in ("hrsp_2xx", "hrsp_5xx", "req_tot"):
                 totals[key] = totals.get(key, 0.0) + float(row.get(key) or 0)
     return totals

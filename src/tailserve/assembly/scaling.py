@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tailserve.errors import UpstreamError
 from tailserve.fleet.autoscaler import Autoscaler, Decision, ScalingConfig
-from tailserve.fleet.load import LoadSampler, cpu_seconds, parse_stat
+from tailserve.fleet.load import LoadSampler, carried, cpu_seconds, parse_stat
 from tailserve.fleet.processes import LOOPBACK, ManagedWorker, Role, owned_task
 from tailserve.transport.http1 import Pool, frame_request
 
@@ -206,12 +206,7 @@ class Scaler:
                     await asyncio.sleep(DRAIN_POLL_S)
                     continue
                 stat = parse_stat(text)
-                carried = sum(
-                    int(stat.get((b, worker.name), {}).get("scur") or 0)
-                    + int(stat.get((b, worker.name), {}).get("qcur") or 0)
-                    for b in supervisor.worker_backends()
-                )
-                if carried == 0:
+                if carried(stat, supervisor.worker_backends(), worker.name) == 0:
                     break
                 await asyncio.sleep(DRAIN_POLL_S)
             if worker.role is Role.OFF:

@@ -43,6 +43,15 @@ def parse_stat(text: str) -> dict[tuple[str, str], dict[str, str]]:
     return rows
 
 
+def carried(
+    stat: Mapping[tuple[str, str], Mapping[str, str]], backends: Iterable[str], server: str
+) -> int:
+    """The requests the front door has in flight at ``server`` and queued for it, over
+    ``backends``."""
+    rows = [stat.get((backend, server), {}) for backend in backends]
+    return sum(int(_number(row, "scur") + _number(row, "qcur")) for row in rows)
+
+
 def histogram(page: str, family: str = LATENCY_FAMILY) -> dict[float, float]:
     """A Prometheus histogram's cumulative bucket counts, summed over its label sets."""
     prefix = f"{family}_bucket{{"
@@ -122,7 +131,7 @@ class LoadSampler:
         loads = {}
         for name in names:
             rows = [stat.get((b, name), {}) for b in backends]
-            in_flight = sum(int(_number(r, "scur") + _number(r, "qcur")) for r in rows)
+            in_flight = carried(stat, backends, name)
             queue_s = max((_number(r, "qtime") for r in rows), default=0.0) / 1e3
             errors = sum(_number(r, "hrsp_5xx") for r in rows)
             page = pages.get(name)
