@@ -6,9 +6,12 @@
     ├── Unauthorized          an admin route without the configured bearer token
     ├── Forbidden             an admin route that no token opens (beyond loopback, none set)
     ├── ModelNotFound         no such model, or no such version of it
+    ├── JobNotFound           no such job (never submitted, or its result has expired)
+    ├── Conflict              the request contradicts the state it acts on (cancel a finished job)
     ├── Unavailable           the model or server cannot take the request now
     │   ├── ModelNotReady     known, but not loaded or not warm yet
     │   ├── Overloaded        a bounded queue is full; carries a retry-after hint
+    │   │   └── QueueFull     a model's job queue is at its bound (429, not 503: try later)
     │   ├── DeadlineUnmeetable  refused at admission: its deadline cannot be met
     │   └── DeadlineExceeded  its deadline passed (or came too close) while it was queued
     ├── ModelExecutionError   the runtime raised while predicting
@@ -54,6 +57,14 @@ class ModelNotFound(TailserveError):
     pass
 
 
+class JobNotFound(TailserveError):
+    pass
+
+
+class Conflict(TailserveError):
+    pass
+
+
 class Unavailable(TailserveError):
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
@@ -65,6 +76,10 @@ class ModelNotReady(Unavailable):
 
 
 class Overloaded(Unavailable):
+    pass
+
+
+class QueueFull(Overloaded):
     pass
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 
 from tailserve.errors import (
+    Conflict,
     DeadlineExceeded,
     DeadlineUnmeetable,
     Forbidden,
     InvalidInput,
+    JobNotFound,
     ModelExecutionError,
     ModelNotFound,
     PayloadTooLarge,
+    QueueFull,
     TailserveError,
     Unauthorized,
     Unavailable,
@@ -23,8 +26,11 @@ _STATUS: tuple[tuple[type[TailserveError], int], ...] = (
     (Unauthorized, 401),
     (Forbidden, 403),
     (ModelNotFound, 404),
+    (JobNotFound, 404),
+    (Conflict, 409),
     # 429: refused now, try later or elsewhere (a router sends it to another replica).
     (DeadlineUnmeetable, 429),
+    (QueueFull, 429),
     (DeadlineExceeded, 504),
     (Unavailable, 503),
     (ModelExecutionError, 500),
