@@ -118,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--fault-slow-factor", type=float, help="TEST ONLY: how many times slower (20)"
     )
+    serve.add_argument(
+        "--jobs-concurrency",
+        type=int,
+        help="jobs this worker runs at once (4; 0: it runs none, but accepts them)",
+    )
+    serve.add_argument(
+        "--jobs-visibility-timeout",
+        dest="jobs_visibility_timeout_s",
+        type=float,
+        help="seconds a job held by a worker that stopped renewing it waits for another (30)",
+    )
     serve.add_argument("--config", type=Path, help="YAML file of settings")
     serve.set_defaults(handler=_serve)
 
@@ -187,6 +198,8 @@ def _serve(args: argparse.Namespace) -> int:
             "fault_slow_factor",
             "gil_switch_interval_ms",
             "gc_full_interval_s",
+            "jobs_concurrency",
+            "jobs_visibility_timeout_s",
         )
     }
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

@@ -170,6 +170,23 @@ class FeaturesConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     inputs: list[FeatureInput] = msgspec.field(default_factory=list)
 
 
+class JobsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # Whether the model takes jobs (`POST /v2/models/{m}/jobs`).
+    enabled: bool = True
+    # 1 is the highest: a worker takes the jobs of the most urgent model first.
+    priority: int = 1
+    # Jobs waiting or running at once; beyond it a submission gets 429 with Retry-After.
+    max_queued: int = 10_000
+    # How long a finished job's result (or error) is kept.
+    result_ttl_s: float = 3600.0
+    # The most rows one job's request may hold (it runs in pieces of what fits the budget).
+    max_rows: int = 100_000
+    # A job's batch runs only on an idle instance with no online request queued, and holds
+    # the instance at most this share of the time the SLO gives an online request to queue
+    # (slo.p99_ms x batching.admission_target).
+    budget_share: float = 0.25
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     runtime: RuntimeName
@@ -184,6 +201,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cache: CacheConfig = CacheConfig()
     # Inputs looked up in the feature store by entity id instead of sent by the client.
     features: FeaturesConfig | None = None
+    jobs: JobsConfig = JobsConfig()
     # Runtimes that execute code from the artifact on load (pickles) refuse unless trusted.
     trust: bool = False
     # Runtime-specific settings, e.g. {method: predict_proba, column: 1} for sklearn.
@@ -256,6 +274,17 @@ def _check(config: ModelConfig, source: str) -> None:
             if spec.values is not None and spec.datatype != "BYTES":
                 raise fail(f"{where}.values", "allowed values apply to BYTES tensors only")
     _check_batching(config, fail)
+    jobs = config.jobs
+    if jobs.priority < 1:
+        raise fail("jobs.priority", "must be >= 1 (1 is the highest)")
+    if jobs.max_queued < 1:
+        raise fail("jobs.max_queued", "must be >= 1")
+    if jobs.max_rows < 1:
+        raise fail("jobs.max_rows", "must be >= 1")
+    if jobs.result_ttl_s <= 0:
+        raise fail("jobs.result_ttl_s", "must be > 0")
+    if not 0 < jobs.budget_share <= 1:
+        raise fail("jobs.budget_share", "must be in (0, 1]")
     if config.batching.max_queue_delay_ms < 0:
         raise fail("batching.max_queue_delay_ms", "must be >= 0")
     if config.batching.max_queue_size < 1:

@@ -71,6 +71,10 @@ class Settings:
     # the interpreter's counters say (every few seconds under load; collector.py).
     # 0 leaves them to the interpreter.
     gc_full_interval_s: float = 30.0
+    # Jobs this worker runs at once (0: it takes none, though it still accepts them), and how
+    # long a job it holds and stops renewing waits before another worker may take it (Redis).
+    jobs_concurrency: int = 4
+    jobs_visibility_timeout_s: float = 30.0
     # A test-only fault (the router benchmark's slow replica): this fraction of the inference
     # requests take fault_slow_factor times as long. 0: off.
     fault_slow_fraction: float = 0.0

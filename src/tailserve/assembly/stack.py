@@ -95,6 +95,9 @@ class FleetConfig:
     drain_timeout_s: float = 30.0
     # More `tailserve serve` flags, the same for every worker (--redis-url URL).
     worker_args: tuple[str, ...] = ()
+    # Jobs are kept in each worker's memory (no Redis): the front door routes a job's id to
+    # the worker that holds it, and the admin lane lists every worker's.
+    jobs_in_process: bool = True
     log_level: str = "info"
     ready_interval_s: float = 0.25
     backoff: Backoff = field(default_factory=Backoff)
@@ -373,6 +376,7 @@ class Supervisor:
             drain_timeout_s=self.config.drain_timeout_s,
             state_file=str(self.front_door_process.state_path),
             lane_port=self.lane.port if self.lane else 0,
+            jobs_in_process=self.config.jobs_in_process,
         )
 
     def _front_door_config(self) -> str:

@@ -239,6 +239,7 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         admin_token=admin_token,
         drain_timeout_s=args.drain_timeout_s,
         worker_args=tuple(worker_args(args)),
+        jobs_in_process=args.redis_url is None,
         log_level=args.log_level,
         hedge_lane_ms=args.hedge_lane_ms,
         hedge_models=tuple(args.hedge_model),

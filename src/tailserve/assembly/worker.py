@@ -28,6 +28,11 @@ from tailserve.engine import traffic
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.served import VersionBuilder
 from tailserve.errors import ConfigError
+from tailserve.jobs.desk import JobDesk
+from tailserve.jobs.records import id_prefix
+from tailserve.jobs.runner import JobRunner, RunnerConfig
+from tailserve.jobs.store import JobStore, MemoryJobStore
+from tailserve.jobs.webhook import Webhooks
 from tailserve.modelconfig import FeaturesConfig
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
@@ -93,6 +98,21 @@ class Worker:
         if settings.trace_file:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
         self.admin_access = admin_access(settings.host, settings.admin_token)
+        self.job_store = self._job_store()
+        self.jobs = JobDesk(
+            self.job_store,
+            self.dataplane,
+            # In-process jobs live in this worker: their ids name it, for the front door.
+            id_prefix="" if self.job_store.durable else id_prefix(self.worker_id),
+        )
+        self.job_runner = JobRunner(
+            self.job_store,
+            self.dataplane,
+            worker=self.worker_id,
+            config=RunnerConfig(concurrency=settings.jobs_concurrency),
+            webhooks=Webhooks(on_outcome=self._webhook_outcome),
+            loop_lag=lambda: self.loop_lag.lag_s,
+        )
         self.app = HttpApp(
             self.dataplane,
             self.metrics,
@@ -100,6 +120,7 @@ class Worker:
             admin_access=self.admin_access,
             recorder=self.recorder,
             reply_memo=memo,
+            jobs=self.jobs,
             slow_fault=(
                 SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
                 if settings.fault_slow_fraction > 0
@@ -120,6 +141,21 @@ class Worker:
     def _redis_client(self, **options: Any) -> Any:
         assert self.settings.redis_url is not None
         return connect(self.settings.redis_url, cluster=self.settings.redis_cluster, **options)
+
+    def _job_store(self) -> JobStore:
+        visibility = self.settings.jobs_visibility_timeout_s
+        if not self.settings.redis_url:
+            return MemoryJobStore(visibility_timeout_s=visibility)
+        from tailserve.jobs.redis_store import RedisJobStore
+
+        return RedisJobStore(self._redis_client(timeout_s=1.0), visibility_timeout_s=visibility)
+
+    async def _webhook_outcome(
+        self, job_id: str, attempts: int, delivered: bool | None, error: str | None
+    ) -> None:
+        await self.job_store.note_webhook(
+            job_id, attempts=attempts, delivered=delivered, error=error
+        )
 
     def _redis_tier(self) -> RedisTier | None:
         if not self.settings.redis_url:
@@ -261,6 +297,8 @@ class Worker:
             await self.cache.redis.connect()
             self.cache.start_listening(self._pubsub_client)
         self._loading = asyncio.create_task(self._load_models(), name="load-models")
+        if self.settings.jobs_concurrency > 0:
+            self.job_runner.start()
 
     async def _stop(self) -> None:
         self.dataplane.draining = True
@@ -273,6 +311,9 @@ class Worker:
             self._loading.cancel()
         if self._loading is not None:
             await asyncio.gather(self._loading, return_exceptions=True)
+        # The jobs held go back to their queues before their models close.
+        await self.job_runner.close()
+        await self.job_store.close()
         await self.manager.close()
         await self.cache.close()
         if self.feature_store is not None:

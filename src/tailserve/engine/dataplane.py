@@ -6,6 +6,7 @@ knows a status code, a header or an encoded reply.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,6 +20,7 @@ from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.options import cache_mode, deadline_and_priority
 from tailserve.engine.scheduler import BatchStats
 from tailserve.engine.served import ServedVersion
+from tailserve.engine.validation import Checked
 from tailserve.errors import InvalidInput, ModelNotFound, TailserveError
 from tailserve.modelconfig import ModelConfig
 from tailserve.repository.manager import ModelManager, ModelStatus
@@ -198,17 +200,52 @@ class DataPlane:
             batch_size=stats.batch_size,
             cost_class=stats.cost_class,
         )
-        tensors = []
-        for name, spec_datatype, tensor_parameters in wanted:
-            array = np.asarray(outputs[name], dtype=numpy_dtype(spec_datatype))
-            tensors.append(Tensor(name, spec_datatype, array, tensor_parameters))
-        return InferResponse(
-            model=request.model,
-            version=str(served.version),
-            outputs=tensors,
-            id=request.id,
-            parameters=parameters,
-        )
+        return _response(served, request, wanted, outputs, parameters)
+
+    async def infer_job(self, request: InferRequest) -> InferResponse:
+        """A job's request, run in its model's background lane (engine/background.py): not
+        through the cache, with no deadline, only in the time online requests leave free; one
+        of many rows in pieces that each fit the lane's budget."""
+        served = self.manager.get(request.model, request.version)
+        wanted = _wanted_outputs(served.config, request)
+        inputs = request.inputs
+        if served.features is not None:
+            inputs = await served.features.resolve(inputs)
+        plan = served.plan.check(inputs, max_rows=served.config.jobs.max_rows)
+        scheduler, buckets = served.scheduler, served.buckets
+        if not served.config.batched or plan.rows <= 1:
+            outputs, stats = await scheduler.infer_background(
+                plan.arrays, plan.rows, buckets.classify(plan)
+            )
+        else:
+
+            def piece(start: int, end: int) -> Checked:
+                arrays = {name: array[start:end] for name, array in plan.arrays.items()}
+                return Checked(arrays, end - start, plan.group)
+
+            def predict(rows: int) -> float:
+                return scheduler.predict(buckets.classify(piece(0, rows)), rows)
+
+            size = scheduler.background.rows_that_fit(predict, plan.rows)
+            parts = [piece(at, min(at + size, plan.rows)) for at in range(0, plan.rows, size)]
+            done = await asyncio.gather(
+                *(scheduler.infer_background(p.arrays, p.rows, buckets.classify(p)) for p in parts)
+            )
+            outputs = {name: np.concatenate([d[0][name] for d in done]) for name in done[0][0]}
+            stats = BatchStats(
+                max(d[1].queue_s for d in done),
+                sum(d[1].compute_s for d in done),
+                len(parts),
+                done[0][1].cost_class,
+            )
+        parameters: dict[str, Any] = {
+            "model_version": str(served.version),
+            "queue_us": int(stats.queue_s * 1e6),
+            "compute_us": int(stats.compute_s * 1e6),
+            "batch_size": stats.batch_size,
+            "cost_class": stats.cost_class,
+        }
+        return _response(served, request, wanted, outputs, parameters)
 
     async def invalidate(
         self, model: str | None = None, version: str | None = None, prefix: str | None = None
@@ -316,6 +353,26 @@ class DataPlane:
 
     async def unload_model(self, name: str) -> None:
         await self.manager.unload(name)
+
+
+def _response(
+    served: ServedVersion,
+    request: InferRequest,
+    wanted: list[tuple[str, str, dict[str, Any]]],
+    outputs: Outputs,
+    parameters: dict[str, Any],
+) -> InferResponse:
+    tensors = []
+    for name, spec_datatype, tensor_parameters in wanted:
+        array = np.asarray(outputs[name], dtype=numpy_dtype(spec_datatype))
+        tensors.append(Tensor(name, spec_datatype, array, tensor_parameters))
+    return InferResponse(
+        model=request.model,
+        version=str(served.version),
+        outputs=tensors,
+        id=request.id,
+        parameters=parameters,
+    )
 
 
 def _delays(batcher: Any) -> dict[str, float]:

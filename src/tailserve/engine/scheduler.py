@@ -26,6 +26,7 @@ from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
+from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
 from tailserve.engine.stats import ModelStats
@@ -127,8 +128,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         loop: LoopState | None = None,
         inline_below_s: float = 0.0,
+        background: BackgroundLane | None = None,
     ) -> None:
         self._model = model
+        # Jobs' work, run only in the time online requests leave free (engine/background.py).
+        self.background = (
+            background if background is not None else BackgroundLane(budget_s=0.0, max_rows=1)
+        )
         self._inline_below_s = inline_below_s
         self.inline_batches = 0
         # Cost classes whose cost has been measured (a class once measured stays so).
@@ -261,6 +267,24 @@ class Scheduler:
         self.stats.on_success(self._clock() - now, result[1].queue_s)
         return result
 
+    async def infer_background(
+        self, inputs: Arrays, rows: int, bucket: Bucket
+    ) -> tuple[Arrays, BatchStats]:
+        """Run a job's piece in the background lane: no admission, no deadline; it waits for
+        an idle instance and an empty online queue."""
+        if self._closing:
+            raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
+        future: asyncio.Future[tuple[Arrays, BatchStats]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.background.add(Item(rows, bucket, self._clock(), payload=_Pending(inputs, future)))
+        self._wake(arrival=True)
+        return await future
+
+    def predict(self, bucket: Bucket, rows: int) -> float:
+        """The cost model's time for a batch of ``rows`` of ``bucket``, seconds."""
+        return self._batcher.predict(bucket, rows)
+
     async def close(self, drain_s: float | None = None) -> None:
         """Stop taking requests, run what is queued, wait for the instances, then free them."""
         self._closing = True
@@ -271,7 +295,7 @@ class Scheduler:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-        for item in self._batcher.drain():
+        for item in [*self._batcher.drain(), *self.background.drain()]:
             _fail([item], ModelNotReady(f"model {self._model!r} was unloaded"))
         for instance in self._instances:
             instance.executor.shutdown(wait=False)
@@ -325,8 +349,24 @@ class Scheduler:
                 if instance.tasks:
                     await asyncio.wait(instance.tasks)
                 return
+            elif self._run_background(instance, now):
+                await asyncio.sleep(0)
             else:
                 await self._sleep(poll.wait_until)
+
+    def _run_background(self, instance: _Instance, now: float) -> bool:
+        """Give an idle instance a batch of the background lane while no online request is
+        queued; whether it took one."""
+        if not self.background or instance.outstanding or len(self._batcher):
+            return False
+        idle_others = sum(1 for i in self._instances if i is not instance and not i.outstanding)
+        batch = self.background.take(
+            self._batcher.predict, idle_others=idle_others, instances=len(self._instances)
+        )
+        if not batch:
+            return False
+        self._submit(instance, batch, now)
+        return True
 
     def _submit(self, instance: _Instance, batch: list[Item], now: float) -> bool:
         """Run ``batch`` on ``instance``: answers True when it ran there and then, on the loop

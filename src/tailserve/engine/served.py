@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tailserve.cache import ModelView, ResultCache, model_view
+from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
@@ -100,6 +101,7 @@ class VersionBuilder:
             observer=self._observer,
             loop=self._loop,
             inline_below_s=config.instances.inline_below_ms / 1e3,
+            background=background_lane(config),
         )
         for bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds)
@@ -126,6 +128,14 @@ def batching_policy(config: ModelConfig) -> str:
     if not config.batched or not config.batching.enabled:
         return "none"
     return config.batching.policy
+
+
+def background_lane(config: ModelConfig) -> BackgroundLane:
+    """The model's lane for jobs: each batch within its share of the online queueing time."""
+    queueing_s = config.slo.p99_ms / 1e3 * config.batching.admission_target
+    return BackgroundLane(
+        budget_s=queueing_s * config.jobs.budget_share, max_rows=max(1, config.max_batch_size)
+    )
 
 
 def batcher_for(config: ModelConfig, policy: str) -> Batcher:

@@ -56,7 +56,10 @@ class InputPlan:
         self.rules = [_rule(config, spec) for spec in config.inputs]
         self._names = {rule.name for rule in self.rules}
 
-    def check(self, tensors: Sequence[Tensor]) -> Checked:
+    def check(self, tensors: Sequence[Tensor], *, max_rows: int | None = None) -> Checked:
+        """The inputs checked and shaped; ``max_rows``: the most rows (default the model's
+        max_batch_size; a job's request may hold more, run in pieces)."""
+        most = self.max_rows if max_rows is None else max_rows
         given: dict[str, Tensor] = {}
         for item in tensors:
             if item.name in given:
@@ -93,9 +96,9 @@ class InputPlan:
             if rule.checks_values:
                 _check_values(rule, given_array)
             arrays[rule.name] = array
-        if self.batched and not 1 <= rows <= self.max_rows:
+        if self.batched and not 1 <= rows <= most:
             raise InvalidInput(
-                f"model {self.model!r}: a request holds 1 to {self.max_rows} rows, got {rows}"
+                f"model {self.model!r}: a request holds 1 to {most} rows, got {rows}"
             )
         return Checked(arrays, max(rows, 1), (tuple(arrays), tuple(row_shapes)))
 

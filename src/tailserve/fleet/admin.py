@@ -9,7 +9,9 @@ Off the inference path (HAProxy routes only these paths to it), on the worker's 
 - ``POST /v2/cache/invalidate``: sent to every worker, so each one's in-process cache drops
   the entries with or without Redis (a worker that is down comes back with an empty cache);
 - ``/v2/repository/...``: an index from one ready worker; a load or an unload on every
-  worker, then the front door is told the models may have changed.
+  worker, then the front door is told the models may have changed;
+- ``GET /v2/jobs``, where jobs are kept in the workers' memory: every worker's list, merged
+  newest first.
 
 The admin token, where one is set, is checked by each worker: the lane passes the request's
 ``Authorization`` header on. Where the stack listens beyond loopback with no token, the lane
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.parse
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -96,6 +99,8 @@ class AdminLane:
             return await self._fan_out(request)
         if path == "/v2/repository/index" and method in ("GET", "POST"):
             return await self._one(request)
+        if path == "/v2/jobs" and method == "GET":
+            return await self._jobs(request)
         if path.startswith("/v2/repository/models/") and method == "POST":
             reply = await self._fan_out(request)
             if reply[0] == 200:
@@ -162,6 +167,29 @@ class AdminLane:
         if not slots:
             return 503, _JSON, orjson.dumps({"error": "no worker is running"})
         return worst, _JSON, orjson.dumps({"workers": report})
+
+    async def _jobs(self, request: HttpRequest) -> Reply:
+        """Each running worker's jobs (in-process, each holds its own), newest first, cut to
+        the limit asked; an error a worker gives (a bad query) is the answer."""
+        slots = [s for s in self.fleet.slots() if s.running]
+        if not slots:
+            return 503, _JSON, orjson.dumps({"error": "no worker is running"})
+        data = frame_request("GET", request.target.decode("latin-1"), "fleet")
+        results = await asyncio.gather(*(self._send(s, data) for s in slots))
+        jobs: list[dict[str, Any]] = []
+        truncated = False
+        for status, payload in results:
+            if status != 200 or not isinstance(payload, dict):
+                if 400 <= status < 500:
+                    return status, _JSON, orjson.dumps(payload)
+                continue  # a worker not answering: its jobs are not listed
+            jobs += payload.get("jobs", [])
+            truncated = truncated or bool(payload.get("truncated"))
+        jobs.sort(key=lambda job: job.get("created_at") or 0.0, reverse=True)
+        limit = _limit(request)
+        if len(jobs) > limit:
+            jobs, truncated = jobs[:limit], True
+        return 200, _JSON, orjson.dumps({"jobs": jobs, "truncated": truncated})
 
     async def _one(self, request: HttpRequest) -> Reply:
         ready = [s for s in self.fleet.slots() if s.ready] or [
@@ -231,6 +259,15 @@ class _Static:
 
     def collect(self) -> Iterable[Metric]:
         return self.families
+
+
+def _limit(request: HttpRequest) -> int:
+    """The listing's ``limit`` (each worker has checked it), else the workers' default."""
+    query = urllib.parse.parse_qs(request.target.partition(b"?")[2].decode("latin-1"))
+    try:
+        return int(query.get("limit", ["100"])[0])
+    except ValueError:
+        return 100
 
 
 def _passed_on(request: HttpRequest) -> list[tuple[str, str]]:

@@ -18,6 +18,8 @@ every worker. Both keep the same promises, and the same tests run against both:
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
 import heapq
 import time
 from collections import Counter, deque
@@ -50,7 +52,7 @@ class JobStore(Protocol):
 
     async def take(
         self, models: Sequence[str], worker: str, count: int, wait_s: float
-    ) -> list[Lease]:
+    ) -> builtins.list[Lease]:
         """Up to ``count`` jobs of ``models`` (the first listed first), now running on
         ``worker``; waits up to ``wait_s`` for one when none is queued."""
 
@@ -135,21 +137,19 @@ class MemoryJobStore:
 
     async def take(
         self, models: Sequence[str], worker: str, count: int, wait_s: float
-    ) -> list[Lease]:
+    ) -> builtins.list[Lease]:
         taken = self._take(models, worker, count)
         if taken or wait_s <= 0:
             return taken
         self._arrived.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._arrived.wait(), wait_s)
-        except TimeoutError:
-            pass
         return self._take(models, worker, count)
 
-    def _take(self, models: Sequence[str], worker: str, count: int) -> list[Lease]:
+    def _take(self, models: Sequence[str], worker: str, count: int) -> builtins.list[Lease]:
         self._purge()
         self._lapse()
-        taken: list[Lease] = []
+        taken: builtins.list[Lease] = []
         now = self._clock()
         for model in models:
             queue = self._queues.get(model)

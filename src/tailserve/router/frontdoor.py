@@ -19,6 +19,8 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   draining or not ready), is tried again on another worker (``retries``, ``redispatch``);
 - the fleet's own routes (``/metrics``, ``/v2/fleet``, cache invalidation, repository load and
   unload) go to the supervisor's admin lane, which fans them out over every worker;
+- jobs kept in the workers' memory (no Redis): a job's routes go to the worker named by the
+  id's prefix (``use-server``), and the list of jobs to the admin lane, which asks them all;
 - the slow models (`router.lanes`) through the hedging lane, the Python router, which hedges;
 - gRPC over HTTP/2 to the workers' gRPC ports, spread the same way;
 - HAProxy's own Prometheus exporter on a loopback port, for the admin lane to merge.
@@ -42,6 +44,7 @@ REPLICA_HEADER = "x-tailserve-replica"
 # The routes the supervisor answers itself (its admin lane), by path prefix or path.
 ADMIN_PATHS = ("/metrics", "/v2/fleet")
 ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/")
+JOBS_PATH = "/v2/jobs"
 # What HAProxy may put in a backend's name and a path's ACL without quoting.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ERRORS = {
@@ -130,6 +133,8 @@ class Listen:
     # The hedging lane (`tailserve route` on loopback; 0: none), which the slow models take.
     lane_port: int = 0
     drain_timeout_s: float = 30.0
+    # Jobs live in each worker's memory, not in Redis (see the module's docstring).
+    jobs_in_process: bool = False
 
 
 def routable(model: str) -> bool:
@@ -180,6 +185,8 @@ def render(
             f"    server lane 127.0.0.1:{listen.lane_port} {_checks(policy)}",
             "",
         ]
+    if listen.jobs_in_process:
+        lines += _jobs_backend(members, policy)
     if listen.admin_port:
         lines += [
             "backend admin",
@@ -272,6 +279,10 @@ def _frontend(
         paths = " ".join(ADMIN_PATHS)
         prefixes = " ".join(ADMIN_PREFIXES)
         lines.append(f"    use_backend admin if {{ path {paths} }} || {{ path_beg {prefixes} }}")
+        if listen.jobs_in_process:
+            lines.append(f"    use_backend admin if {{ path {JOBS_PATH} }}")
+    if listen.jobs_in_process:
+        lines.append(f"    use_backend jobs if {{ path_beg {JOBS_PATH}/ }}")
     for model in models:
         # (Two lines of one name: either matches.)
         lines.append(f"    acl is.{model} path /v2/models/{model}")
@@ -312,6 +323,25 @@ def _backend(
         f"observe layer7 error-limit {policy.error_limit} on-error mark-down"
     )
     lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}{_weight(m)}" for m in members]
+    return [*lines, ""]
+
+
+def _jobs_backend(members: list[Member], policy: FrontDoorPolicy) -> list[str]:
+    """A job's routes to the worker whose name begins its id; an id of a worker that is down or
+    gone goes to any (which answers 404: the job was lost with it)."""
+    lines = [
+        "backend jobs",
+        f"    balance {BALANCE['p2c']}",
+        "    option httpchk GET /v2/health/live",
+        "    http-check expect status 200",
+        f"    default-server {_checks(policy)} maxconn {policy.max_conn}",
+    ]
+    lines += [
+        f"    use-server {m.name} if {{ path_beg {JOBS_PATH}/{m.name}. }}"
+        for m in members
+        if routable(m.name)
+    ]
+    lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}" for m in members]
     return [*lines, ""]
 
 

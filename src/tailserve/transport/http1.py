@@ -19,6 +19,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import cast
 
 import httptools
@@ -238,8 +239,10 @@ class Pool:
         connect_timeout_s: float = 5.0,
         max_idle_s: float = 4.0,
         loop: asyncio.AbstractEventLoop | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.max_idle_s = max_idle_s
+        self._ssl = ssl
         self.host = host
         self.port = port
         self.origin = f"{host}:{port}"
@@ -353,7 +356,13 @@ class Pool:
     async def _connect(self) -> None:
         try:
             _, connection = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Connection(self), self.host, self.port),
+                self.loop.create_connection(
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self._ssl,
+                    server_hostname=self.host if self._ssl is not None else None,
+                ),
                 self.connect_timeout_s,
             )
         except asyncio.CancelledError:

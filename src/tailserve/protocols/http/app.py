@@ -27,13 +27,14 @@ from tailserve.errors import (
     DeadlineUnmeetable,
     Forbidden,
     InvalidInput,
+    JobNotFound,
     TailserveError,
     Unauthorized,
 )
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
 from tailserve.observability.trace_log import TraceRecorder
-from tailserve.protocols.http import kserve_v1, oip
+from tailserve.protocols.http import jobs, kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
 from tailserve.protocols.http.headers import Headers, Reply, request_options, served_headers
 from tailserve.protocols.http.openapi import openapi_document
@@ -95,8 +96,10 @@ class HttpApp:
         recorder: TraceRecorder | None = None,
         slow_fault: SlowFault | None = None,
         reply_memo: ReplyMemo | None = None,
+        jobs: jobs.JobsApi | None = None,
     ) -> None:
         self.dataplane = dataplane
+        self.jobs = jobs
         # Not with the test-only fault: it delays replies, a kept one as much as any.
         self._replayer = None
         if reply_memo is not None and slow_fault is None:
@@ -342,6 +345,29 @@ class HttpApp:
         name = request.params["model"]
         ready = self.dataplane.model_ready(name)
         return 200, _JSON, orjson.dumps({"name": name, "ready": ready})
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def _jobs(self) -> jobs.JobsApi:
+        if self.jobs is None:
+            raise JobNotFound("this worker runs no jobs")
+        return self.jobs
+
+    async def _submit_job(self, request: HttpRequest) -> Reply:
+        header_length = _header_length(request.header(b"inference-header-content-length"))
+        return await jobs.submit(self._jobs(), request, "v2", header_length)
+
+    async def _submit_job_v1(self, request: HttpRequest) -> Reply:
+        return await jobs.submit(self._jobs(), request, "v1", None)
+
+    async def _get_job(self, request: HttpRequest) -> Reply:
+        return await jobs.get(self._jobs(), request)
+
+    async def _cancel_job(self, request: HttpRequest) -> Reply:
+        return await jobs.cancel(self._jobs(), request)
+
+    async def _list_jobs(self, request: HttpRequest) -> Reply:
+        return await jobs.listing(self._jobs(), request)
 
     # --- repository (admin) -----------------------------------------------------------------
 

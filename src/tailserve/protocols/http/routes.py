@@ -95,6 +95,28 @@ ROUTES: tuple[Route, ...] = (
         body="records",
     ),
     Route("GET", "/v1/models/{model}", "model_status_v1", "KServe v1 model status."),
+    Route(
+        "POST",
+        f"{_M}/jobs",
+        "submit_job",
+        "Submit a job: the inference runs later; 202, its id and a Location.",
+        "jobs",
+        body="infer",
+    ),
+    Route(
+        "POST", f"{_MV}/jobs", "submit_job", "Submit a job to one version.", "jobs", body="infer"
+    ),
+    Route(
+        "POST",
+        "/v1/models/{model}/jobs",
+        "submit_job_v1",
+        "Submit a job of KServe v1 records: {instances: [...]}.",
+        "jobs",
+        body="records",
+    ),
+    Route("GET", "/v2/jobs", "list_jobs", "List jobs: ?model=&status=&limit= (newest first)."),
+    Route("GET", "/v2/jobs/{job}", "get_job", "A job's status, timings, and result or error."),
+    Route("DELETE", "/v2/jobs/{job}", "cancel_job", "Cancel a job that has not finished."),
     Route("GET", "/metrics", "metrics", "Prometheus metrics."),
     Route("GET", "/openapi.json", "openapi", "This document."),
 )
