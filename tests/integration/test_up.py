@@ -4,15 +4,13 @@ port, and SIGTERM (to the process or its group) drains the whole stack and exits
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +20,13 @@ import pytest
 import tritonclient.grpc as triton_grpc
 from tritonclient.utils import triton_to_np_dtype as tensor_dtype
 
-from support.servers import WorkerProcess, async_wait_for, free_port, wait_for
+from support.servers import async_wait_for, free_port, wait_for
+from support.up import tailserve_up
 from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.processes import ManagedWorker
 from tailserve.fleet.restarts import Backoff
 from tailserve.router.frontdoor import FrontDoorPolicy
-
-STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
-ANY_STARTED = re.compile(r"\S+ started \(pid (\d+)\) on")
-FRONT_DOOR = re.compile(r"front door \(HAProxy pid (\d+)\) started")
 
 
 def churn_request(rows: int = 2, seed: int = 5) -> dict[str, Any]:
@@ -49,69 +44,6 @@ def assert_scored(reply: httpx.Response, rows: int = 2) -> None:
     assert output["name"] == "churn_probability"
     assert len(output["data"]) == rows
     assert all(0.0 <= p <= 1.0 for p in output["data"])
-
-
-class UpProcess(WorkerProcess):
-    """`tailserve up` as a process: a worker process's handle, with the workers it started."""
-
-    def worker_pids(self) -> dict[str, int]:
-        """The newest pid of each worker, as the supervisor logged them."""
-        return {name: int(pid) for name, pid, _ in STARTED.findall(self.log())}
-
-    def worker_urls(self) -> set[str]:
-        return {url for _, _, url in STARTED.findall(self.log())}
-
-    def every_pid(self) -> list[int]:
-        """Every process it started (the workers, the lane, the front door)."""
-        return [int(pid) for pid in ANY_STARTED.findall(self.log())] + self.front_door_pids()
-
-    def front_door_pids(self) -> list[int]:
-        return [int(pid) for pid in FRONT_DOOR.findall(self.log())]
-
-
-@contextlib.contextmanager
-def tailserve_up(
-    repository: Path, log_dir: Path, *extra: str, session: bool = False
-) -> Iterator[UpProcess]:
-    """``tailserve up`` as a real process, once it says every worker is ready (``session``: in
-    a process group of its own, as a shell's job)."""
-    port = free_port()
-    log_path = log_dir / f"up-{port}.log"
-    grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
-    command = [
-        sys.executable,
-        "-m",
-        "tailserve.cli",
-        "up",
-        "--repository",
-        str(repository),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *grpc,
-        *extra,
-    ]
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
-        )
-    running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_for(
-            lambda: process.poll() is not None or "workers ready" in running.log(),
-            timeout=90,
-            what="tailserve up to report its workers ready",
-        )
-        assert process.poll() is None, f"up exited with {process.returncode}:\n{running.log()}"
-        yield running
-    finally:
-        if process.poll() is None:
-            process.kill()  # its workers and HAProxy are in sessions of their own: them too
-            process.wait(timeout=10)
-            for pid in running.every_pid():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:

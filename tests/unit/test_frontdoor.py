@@ -102,10 +102,38 @@ def test_an_unknown_policy_is_refused_by_name() -> None:
         FrontDoorPolicy(balance="fastest")
 
 
+def test_job_submissions_skip_the_models_admission_slots() -> None:
+    front = backend(render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy()), "frontend http")
+    submit = front.index("use_backend workers if { path_end /jobs } METH_POST")
+    assert submit < front.index("use_backend m.churn if is.churn")
+
+
+def test_in_process_jobs_go_back_to_the_worker_their_id_names() -> None:
+    listen = Listen(host="127.0.0.1", port=8080, admin_port=9200, jobs_in_process=True)
+    config = render(listen, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
+    front = backend(config, "frontend http")
+    assert "use_backend admin if { path /v2/jobs }" in front  # the list, from every worker
+    assert "use_backend jobs if { path_beg /v2/jobs/ }" in front
+    jobs = backend(config, "backend jobs")
+    assert "use-server worker-0 if { path_beg /v2/jobs/worker-0. }" in jobs
+    assert "use-server worker-1 if { path_beg /v2/jobs/worker-1. }" in jobs
+    assert "server worker-1 127.0.0.1:9002" in jobs
+    shared = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())  # Redis: any worker
+    assert "backend jobs" not in shared
+
+
+@pytest.mark.parametrize("jobs_in_process", [False, True])
 @pytest.mark.parametrize("balance", ["p2c", "affinity", "round-robin", "least-loaded"])
-def test_haproxy_accepts_the_config(balance: str, tmp_path: Path) -> None:
+def test_haproxy_accepts_the_config(balance: str, jobs_in_process: bool, tmp_path: Path) -> None:
     config = render(
-        Listen(host="0.0.0.0", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201),
+        Listen(
+            host="0.0.0.0",
+            port=8080,
+            grpc_port=8081,
+            admin_port=9200,
+            stats_port=9201,
+            jobs_in_process=jobs_in_process,
+        ),
         MEMBERS,
         {"churn": 50.0, "sentiment": 200.0},
         FrontDoorPolicy(balance=balance, max_connections=1000),

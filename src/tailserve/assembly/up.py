@@ -63,6 +63,15 @@ def add_parser(commands: Any) -> None:
     up.add_argument(
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
     )
+    up.add_argument(
+        "--jobs-concurrency", type=int, help="jobs each worker runs at once (4; 0: none)"
+    )
+    up.add_argument(
+        "--jobs-visibility-timeout",
+        dest="jobs_visibility_timeout_s",
+        type=float,
+        help="seconds before a job a dead worker held goes to another (30; with Redis)",
+    )
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
     add_front_door_arguments(up)
     add_lane_arguments(up)
@@ -254,6 +263,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         out += ["--redis-url", args.redis_url]
     if args.redis_cluster:
         out.append("--redis-cluster")
+    if args.jobs_concurrency is not None:
+        out += ["--jobs-concurrency", str(args.jobs_concurrency)]
+    if args.jobs_visibility_timeout_s is not None:
+        out += ["--jobs-visibility-timeout", str(args.jobs_visibility_timeout_s)]
     return out
 
 

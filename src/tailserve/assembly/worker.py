@@ -112,7 +112,9 @@ class Worker:
             config=RunnerConfig(concurrency=settings.jobs_concurrency),
             webhooks=Webhooks(on_outcome=self._webhook_outcome),
             loop_lag=lambda: self.loop_lag.lag_s,
+            observer=self.metrics,
         )
+        self.metrics.jobs_running.set_function(lambda: self.job_runner.running)
         self.app = HttpApp(
             self.dataplane,
             self.metrics,

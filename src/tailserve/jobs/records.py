@@ -77,6 +77,7 @@ class Job:
             "status": self.status.value,
             "priority": self.priority,
             "attempts": self.attempts,
+            "worker": self.worker,
             "created_at": self.created_at,
             "started_at": self.started_at,
             "finished_at": self.finished_at,

@@ -20,6 +20,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
@@ -33,6 +34,12 @@ from tailserve.jobs.webhook import Webhooks
 from tailserve.protocols.http import kserve_v1, oip
 
 log = logging.getLogger(__name__)
+
+
+class JobObserver(Protocol):
+    def on_job(self, model: str, outcome: str, seconds: float | None) -> None:
+        """A job ended here: succeeded or failed (``seconds`` since it was submitted), or
+        released (None)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,8 +64,10 @@ class JobRunner:
         config: RunnerConfig = RunnerConfig(),
         webhooks: Webhooks | None = None,
         loop_lag: Callable[[], float] = lambda: 0.0,
+        observer: JobObserver | None = None,
     ) -> None:
         self._store = store
+        self._observer = observer
         self._dataplane = dataplane
         self._worker = worker
         self.config = config
@@ -172,12 +181,18 @@ class JobRunner:
             self.succeeded += 1
         else:
             self.failed += 1
+        if self._observer is not None:
+            seconds = (finished.finished_at or finished.created_at) - finished.created_at
+            outcome = "succeeded" if error is None else "failed"
+            self._observer.on_job(finished.model, outcome, seconds)
         if finished.webhook is not None and self._webhooks is not None:
             body = orjson.dumps(finished.document())
             self._webhooks.send(finished.webhook, finished.id, body)
 
     async def _release(self, lease: Lease) -> None:
         self.released += 1
+        if self._observer is not None:
+            self._observer.on_job(lease.job.model, "released", None)
         with contextlib.suppress(TailserveError):
             await asyncio.shield(self._store.release(lease))
 

@@ -58,6 +58,8 @@ LATENCY_BUCKETS = (
     10.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# A job waits and runs for seconds to hours.
+JOB_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 
 class _Buckets:
@@ -335,6 +337,18 @@ class Metrics:
             "error: Redis or the connection failed).",
             ["operation", "reason"],
         )
+        self.jobs_finished = LoopCounter(
+            "tailserve_jobs_finished",
+            "Jobs this worker ended, by outcome: succeeded, failed, released (given back to "
+            "its queue: the worker stopping, the model unloading).",
+            ["model", "outcome"],
+        )
+        self.job_duration = LoopHistogram(
+            "tailserve_job_duration_seconds",
+            "From a job's submission until this worker finished it (succeeded or failed).",
+            ["model"],
+            JOB_BUCKETS,
+        )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.request_latency,
             self.requests,
@@ -354,6 +368,8 @@ class Metrics:
             self.cache_l2_latency,
             self.cache_l2_skipped,
             self.feature_lookups,
+            self.jobs_finished,
+            self.job_duration,
         ]
         self.registry.register(_LoopCollector(loop_metrics))
         # Read when scraped: the cost models, the cache's sizes and breaker, the reply memo
@@ -369,6 +385,9 @@ class Metrics:
             "1 when the model's served versions are loaded and warm.",
             ["model"],
             registry=self.registry,
+        )
+        self.jobs_running = Gauge(
+            "tailserve_jobs_running", "Jobs this worker holds now.", registry=self.registry
         )
 
     def watch_costs(self, source: Callable[[], Iterable[CostRow]]) -> None:
@@ -423,6 +442,11 @@ class Metrics:
 
     def on_reject(self, model: str, reason: str) -> None:
         self.rejected.inc(model, reason)
+
+    def on_job(self, model: str, outcome: str, seconds: float | None) -> None:
+        self.jobs_finished.inc(model, outcome)
+        if seconds is not None:
+            self.job_duration.child(model).observe(seconds)
 
     def set_model_ready(self, model: str, ready: bool) -> None:
         self.model_ready.labels(model).set(1 if ready else 0)

@@ -19,8 +19,10 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   draining or not ready), is tried again on another worker (``retries``, ``redispatch``);
 - the fleet's own routes (``/metrics``, ``/v2/fleet``, cache invalidation, repository load and
   unload) go to the supervisor's admin lane, which fans them out over every worker;
-- jobs kept in the workers' memory (no Redis): a job's routes go to the worker named by the
-  id's prefix (``use-server``), and the list of jobs to the admin lane, which asks them all;
+- a job's submission through the backend of every worker, not its model's (a burst of
+  submissions queues apart from the online requests); jobs kept in the workers' memory (no
+  Redis): a job's routes go to the worker named by the id's prefix (``use-server``), and the
+  list of jobs to the admin lane, which asks them all;
 - the slow models (`router.lanes`) through the hedging lane, the Python router, which hedges;
 - gRPC over HTTP/2 to the workers' gRPC ports, spread the same way;
 - HAProxy's own Prometheus exporter on a loopback port, for the admin lane to merge.
@@ -283,6 +285,9 @@ def _frontend(
             lines.append(f"    use_backend admin if {{ path {JOBS_PATH} }}")
     if listen.jobs_in_process:
         lines.append(f"    use_backend jobs if {{ path_beg {JOBS_PATH}/ }}")
+    # A job's submission does not take one of its model's admission slots (the backend of
+    # the workers has its own): a burst of them queues apart from the online requests.
+    lines.append("    use_backend workers if { path_end /jobs } METH_POST")
     for model in models:
         # (Two lines of one name: either matches.)
         lines.append(f"    acl is.{model} path /v2/models/{model}")

@@ -1,0 +1,301 @@
+"""Jobs beside online traffic: 10,000 jobs submitted at once while online requests run at half
+the stack's SLO capacity, against the same online load with no jobs, side by side.
+
+The stack is `tailserve up --workers 2 --redis-url URL` on the example repository (jobs in
+Redis Streams). Online load: wrk2 (open loop, C), unique churn rows, 64 connections, for the
+same measured window in each run. Runs:
+
+- `off`: online load only;
+- `jobs`: online load, and 10,000 churn jobs of ``--rows`` rows each submitted at once
+  through the front door a few seconds into the window;
+- `kill`: the same, and one worker SIGKILLed while it holds jobs (the supervisor starts it
+  again; the jobs it held go to a worker after the visibility timeout).
+
+For each run it prints the online p50/p99/p99.9 and errors, and for the job runs the time to
+submit, the time until every job had finished, the jobs drained a second, and the check that
+every job succeeded with one result of the right rows (and, after the kill, how many jobs ran
+more than once).
+
+    python benchmarks/jobs.py [--capacity RPS] [--jobs 10000] [--rows 20] [--out DIR]
+
+Without `--capacity`, the stack's SLO capacity is searched first (about 3 min). Needs wrk2
+on the PATH (see benchmarks/_wrk2.py) and redis-server. Check with `ps` that nothing else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+import _wrk2
+from _harness import QUIET, examples, free_port, get_json, redis, wait_ready
+from tailserve.examples.churn import sample_rows
+from tailserve.loadgen.capacity import CapacitySearch, Step
+
+SLO_MS = 50.0
+FIELDS = {
+    "tenure_months": "INT64",
+    "monthly_spend": "FP32",
+    "support_tickets": "INT64",
+    "feature_usage_pct": "FP32",
+    "last_login_days_ago": "INT64",
+    "num_integrations": "INT64",
+    "contract_type": "BYTES",
+    "plan_tier": "BYTES",
+    "is_enterprise": "INT64",
+}
+SUBMIT_AT_S = 3.0  # into the measured window
+VISIBILITY_S = 5.0
+
+
+@dataclass
+class Outcome:
+    name: str
+    online: _wrk2.Run | None = None
+    submitted_s: float = 0.0
+    drained_s: float | None = None
+    jobs: int = 0
+    succeeded: int = 0
+    wrong: list[str] = field(default_factory=list)
+    retried: int = 0
+    killed: str | None = None
+
+
+@contextlib.contextmanager
+def stack(repository: Path, redis_url: str) -> Iterator[str]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "up",
+        "--repository",
+        str(repository),
+        "--port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--hedge-lane-ms",
+        "0",
+        "--workers",
+        "2",
+        "--redis-url",
+        redis_url,
+        "--jobs-visibility-timeout",
+        str(VISIBILITY_S),
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(command, start_new_session=True, **QUIET)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=90)
+
+
+def job_body(rows: int, seed: int) -> bytes:
+    sample = sample_rows(rows, seed)
+    inputs = [
+        {"name": name, "datatype": datatype, "shape": [rows, 1], "data": list(sample[name])}
+        for name, datatype in FIELDS.items()
+    ]
+    return orjson.dumps({"inputs": inputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+async def submit(url: str, bodies: list[bytes]) -> list[str]:
+    """Every job at once (64 connections); their ids."""
+    limits = httpx.Limits(max_connections=64)
+    ids: list[str] = [""] * len(bodies)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+        gate = asyncio.Semaphore(64)
+
+        async def one(i: int) -> None:
+            async with gate:
+                for _ in range(20):
+                    reply = await client.post(
+                        "/v2/models/churn/jobs",
+                        content=bodies[i],
+                        headers={"content-type": "application/json"},
+                    )
+                    if reply.status_code == 202:
+                        ids[i] = reply.json()["id"]
+                        return
+                    await asyncio.sleep(0.5)  # 503 from a busy door, or 429: later
+                raise RuntimeError(f"job {i} not accepted: {reply.status_code} {reply.text}")
+
+        await asyncio.gather(*(one(i) for i in range(len(bodies))))
+    return ids
+
+
+async def drained(url: str, ids: list[str]) -> list[dict[str, Any]]:
+    """Wait until every job has finished, reading them oldest first, a few hundred a second
+    (a light load beside the online one); their final documents, in order."""
+    found: dict[str, dict[str, Any]] = {}
+    pending = list(ids)
+    async with httpx.AsyncClient(
+        base_url=url, limits=httpx.Limits(max_connections=16), timeout=60
+    ) as client:
+
+        async def one(job_id: str) -> dict[str, Any]:
+            document: dict[str, Any] = (await client.get(f"/v2/jobs/{job_id}")).json()
+            return document
+
+        while pending:
+            batch, pending = pending[:200], pending[200:]
+            documents = await asyncio.gather(*(one(job_id) for job_id in batch))
+            waiting = []
+            for job_id, document in zip(batch, documents, strict=True):
+                if document.get("status") in ("succeeded", "failed", "cancelled"):
+                    found[job_id] = document
+                else:
+                    waiting.append(job_id)
+            pending = waiting + pending
+            if waiting:
+                await asyncio.sleep(0.5)
+    return [found[job_id] for job_id in ids]
+
+
+def worker_holding_jobs(url: str) -> tuple[str, int] | None:
+    listing = get_json(f"{url}/v2/jobs?model=churn&status=running&limit=10")
+    names = [job["worker"] for job in listing["jobs"] if job.get("worker")]
+    if not names:
+        return None
+    for worker in get_json(f"{url}/v2/fleet")["workers"]:
+        if worker["name"] == names[0] and worker["pid"]:
+            return worker["name"], int(worker["pid"])
+    return None
+
+
+def run_jobs(url: str, outcome: Outcome, jobs: int, rows: int, kill: bool) -> None:
+    """In the background of the online load: submit, (kill), wait until all have finished."""
+    bodies = [job_body(rows, seed) for seed in range(jobs)]
+    time.sleep(_wrk2.CALIBRATION_MS / 1000 + SUBMIT_AT_S)
+    started = time.monotonic()
+    ids = asyncio.run(submit(url, bodies))
+    outcome.submitted_s = time.monotonic() - started
+    outcome.jobs = len(ids)
+    if kill:
+        held = None
+        deadline = time.monotonic() + 30
+        while held is None and time.monotonic() < deadline:
+            held = worker_holding_jobs(url)
+        if held is not None:
+            os.kill(held[1], signal.SIGKILL)
+            outcome.killed = held[0]
+    found = asyncio.run(drained(url, ids))
+    outcome.drained_s = time.monotonic() - started
+    for document in found:
+        outputs = (document.get("result") or {}).get("outputs") or []
+        if document.get("status") == "succeeded" and outputs and outputs[0]["shape"][0] == rows:
+            outcome.succeeded += 1
+        else:
+            outcome.wrong.append(str(document)[:200])
+        outcome.retried += int(document.get("attempts", 0) > 1)
+    if len(set(ids)) != len(ids):
+        outcome.wrong.append("a job id was given twice")
+
+
+def one_run(
+    name: str, url: str, rate: float, seconds: float, jobs: int, rows: int, kill: bool
+) -> Outcome:
+    outcome = Outcome(name)
+    worker = None
+    if jobs:
+        worker = threading.Thread(target=run_jobs, args=(url, outcome, jobs, rows, kill))
+        worker.start()
+    outcome.online = _wrk2.run(url, rate, seconds, connections=64)
+    if worker is not None:
+        worker.join()
+    return outcome
+
+
+def capacity(url: str, seconds: float) -> float:
+    search = CapacitySearch(SLO_MS, start_rps=3000.0, precision=0.1)
+    while (rate := search.next_rate()) is not None:
+        run = _wrk2.run(url, rate, seconds, connections=64)
+        achieved = run.answered / run.seconds if run.seconds else 0.0
+        print(f"  {rate:8.0f} req/s: p99 {run.quantile(0.99):8.2f} ms, errors {run.errors}")
+        search.record(Step(rate, achieved, run.quantile(0.99), run.errors))
+    return search.capacity_rps or 0.0
+
+
+def report(outcomes: list[Outcome], rate: float, jobs: int, rows: int) -> str:
+    lines = [
+        f"online load: {rate:.0f} req/s of churn (half the SLO capacity), wrk2, 64 connections;"
+        f" jobs: {jobs:,} of {rows} rows each, submitted at once",
+        "",
+        "| run | online p50 ms | p99 ms | p99.9 ms | online errors | submit s | all done s |"
+        " jobs/s | succeeded | ran twice |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base = outcomes[0].online
+    for o in outcomes:
+        run = o.online
+        assert run is not None
+        rate_done = f"{o.jobs / o.drained_s:,.0f}" if o.drained_s else "-"
+        lines.append(
+            f"| {o.name} | {run.quantile(0.5):.2f} | {run.quantile(0.99):.2f} | "
+            f"{run.quantile(0.999):.2f} | {run.errors} | "
+            f"{o.submitted_s:.1f} | {o.drained_s or 0:.1f} | {rate_done} | "
+            f"{o.succeeded:,}/{o.jobs:,} | {o.retried} |"
+        )
+    lines.append("")
+    if base is not None:
+        for o in outcomes[1:]:
+            assert o.online is not None
+            ratio = o.online.quantile(0.99) / base.quantile(0.99)
+            lines.append(f"{o.name}: online p99 {ratio:.2f}x of `off` (SLO {SLO_MS:.0f} ms)")
+    for o in outcomes:
+        if o.killed:
+            lines.append(f"{o.name}: SIGKILLed {o.killed} while it held jobs")
+        if o.wrong:
+            lines.append(f"{o.name}: {len(o.wrong)} jobs wrong, e.g. {o.wrong[0]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capacity", type=float, help="the stack's SLO capacity, req/s")
+    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--rows", type=int, default=20, help="churn rows a job (20)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured window (60)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/jobs"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        repository = examples(Path(tmp) / "repo")
+        outcomes = []
+        with redis(Path(tmp)) as redis_url, stack(repository, redis_url) as url:
+            full = args.capacity or capacity(url, 10.0)
+            rate = full / 2
+            print(f"SLO capacity {full:.0f} req/s: online load {rate:.0f} req/s")
+            runs = [("off", 0, False), ("jobs", args.jobs, False), ("kill", args.jobs, True)]
+            for name, jobs, kill in runs:
+                print(f"run {name} ...", flush=True)
+                outcome = one_run(name, url, rate, args.seconds, jobs, args.rows, kill)
+                outcomes.append(outcome)
+        text = report(outcomes, rate, args.jobs, args.rows)
+    print(text)
+    (args.out / "jobs.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
