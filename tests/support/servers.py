@@ -433,8 +433,9 @@ def redis_cluster(
 ) -> Iterator[RunningRedisCluster]:
     """A private Redis Cluster of ``nodes`` masters with ``replicas`` replicas each (what
     ``redis-cli --cluster create --cluster-replicas N`` makes), formed, every replica in sync,
-    and ``cluster_state:ok`` on every node. Configured as deploy/kube/redis.py configures the
-    real one; ``node_timeout_ms`` sets how soon a dead master's replica takes over."""
+    and ``cluster_state:ok`` with every slot assigned on every node. Configured as
+    deploy/kube/redis.py configures the real one; ``node_timeout_ms`` sets how soon a dead
+    master's replica takes over."""
     import redis as redis_py
 
     count = nodes * (1 + replicas)
@@ -512,8 +513,14 @@ def _knows_all(client: Any, nodes: int) -> bool:
 
 
 def _cluster_ok(client: Any, nodes: int) -> bool:
+    # Every slot known to this node as well: with --cluster-require-full-coverage no, a node
+    # says ok before it has heard which master holds each slot.
     fields = _cluster_info(client)
-    return fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(nodes)
+    return (
+        fields.get("cluster_state") == "ok"
+        and fields.get("cluster_known_nodes") == str(nodes)
+        and fields.get("cluster_slots_assigned") == "16384"
+    )
 
 
 def _in_sync(client: Any) -> bool:

@@ -189,16 +189,16 @@ class MemoryJobStore:
     ) -> Job | None:
         self._purge()
         job = self._jobs.get(lease.job.id)
-        if job is None or job.status.finished:
-            return None
+        if job is None or job.status is not JobStatus.RUNNING:
+            return None  # finished already, cancelled, or put back in its queue meanwhile
         job.result, job.error = result, error
         self._finished(job, JobStatus.FAILED if error is not None else JobStatus.SUCCEEDED)
         return replace(job)
 
     async def release(self, lease: Lease) -> None:
         job = self._jobs.get(lease.job.id)
-        if job is None or job.status.finished:
-            return
+        if job is None or job.status is not JobStatus.RUNNING or job.worker != lease.job.worker:
+            return  # not this lease's to give back (its hold lapsed; another runs it)
         self._held.pop(job.id, None)
         job.status, job.worker = JobStatus.QUEUED, None
         self._queues.setdefault(job.model, deque()).appendleft(job.id)
