@@ -21,6 +21,21 @@ from tailserve.settings import Settings
 
 STORES = ["memory", "redis"]
 
+# Fails on a negative x: a job's error comes from the model, when it runs.
+PICKY = """
+import numpy as np
+
+
+class Model:
+    def __init__(self, version_dir, config):
+        pass
+
+    def predict(self, inputs):
+        if (inputs["x"] < 0).any():
+            raise ValueError("x must not be negative")
+        return {"y": inputs["x"].astype(np.float32)}
+"""
+
 
 def x_request(*values: float) -> dict[str, Any]:
     return {
@@ -39,11 +54,16 @@ def settings_for(store: str, repository: Path, redis: RedisServer, **changes: An
 def worker(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis: RedisServer
 ) -> Iterator[RunningWorker]:
-    """A worker that runs jobs: `doubler` (y = 2x + 1, 16 rows a batch) and `slow` (each batch
-    takes 0.4 s)."""
+    """A worker that runs jobs: `doubler` (y = 2x + 1, 16 rows a batch), `slow` (each batch
+    takes 0.4 s, its jobs more urgent) and `picky` (fails on a negative x)."""
     repo = tmp_path_factory.mktemp("jobs-repo")
-    write_model(repo, "doubler", doubler_config())
-    write_model(repo, "slow", doubler_config(parameters={"delay": 0.4}, warmup={"repeat": 0}))
+    write_model(repo, "doubler", doubler_config(jobs={"priority": 3}))
+    write_model(
+        repo,
+        "slow",
+        doubler_config(parameters={"delay": 0.4}, warmup={"repeat": 0}, jobs={"priority": 2}),
+    )
+    write_model(repo, "picky", doubler_config(warmup={"repeat": 0}), code=PICKY)
     with run_worker(settings_for(request.param, repo, redis)) as running:
         yield running
 
@@ -137,6 +157,20 @@ def test_a_running_job_cancelled_keeps_no_result(worker: RunningWorker) -> None:
     document = httpx.get(worker.url + location).json()
     assert document["status"] == "cancelled"
     assert "result" not in document
+
+
+def test_a_job_the_model_fails_on_keeps_the_error(worker: RunningWorker) -> None:
+    reply = httpx.post(f"{worker.url}/v2/models/picky/jobs", json=x_request(-1.0))
+    done = finished(worker.url, reply.headers["location"])
+    assert done["status"] == "failed"
+    assert "x must not be negative" in done["error"]
+    assert "result" not in done
+    assert done["attempts"] == 1  # not run again: it would fail again
+
+
+def test_a_worker_takes_the_most_urgent_models_jobs_first(worker: RunningWorker) -> None:
+    # (Each store's take honours this order: tests/integration/test_job_stores.py.)
+    assert worker.worker.job_runner.models() == ["picky", "slow", "doubler"]
 
 
 def test_errors_name_the_problem(worker: RunningWorker) -> None:

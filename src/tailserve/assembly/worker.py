@@ -99,20 +99,21 @@ class Worker:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
         self.admin_access = admin_access(settings.host, settings.admin_token)
         self.job_store = self._job_store()
-        self.jobs = JobDesk(
-            self.job_store,
-            self.dataplane,
-            # In-process jobs live in this worker: their ids name it, for the front door.
-            id_prefix="" if self.job_store.durable else id_prefix(self.worker_id),
-        )
         self.job_runner = JobRunner(
             self.job_store,
             self.dataplane,
             worker=self.worker_id,
             config=RunnerConfig(concurrency=settings.jobs_concurrency),
             webhooks=Webhooks(on_outcome=self._webhook_outcome),
-            loop_lag=lambda: self.loop_lag.lag_s,
+            loop=self.loop_lag,
             observer=self.metrics,
+        )
+        self.jobs = JobDesk(
+            self.job_store,
+            self.dataplane,
+            # In-process jobs live in this worker: their ids name it, for the front door.
+            id_prefix="" if self.job_store.durable else id_prefix(self.worker_id),
+            pressed=self.job_runner.pressed,
         )
         self.metrics.jobs_running.set_function(lambda: self.job_runner.running)
         self.app = HttpApp(

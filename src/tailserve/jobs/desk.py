@@ -14,7 +14,7 @@ from typing import Any
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest
-from tailserve.errors import Conflict, InvalidInput, JobNotFound
+from tailserve.errors import Conflict, InvalidInput, JobNotFound, QueueFull
 from tailserve.jobs.records import (
     Job,
     JobStatus,
@@ -57,8 +57,10 @@ class JobDesk:
         *,
         id_prefix: str = "",
         clock: Callable[[], float] = time.time,
+        pressed: Callable[[], bool] = lambda: False,
     ) -> None:
         self.store = store
+        self._pressed = pressed
         self._dataplane = dataplane
         self._prefix = id_prefix
         self._clock = clock
@@ -77,6 +79,12 @@ class JobDesk:
         config = served.config
         if not config.jobs.enabled:
             raise InvalidInput(f"model {model!r} takes no jobs (jobs.enabled is false)")
+        if self._pressed():
+            raise QueueFull(
+                "this worker's online requests need all its time now: submit the job again "
+                "after the Retry-After",
+                retry_after_s=1.0,
+            )
         request_kind = RequestKind(kind)
         request = decode(self._dataplane, request_kind, model, version, body, header_length)
         if served.features is None:  # (inputs from the feature store are checked when run)

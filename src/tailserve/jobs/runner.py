@@ -1,8 +1,8 @@
 """The job runner of one worker: takes jobs from the store and runs them in the background lane.
 
-It holds at most ``concurrency`` jobs at once, taking the jobs of the most urgent models first
-(`jobs.priority`), and only while the worker is ready and its event loop keeps up (a job's
-body is read and its result written on the loop, which online requests need). Each job is
+It holds at most ``concurrency`` jobs at once, fewer while online requests need the event loop
+(`pacing.Pacer`), taking the jobs of the most urgent models first (`jobs.priority`), and only
+while the worker is ready. Each job is
 inferred through `DataPlane.infer_job`: the model's background lane, which runs only in the
 time online requests leave free. While it runs, its hold in the store is renewed, and a
 cancellation seen there stops it.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +28,7 @@ from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.errors import TailserveError, Unavailable
 from tailserve.jobs.desk import decode
+from tailserve.jobs.pacing import Pacer, PacingConfig
 from tailserve.jobs.records import Job, JobStatus, Lease, RequestKind
 from tailserve.jobs.store import JobStore
 from tailserve.jobs.webhook import Webhooks
@@ -42,16 +43,25 @@ class JobObserver(Protocol):
         released (None)."""
 
 
+class LoopState(Protocol):
+    lag_s: float  # how late the event loop runs what is ready (moving average)
+    busy: float  # how busy its thread is, 0..1
+
+
+class _Idle:
+    lag_s = 0.0
+    busy = 0.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunnerConfig:
+    # The most jobs held at once (the pacer holds fewer while online requests need the loop).
     concurrency: int = 4
     # How long one take waits for a job when none is queued.
     poll_s: float = 1.0
     # The hold on a running job is renewed this often (well within the visibility timeout).
     touch_interval_s: float = 1.0
     max_attempts: int = 5
-    # No new job is taken while the event loop runs this late (seconds).
-    max_loop_lag_s: float = 0.005
 
 
 class JobRunner:
@@ -63,8 +73,9 @@ class JobRunner:
         worker: str,
         config: RunnerConfig = RunnerConfig(),
         webhooks: Webhooks | None = None,
-        loop_lag: Callable[[], float] = lambda: 0.0,
+        loop: LoopState | None = None,
         observer: JobObserver | None = None,
+        pacing: PacingConfig | None = None,
     ) -> None:
         self._store = store
         self._observer = observer
@@ -72,7 +83,8 @@ class JobRunner:
         self._worker = worker
         self.config = config
         self._webhooks = webhooks
-        self._loop_lag = loop_lag
+        self._loop: LoopState = loop or _Idle()
+        self.pacer = Pacer(pacing or PacingConfig(max_jobs=config.concurrency))
         self._running: dict[asyncio.Task[None], Lease] = {}
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -83,6 +95,10 @@ class JobRunner:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def pressed(self) -> bool:
+        """Whether the event loop has no room for job work now (a submission waits)."""
+        return self.pacer.pressing(lag_s=self._loop.lag_s, busy=self._loop.busy)
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._run(), name="job-runner")
@@ -112,10 +128,12 @@ class JobRunner:
         return [name for _, name in sorted(ready)]
 
     async def _run(self) -> None:
+        loop = self._loop
         while not self._stopping.is_set():
-            free = self.config.concurrency - len(self._running)
+            limit = self.pacer.update(time.monotonic(), lag_s=loop.lag_s, busy=loop.busy)
+            free = limit - len(self._running)
             models = self.models() if self._dataplane.ready() else []
-            if free <= 0 or not models or self._loop_lag() > self.config.max_loop_lag_s:
+            if free <= 0 or not models:
                 await self._pause()
                 continue
             try:
