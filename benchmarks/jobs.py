@@ -3,7 +3,10 @@ the stack's SLO capacity, against the same online load with no jobs, side by sid
 
 The stack is `tailserve up --workers 2 --redis-url URL` on the example repository (jobs in
 Redis Streams). Online load: wrk2 (open loop, C), unique churn rows, 64 connections, for the
-same measured window in each run. Runs:
+same measured window in each run. The jobs are submitted by h2load (C, 64 connections; those
+refused are sent again a second later), their drain is watched in Redis (the stream's
+length) and they are checked there after the window, so no Python client shares the cores
+with the stack while the load is measured. Runs:
 
 - `off`: online load only;
 - `jobs`: online load, and 10,000 churn jobs of ``--rows`` rows each submitted at once
@@ -20,31 +23,31 @@ more than once).
     python benchmarks/jobs.py [--capacity RPS] [--jobs 10000] [--rows 20] [--out DIR]
 
 Without `--capacity`, the stack's SLO capacity is searched first (about 3 min). Needs wrk2
-on the PATH (see benchmarks/_wrk2.py) and redis-server. Check with `ps` that nothing else runs.
+on the PATH (see benchmarks/_wrk2.py), h2load (Debian's nghttp2-client) and redis-server.
+Check with `ps` that nothing else runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import httpx
 import orjson
 
 import _wrk2
-from _harness import QUIET, examples, free_port, get_json, redis, wait_ready
+from _harness import QUIET, examples, free_port, get_json, redis, redis_command, wait_ready
 from tailserve.examples.churn import sample_rows
 from tailserve.loadgen.capacity import CapacitySearch, Step
 
@@ -63,6 +66,9 @@ FIELDS = {
 SUBMIT_AT_S = 3.0  # into the measured window
 VISIBILITY_S = 5.0
 KILL_AFTER_S = 10.0  # after the submissions began
+JOBS_PREFIX = "tailserve:jobs"  # the job store's keys (jobs/redis_store.py)
+_STATUS = re.compile(r"status codes: (\d+) 2xx")
+_RUNNING = re.compile(r'tailserve_jobs_running\{worker="([^"]+)"\} [1-9]')
 
 
 @dataclass
@@ -123,117 +129,125 @@ def job_body(rows: int, seed: int) -> bytes:
     return orjson.dumps({"inputs": inputs}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-async def submit(url: str, bodies: list[bytes], refusals: list[int]) -> list[str]:
-    """Every job at once (64 connections), each sent again after a refusal's Retry-After;
-    their ids. ``refusals[0]`` counts the refusals."""
-    limits = httpx.Limits(max_connections=64)
-    ids: list[str] = [""] * len(bodies)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
-        gate = asyncio.Semaphore(64)
-
-        async def one(i: int) -> None:
-            async with gate:
-                deadline = time.monotonic() + 600
-                while time.monotonic() < deadline:
-                    try:
-                        reply = await client.post(
-                            "/v2/models/churn/jobs",
-                            content=bodies[i],
-                            headers={"content-type": "application/json"},
-                        )
-                    except httpx.TransportError:  # the killed worker's connection, say
-                        refusals[0] += 1
-                        await asyncio.sleep(0.5)
-                        continue
-                    if reply.status_code == 202:
-                        ids[i] = reply.json()["id"]
-                        return
-                    # 429 (the workers' online requests come first) or 503 (the front door
-                    # busy): again after the Retry-After.
-                    refusals[0] += 1
-                    await asyncio.sleep(float(reply.headers.get("retry-after", "1")))
-                raise RuntimeError(f"job {i} not accepted in 600 s")
-
-        await asyncio.gather(*(one(i) for i in range(len(bodies))))
-    return ids
+def submit(url: str, body: Path, jobs: int) -> int:
+    """``jobs`` submissions at once from h2load (C, 64 connections), then those refused (429
+    while the workers' online requests come first, 503 from a busy front door, a connection
+    lost with a killed worker) again after a second, until every one is in; the refusals."""
+    remaining, refusals = jobs, 0
+    while remaining:
+        command = [
+            "h2load",
+            "--h1",
+            "-n",
+            str(remaining),
+            "-c",
+            str(min(64, remaining)),
+            "-d",
+            str(body),
+            "-H",
+            "content-type: application/json",
+            f"{url}/v2/models/churn/jobs",
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        found = _STATUS.search(done.stdout)
+        if found is None:
+            raise RuntimeError(f"h2load said: {done.stdout[-500:]} {done.stderr[-500:]}")
+        accepted = int(found.group(1))
+        refusals += remaining - accepted
+        remaining -= accepted
+        if remaining:
+            time.sleep(1.0)  # the Retry-After
+    return refusals
 
 
-async def drained(url: str, ids: list[str]) -> list[dict[str, Any]]:
-    """Wait until every job has finished, reading them oldest first, a few hundred a second
-    (a light load beside the online one); their final documents, in order."""
-    found: dict[str, dict[str, Any]] = {}
-    pending = list(ids)
-    async with httpx.AsyncClient(
-        base_url=url, limits=httpx.Limits(max_connections=16), timeout=60
-    ) as client:
+def queued(redis_url: str) -> int:
+    """Jobs of churn waiting or running: the length of its stream."""
+    reply = redis_command(redis_url, "XLEN", f"{{{JOBS_PREFIX}}}:q:churn")
+    return int(reply.strip().lstrip(b":") or b"0")
 
-        async def one(job_id: str) -> dict[str, Any]:
-            document: dict[str, Any] = (await client.get(f"/v2/jobs/{job_id}")).json()
-            return document
 
-        while pending:
-            batch, pending = pending[:200], pending[200:]
-            documents = await asyncio.gather(*(one(job_id) for job_id in batch))
-            waiting = []
-            for job_id, document in zip(batch, documents, strict=True):
-                if document.get("status") in ("succeeded", "failed", "cancelled"):
-                    found[job_id] = document
-                else:
-                    waiting.append(job_id)
-            pending = waiting + pending
-            if waiting:
-                await asyncio.sleep(0.5)
-    return [found[job_id] for job_id in ids]
+def check_jobs(redis_url: str, rows: int, outcome: Outcome) -> None:
+    """Every job of the run as the store holds it: succeeded with one result of ``rows``
+    rows; how many ran more than once. Then they are deleted, for the next run."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{{{JOBS_PREFIX}}}:job:*", count=1000))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, "status", "attempts", "result")
+        for key, (status, attempts, result) in zip(keys, pipe.execute(), strict=True):
+            outputs = orjson.loads(result)["outputs"] if result else []
+            if status == b"succeeded" and outputs and outputs[0]["shape"][0] == rows:
+                outcome.succeeded += 1
+            else:
+                outcome.wrong.append(f"{key!r}: {status!r}")
+            outcome.retried += int(attempts or 0) > 1
+        outcome.jobs = len(keys)
+        for key in [*keys, f"{{{JOBS_PREFIX}}}:index"]:
+            client.unlink(key)
+    finally:
+        client.close()
 
 
 def kill_a_worker(url: str, outcome: Outcome) -> None:
-    """SIGKILL the first serving worker (with jobs queued, each worker holds some)."""
+    """SIGKILL a worker while it holds jobs (`tailserve_jobs_running` in the stack's merged
+    metrics), or, after 60 s of looking, the first that serves."""
+    deadline = time.monotonic() + 60
+    holding = None
+    while holding is None and time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            page = reply.read().decode()
+        found = _RUNNING.search(page)
+        holding = found.group(1) if found else None
+        time.sleep(0.05)
     for worker in get_json(f"{url}/v2/fleet")["workers"]:
-        if worker["state"] == "serving" and worker["pid"]:
+        if worker["pid"] and (worker["name"] == holding or holding is None):
             os.kill(int(worker["pid"]), signal.SIGKILL)
-            outcome.killed = worker["name"]
+            outcome.killed = worker["name"] + ("" if holding else " (holding none seen)")
             return
 
 
-def run_jobs(url: str, outcome: Outcome, jobs: int, rows: int, kill: bool) -> None:
-    """In the background of the online load: submit, (kill), wait until all have finished."""
-    bodies = [job_body(rows, seed) for seed in range(jobs)]
-    time.sleep(_wrk2.CALIBRATION_MS / 1000 + SUBMIT_AT_S)
-    started = time.monotonic()
-    killer = threading.Timer(KILL_AFTER_S, kill_a_worker, (url, outcome)) if kill else None
-    if killer is not None:
-        killer.start()
-    refusals = [0]
-    ids = asyncio.run(submit(url, bodies, refusals))
-    outcome.refusals = refusals[0]
-    outcome.submitted_s = time.monotonic() - started
-    outcome.jobs = len(ids)
-    found = asyncio.run(drained(url, ids))
-    outcome.drained_s = time.monotonic() - started
-    for document in found:
-        outputs = (document.get("result") or {}).get("outputs") or []
-        if document.get("status") == "succeeded" and outputs and outputs[0]["shape"][0] == rows:
-            outcome.succeeded += 1
-        else:
-            outcome.wrong.append(str(document)[:200])
-        outcome.retried += int(document.get("attempts", 0) > 1)
-    if len(set(ids)) != len(ids):
-        outcome.wrong.append("a job id was given twice")
-    if killer is not None:
-        killer.join()
+def run_jobs(url: str, redis_url: str, outcome: Outcome, jobs: int, rows: int, kill: bool) -> None:
+    """In the background of the online load: submit, (kill), wait until all have finished,
+    then check them in Redis (after the window: the check loads nothing the load measures)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as body:
+        body.write(job_body(rows, seed=7))
+        body.flush()
+        time.sleep(_wrk2.CALIBRATION_MS / 1000 + SUBMIT_AT_S)
+        started = time.monotonic()
+        killer = threading.Timer(KILL_AFTER_S, kill_a_worker, (url, outcome)) if kill else None
+        if killer is not None:
+            killer.start()
+        outcome.refusals = submit(url, Path(body.name), jobs)
+        outcome.submitted_s = time.monotonic() - started
+        while queued(redis_url):
+            time.sleep(0.2)
+        outcome.drained_s = time.monotonic() - started
+        if killer is not None:
+            killer.join()
 
 
 def one_run(
-    name: str, url: str, rate: float, seconds: float, jobs: int, rows: int, kill: bool
+    name: str,
+    urls: tuple[str, str],
+    rate: float,
+    seconds: float,
+    jobs: int,
+    rows: int,
+    kill: bool,
 ) -> Outcome:
+    url, redis_url = urls
     outcome = Outcome(name)
     worker = None
     if jobs:
-        worker = threading.Thread(target=run_jobs, args=(url, outcome, jobs, rows, kill))
+        worker = threading.Thread(target=run_jobs, args=(url, redis_url, outcome, jobs, rows, kill))
         worker.start()
     outcome.online = _wrk2.run(url, rate, seconds, connections=64)
     if worker is not None:
         worker.join()
+        check_jobs(redis_url, rows, outcome)
     return outcome
 
 
@@ -303,6 +317,7 @@ def main() -> None:
             full = args.capacity or capacity(url, 10.0)
             rate = full / 2
             print(f"SLO capacity {full:.0f} req/s: online load {rate:.0f} req/s")
+            _wrk2.run(url, rate, 20.0, connections=64)  # a fresh stack's first seconds: unmeasured
             # `off` twice, first and last: the machine's noise between runs, side by side.
             runs = [
                 ("off", 0, False),
@@ -312,7 +327,7 @@ def main() -> None:
             ]
             for name, jobs, kill in runs:
                 print(f"run {name} ...", flush=True)
-                outcome = one_run(name, url, rate, args.seconds, jobs, args.rows, kill)
+                outcome = one_run(name, (url, redis_url), rate, args.seconds, jobs, args.rows, kill)
                 outcomes.append(outcome)
         text = report(outcomes, rate, args.jobs, args.rows)
     print(text)

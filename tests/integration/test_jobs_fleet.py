@@ -88,13 +88,17 @@ def test_up_routes_in_process_jobs_to_the_worker_that_holds_them(
     repo = slow_repository
     write_model(repo, "quick", doubler_config())
     with tailserve_up(repo, tmp_path, "--workers", "2") as up:
-        ids = []
-        for i in range(8):
-            reply = httpx.post(f"{up.url}/v2/models/quick/jobs", json=x_request(float(i)))
+        ids: list[str] = []
+        workers = set(up.worker_pids())
+
+        def both_hold_some() -> bool:  # (which worker takes a job is the balancer's call)
+            reply = httpx.post(f"{up.url}/v2/models/quick/jobs", json=x_request(float(len(ids))))
             assert reply.status_code == 202, reply.text
             ids.append(reply.json()["id"])
-        # Each id names the worker that holds it, and both took some.
-        assert {job_id.split(".")[0] for job_id in ids} == set(up.worker_pids())
+            return {job_id.split(".")[0] for job_id in ids} == workers
+
+        # Each id names the worker that holds it.
+        wait_for(both_hold_some, what="a job on each worker")
         for i, job_id in enumerate(ids):
             location = f"/v2/jobs/{job_id}"
             wait_for(

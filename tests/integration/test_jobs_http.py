@@ -4,6 +4,7 @@ batch holds."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,10 @@ import pytest
 
 from support.models import doubler_config, write_model
 from support.servers import RedisServer, RunningWorker, run_worker, wait_for
+from tailserve.errors import QueueFull
+from tailserve.jobs import desk as desk_module
+from tailserve.jobs.desk import JobDesk
+from tailserve.jobs.store import MemoryJobStore
 from tailserve.settings import Settings
 
 STORES = ["memory", "redis"]
@@ -330,3 +335,31 @@ def test_a_webhook_refused_for_good_is_not_retried(worker: RunningWorker) -> Non
     hook = httpx.get(worker.url + location).json()["webhook"]
     assert hook["attempts"] == 1
     assert "404" in hook["error"]
+
+
+def test_a_submission_waits_while_the_worker_is_pressed_then_is_refused(
+    worker: RunningWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The desk holds a submission while online requests need the loop (not refused into a
+    retry at once), and refuses it with a Retry-After once it has waited its time."""
+    polls = []
+
+    def pressed(limit: int) -> bool:
+        polls.append(1)
+        return len(polls) <= limit
+
+    body = orjson.dumps(x_request(1.0))
+
+    async def submit(desk: JobDesk) -> dict[str, Any]:
+        return await desk.submit(model="doubler", version=None, kind="v2", body=body)
+
+    dataplane = worker.worker.dataplane
+    patient = JobDesk(MemoryJobStore(), dataplane, pressed=lambda: pressed(3))
+    document = asyncio.run(submit(patient))
+    assert document["status"] == "queued" and len(polls) == 4  # three pressed looks, then in
+
+    monkeypatch.setattr(desk_module, "SUBMIT_WAIT_S", 0.1)
+    busy = JobDesk(MemoryJobStore(), dataplane, pressed=lambda: True)
+    with pytest.raises(QueueFull) as refused:
+        asyncio.run(submit(busy))
+    assert refused.value.retry_after_s == 1.0

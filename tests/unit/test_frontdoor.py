@@ -104,8 +104,13 @@ def test_an_unknown_policy_is_refused_by_name() -> None:
 
 def test_job_submissions_skip_the_models_admission_slots() -> None:
     front = backend(render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy()), "frontend http")
-    submit = front.index("use_backend workers if { path_end /jobs } METH_POST")
+    submit = front.index("use_backend submit if { path_end /jobs } METH_POST")
     assert submit < front.index("use_backend m.churn if is.churn")
+    backend_lines = backend(
+        render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy()), "backend submit"
+    )
+    assert "timeout queue 30000ms" in backend_lines
+    assert any(line.startswith("default-server") and "maxconn 4" in line for line in backend_lines)
 
 
 def test_in_process_jobs_go_back_to_the_worker_their_id_names() -> None:

@@ -50,3 +50,11 @@ def test_pressing_says_whether_the_loop_has_room_now() -> None:
     pacer = Pacer()
     assert pacer.pressing(**LATE) and pacer.pressing(**BUSY)
     assert not pacer.pressing(**CALM) and not pacer.pressing(**BETWEEN)
+
+
+def test_with_no_online_traffic_the_loop_is_the_jobs_alone() -> None:
+    pacer = Pacer(PacingConfig(max_jobs=6))
+    assert pacer.update(1.0, **BUSY, online=False) == 6
+    assert not pacer.pressed
+    assert not pacer.pressing(**LATE, online=False)
+    assert pacer.update(1.2, **BUSY) == 3  # online requests again: halved at once

@@ -54,6 +54,9 @@ class DataPlane:
         self._strict = strict_readiness
         self.initial_load_done = False
         self.draining = False
+        # Online inference requests seen (a count that only grows; one may count twice): how
+        # the job runner knows whether online traffic is there to make room for.
+        self.online_requests = 0
 
     # --- health and metadata ----------------------------------------------------------------
 
@@ -129,6 +132,7 @@ class DataPlane:
         A model with a result cache is refused here only for the event loop's backlog, which a
         hit waits for as a miss does; a miss meets the model's test when it is offered.
         """
+        self.online_requests += 1
         served = self.manager.get(name, version)
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
@@ -149,6 +153,7 @@ class DataPlane:
     ) -> InferResponse:
         """The request's response. ``screened``: `shed` let it in before it was decoded.
         ``on_hit``: told when the answer came fresh from L1."""
+        self.online_requests += 1
         served = self.manager.get(request.model, request.version)
         config = served.config
         wanted = _wanted_outputs(config, request)

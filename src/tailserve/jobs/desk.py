@@ -8,6 +8,7 @@ later. The job keeps the body as it came; the worker that runs it reads it again
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,9 @@ from tailserve.jobs.store import JobStore
 from tailserve.jobs.webhook import check_url
 from tailserve.protocols.http import kserve_v1, oip
 
+# The longest a submission is held for room before it is refused, and how often it looks.
+SUBMIT_WAIT_S = 10.0
+_ROOM_POLL_S = 0.02
 # `GET /v2/jobs` answers at most this many jobs at once.
 MAX_LIST = 1000
 DEFAULT_LIST = 100
@@ -79,12 +83,7 @@ class JobDesk:
         config = served.config
         if not config.jobs.enabled:
             raise InvalidInput(f"model {model!r} takes no jobs (jobs.enabled is false)")
-        if self._pressed():
-            raise QueueFull(
-                "this worker's online requests need all its time now: submit the job again "
-                "after the Retry-After",
-                retry_after_s=1.0,
-            )
+        await self._room()
         request_kind = RequestKind(kind)
         request = decode(self._dataplane, request_kind, model, version, body, header_length)
         if served.features is None:  # (inputs from the feature store are checked when run)
@@ -108,6 +107,21 @@ class JobDesk:
         )
         await self.store.submit(job, max_queued=config.jobs.max_queued)
         return job.document()
+
+    async def _room(self) -> None:
+        """Hold a submission while the worker's online requests need all its time (the
+        client, or the front door's queue, waits: a refusal would only come back); 429
+        after `SUBMIT_WAIT_S`."""
+        waited = 0.0
+        while self._pressed():
+            if waited >= SUBMIT_WAIT_S:
+                raise QueueFull(
+                    "this worker's online requests need all its time now: submit the job "
+                    "again after the Retry-After",
+                    retry_after_s=1.0,
+                )
+            await asyncio.sleep(_ROOM_POLL_S)
+            waited += _ROOM_POLL_S
 
     async def get(self, job_id: str) -> dict[str, Any]:
         return (await self._job(job_id)).document()

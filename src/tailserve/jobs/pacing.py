@@ -8,8 +8,10 @@ of its neighbours share. So the jobs a worker holds at once follow the loop's he
 congestion window does a network's: while the loop runs on time and is far from saturated,
 one more each interval (up to the most configured); when it runs late (the machine's cores
 are contended) or its thread is busy near saturation, half as many, and none added for a
-while. A new submission is refused (429 with Retry-After) while the loop is in that state:
-accepting a burst of them is work the online requests would wait behind.
+while. A new submission is held while the loop is in that state (`desk.JobDesk`; refused with 429
+after a while): accepting a burst of them is work the online requests would wait behind, and
+refusing them at once would bring them straight back. With no online
+request of late, the loop is the jobs' alone: as many as configured, and every submission.
 """
 
 from __future__ import annotations
@@ -42,13 +44,18 @@ class Pacer:
         self._quiet_from = 0.0  # no job is added before then
         self._changed_at = -1.0  # the last cut or growth: one change a STEP_S at most
 
-    def pressing(self, *, lag_s: float, busy: float) -> bool:
-        """Whether the loop, in this state, has no room for job work."""
-        return lag_s > self.config.lag_high_s or busy > self.config.busy_high
+    def pressing(self, *, lag_s: float, busy: float, online: bool = True) -> bool:
+        """Whether the loop, in this state, has no room for job work (``online``: online
+        requests came of late; with none, nothing needs the room)."""
+        return online and (lag_s > self.config.lag_high_s or busy > self.config.busy_high)
 
-    def update(self, now: float, *, lag_s: float, busy: float) -> int:
+    def update(self, now: float, *, lag_s: float, busy: float, online: bool = True) -> int:
         """Take the loop's state at ``now``; the jobs that may be held."""
         config = self.config
+        if not online:  # the loop is the jobs' alone
+            self.pressed = False
+            self.limit = config.max_jobs
+            return self.limit
         self.pressed = self.pressing(lag_s=lag_s, busy=busy)
         due = now - self._changed_at >= STEP_S - 1e-9
         if self.pressed:

@@ -36,6 +36,9 @@ from tailserve.protocols.http import kserve_v1, oip
 
 log = logging.getLogger(__name__)
 
+# Online traffic seen this recently still has the pacer keep room for it.
+ONLINE_MEMORY_S = 2.0
+
 
 class JobObserver(Protocol):
     def on_job(self, model: str, outcome: str, seconds: float | None) -> None:
@@ -85,6 +88,8 @@ class JobRunner:
         self._webhooks = webhooks
         self._loop: LoopState = loop or _Idle()
         self.pacer = Pacer(pacing or PacingConfig(max_jobs=config.concurrency))
+        self._online_count = 0
+        self._online_at = -ONLINE_MEMORY_S
         self._running: dict[asyncio.Task[None], Lease] = {}
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -98,7 +103,15 @@ class JobRunner:
 
     def pressed(self) -> bool:
         """Whether the event loop has no room for job work now (a submission waits)."""
-        return self.pacer.pressing(lag_s=self._loop.lag_s, busy=self._loop.busy)
+        loop = self._loop
+        return self.pacer.pressing(lag_s=loop.lag_s, busy=loop.busy, online=self._online())
+
+    def _online(self) -> bool:
+        """Whether online requests came in the last `ONLINE_MEMORY_S`."""
+        now, count = time.monotonic(), self._dataplane.online_requests
+        if count != self._online_count:
+            self._online_count, self._online_at = count, now
+        return now - self._online_at < ONLINE_MEMORY_S
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._run(), name="job-runner")
@@ -130,7 +143,9 @@ class JobRunner:
     async def _run(self) -> None:
         loop = self._loop
         while not self._stopping.is_set():
-            limit = self.pacer.update(time.monotonic(), lag_s=loop.lag_s, busy=loop.busy)
+            limit = self.pacer.update(
+                time.monotonic(), lag_s=loop.lag_s, busy=loop.busy, online=self._online()
+            )
             free = limit - len(self._running)
             models = self.models() if self._dataplane.ready() else []
             if free <= 0 or not models:

@@ -19,8 +19,8 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   draining or not ready), is tried again on another worker (``retries``, ``redispatch``);
 - the fleet's own routes (``/metrics``, ``/v2/fleet``, cache invalidation, repository load and
   unload) go to the supervisor's admin lane, which fans them out over every worker;
-- a job's submission through the backend of every worker, not its model's (a burst of
-  submissions queues apart from the online requests); jobs kept in the workers' memory (no
+- a job's submission through a backend of its own, a few at a time a worker (a burst of them
+  waits there, apart from the online requests and not refused); jobs kept in the workers' memory (no
   Redis): a job's routes go to the worker named by the id's prefix (``use-server``), and the
   list of jobs to the admin lane, which asks them all;
 - the slow models (`router.lanes`) through the hedging lane, the Python router, which hedges;
@@ -99,6 +99,9 @@ class FrontDoorPolicy:
     request_timeout_s: float = 30.0
     keep_alive_s: float = 75.0
     read_timeout_s: float = 30.0
+    # Job submissions a worker takes at once, and how long the rest may wait their turn.
+    submit_conn: int = 4
+    submit_queue_s: float = 30.0
     max_body_bytes: int = 64 * 1024 * 1024
     max_connections: int = 20000
     threads: int = 1
@@ -187,6 +190,7 @@ def render(
             f"    server lane 127.0.0.1:{listen.lane_port} {_checks(policy)}",
             "",
         ]
+    lines += _submit_backend(members, policy)
     if listen.jobs_in_process:
         lines += _jobs_backend(members, policy)
     if listen.admin_port:
@@ -285,9 +289,9 @@ def _frontend(
             lines.append(f"    use_backend admin if {{ path {JOBS_PATH} }}")
     if listen.jobs_in_process:
         lines.append(f"    use_backend jobs if {{ path_beg {JOBS_PATH}/ }}")
-    # A job's submission does not take one of its model's admission slots (the backend of
-    # the workers has its own): a burst of them queues apart from the online requests.
-    lines.append("    use_backend workers if { path_end /jobs } METH_POST")
+    # A job's submission does not take one of its model's admission slots: a burst of them
+    # queues in a backend of its own, a few at a time a worker.
+    lines.append("    use_backend submit if { path_end /jobs } METH_POST")
     for model in models:
         # (Two lines of one name: either matches.)
         lines.append(f"    acl is.{model} path /v2/models/{model}")
@@ -331,6 +335,22 @@ def _backend(
     return [*lines, ""]
 
 
+def _submit_backend(members: list[Member], policy: FrontDoorPolicy) -> list[str]:
+    """Job submissions: at most ``submit_conn`` at once a worker (a worker whose online
+    requests need its time holds them back), the rest waiting here, for up to
+    ``submit_queue_s``, not refused into a client's retry storm."""
+    lines = [
+        "backend submit",
+        f"    balance {BALANCE['p2c']}",
+        f"    timeout queue {_ms(policy.submit_queue_s * 1000)}",
+        "    option httpchk GET /v2/health/ready",
+        "    http-check expect status 200",
+        f"    default-server {_checks(policy)} maxconn {policy.submit_conn}",
+    ]
+    lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}{_weight(m)}" for m in members]
+    return [*lines, ""]
+
+
 def _jobs_backend(members: list[Member], policy: FrontDoorPolicy) -> list[str]:
     """A job's routes to the worker whose name begins its id; an id of a worker that is down or
     gone goes to any (which answers 404: the job was lost with it)."""
@@ -364,7 +384,7 @@ def _weight(member: Member) -> str:
 
 def worker_backends(listen: Listen, models: dict[str, float]) -> list[str]:
     """The backends that hold every worker as a server (what a change of rotation touches)."""
-    names = [f"m.{model}" for model in sorted(models) if routable(model)] + ["workers"]
+    names = [f"m.{model}" for model in sorted(models) if routable(model)] + ["workers", "submit"]
     return names + (["grpc"] if listen.grpc_port else [])
 
 

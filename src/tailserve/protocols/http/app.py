@@ -132,6 +132,7 @@ class HttpApp:
         if self._replayer is not None and route.handler == "infer":
             kept = self._replayer.replayed(request)
             if kept is not None:
+                self.dataplane.online_requests += 1
                 return self._counted(request, route, *kept)
         try:
             refused = self._shed(request, params["model"], params.get("version"))
