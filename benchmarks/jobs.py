@@ -13,7 +13,9 @@ with the stack while the load is measured. Runs:
   through the front door a few seconds into the window;
 - `kill`: the same, and one worker SIGKILLed 10 s after the submissions began, while jobs
   are queued and it holds some (the supervisor starts it again; the jobs it held go to a
-  worker after the visibility timeout, 5 s here).
+  worker after the visibility timeout, 5 s here);
+- `kill, no jobs`: online load only, and a worker SIGKILLed at the same moment: what losing
+  a worker costs the online requests by itself.
 
 For each run it prints the online p50/p99/p99.9 and errors, and for the job runs the time to
 submit, the time until every job had finished, the jobs drained a second, and the check that
@@ -191,10 +193,10 @@ def check_jobs(redis_url: str, rows: int, outcome: Outcome) -> None:
         client.close()
 
 
-def kill_a_worker(url: str, outcome: Outcome) -> None:
+def kill_a_worker(url: str, outcome: Outcome, look_s: float = 60.0) -> None:
     """SIGKILL a worker while it holds jobs (`tailserve_jobs_running` in the stack's merged
-    metrics), or, after 60 s of looking, the first that serves."""
-    deadline = time.monotonic() + 60
+    metrics), or, after ``look_s`` of looking, the first that serves."""
+    deadline = time.monotonic() + look_s
     holding = None
     while holding is None and time.monotonic() < deadline:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
@@ -244,9 +246,14 @@ def one_run(
     if jobs:
         worker = threading.Thread(target=run_jobs, args=(url, redis_url, outcome, jobs, rows, kill))
         worker.start()
+    elif kill:  # the same moment as with jobs, and no jobs to wait for
+        at = _wrk2.CALIBRATION_MS / 1000 + SUBMIT_AT_S + KILL_AFTER_S
+        worker = threading.Timer(at, kill_a_worker, (url, outcome, 0.0))
+        worker.start()
     outcome.online = _wrk2.run(url, rate, seconds, connections=64)
     if worker is not None:
         worker.join()
+    if jobs:
         check_jobs(redis_url, rows, outcome)
     return outcome
 
@@ -281,7 +288,11 @@ def report(outcomes: list[Outcome], rate: float, jobs: int, rows: int) -> str:
             f"{o.succeeded:,}/{o.jobs:,} | {o.retried} |"
         )
     lines.append("")
-    offs = [o.online.quantile(0.99) for o in outcomes if not o.jobs and o.online is not None]
+    offs = [
+        o.online.quantile(0.99)
+        for o in outcomes
+        if not o.jobs and not o.killed and o.online is not None
+    ]
     for o in outcomes:
         if o.jobs and o.online is not None and offs:
             p99 = o.online.quantile(0.99)
@@ -294,7 +305,7 @@ def report(outcomes: list[Outcome], rate: float, jobs: int, rows: int) -> str:
         if o.killed:
             lines.append(
                 f"{o.name}: SIGKILLed {o.killed} {KILL_AFTER_S:.0f} s after the submissions "
-                f"began; {o.retried} jobs it held ran again elsewhere"
+                f"began (or would have); {o.retried} jobs ran more than once"
             )
         if o.wrong:
             lines.append(f"{o.name}: {len(o.wrong)} jobs wrong, e.g. {o.wrong[0]}")
@@ -323,6 +334,7 @@ def main() -> None:
                 ("off", 0, False),
                 ("jobs", args.jobs, False),
                 ("kill", args.jobs, True),
+                ("kill, no jobs", 0, True),
                 ("off again", 0, False),
             ]
             for name, jobs, kill in runs:

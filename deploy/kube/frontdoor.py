@@ -94,6 +94,11 @@ def haproxy_config(values: Values) -> str:
                 f"    server-template g 1-{slots} {workers}:{worker['grpcPort']} proto h2 "
                 f"check port {worker['httpPort']} check-proto h1 {_dns()}",
             ]
+        elif head == "backend submit":  # (no bound: job submissions wait their turn)
+            section = [
+                *section,
+                f"    server-template w 1-{slots} {workers}:{worker['httpPort']} {_dns()}",
+            ]
         elif head.startswith("backend "):
             section = [
                 *_per_worker_queue(section, rules),
