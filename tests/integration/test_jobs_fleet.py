@@ -117,3 +117,30 @@ def test_up_routes_in_process_jobs_to_the_worker_that_holds_them(
         assert bad.status_code == 400
         gone = httpx.delete(f"{up.url}/v2/jobs/{ids[0]}")
         assert gone.status_code == 409  # found on its worker: already succeeded
+
+
+def test_up_with_redis_runs_jobs_on_any_worker_through_the_front_door(
+    slow_repository: Path, tmp_path: Path, redis: RedisServer
+) -> None:
+    repo = slow_repository
+    write_model(repo, "brisk", doubler_config())
+    with tailserve_up(repo, tmp_path, "--workers", "2", "--redis-url", redis.url) as up:
+        ids = []
+        for i in range(6):
+            reply = httpx.post(f"{up.url}/v2/models/brisk/jobs", json=x_request(float(i)))
+            assert reply.status_code == 202, reply.text
+            ids.append(reply.json()["id"])
+        assert all("." not in job_id for job_id in ids)  # shared: no worker's name in them
+        for i, job_id in enumerate(ids):
+            location = f"/v2/jobs/{job_id}"
+            wait_for(
+                lambda location=location: (
+                    httpx.get(up.url + location).json()["status"] == "succeeded"
+                ),
+                what=f"job {job_id} through the front door",
+            )
+            assert httpx.get(up.url + location).json()["result"]["outputs"][0]["data"] == [
+                2.0 * i + 1.0
+            ]
+        listing = httpx.get(f"{up.url}/v2/jobs", params={"model": "brisk"}).json()
+        assert sorted(job["id"] for job in listing["jobs"]) == sorted(ids)
