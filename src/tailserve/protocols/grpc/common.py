@@ -178,17 +178,32 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         "ModelMetadata": (servicer.model_metadata, schema.ModelMetadataRequest),
         "ModelInfer": (servicer.model_infer, schema.ModelInferRequest),
     }
-    return grpc.method_handlers_generic_handler(
-        schema.SERVICE,
-        {
-            name: grpc.unary_unary_rpc_method_handler(
-                _guarded(handler),
-                request_deserializer=_parser(kind),
-                response_serializer=lambda message: message.SerializeToString(),
-            )
-            for name, (handler, kind) in methods.items()
-        },
-    )
+    table = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _guarded(handler),
+            request_deserializer=_parser(kind),
+            response_serializer=_serialize,
+        )
+        for name, (handler, kind) in methods.items()
+    }
+    stream = getattr(servicer, "model_stream_infer", None)
+    if stream is not None:  # (the worker's; the routing lane's gateway has none)
+        table["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            stream,
+            request_deserializer=_parser(schema.ModelInferRequest),
+            response_serializer=_serialize,
+        )
+    return grpc.method_handlers_generic_handler(schema.SERVICE, table)
+
+
+def _serialize(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def malformed(request: Any) -> str | None:
+    """Why a parsed request is no such message (None: it is one)."""
+    return request.reason if isinstance(request, _Malformed) else None
 
 
 async def start(

@@ -5,7 +5,8 @@ protobuf's own runtime: no generated code to keep in step with the installed pro
 private descriptor pool, so a process that also loads a client's copy of the same package
 (``tritonclient.grpc`` registers one in the default pool) has no clash. Names and field
 numbers are the protocol's: clients written against its ``.proto`` read these bytes as theirs.
-Only what the worker serves is described: health, metadata and inference.
+Only what the worker serves is described: health, metadata and inference (unary and
+streaming).
 """
 
 from __future__ import annotations
@@ -194,6 +195,14 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
         ],
         nested=(("InferOutputTensor", tensor(response_output)),),
     )
+    _message(
+        m,
+        "ModelStreamInferResponse",
+        [
+            _f("error_message", 1, _STRING),
+            _f("infer_response", 2, _MESSAGE, message="ModelInferResponse"),
+        ],
+    )
     return proto
 
 
@@ -218,4 +227,5 @@ ModelMetadataRequest = message("ModelMetadataRequest")
 ModelMetadataResponse = message("ModelMetadataResponse")
 ModelInferRequest = message("ModelInferRequest")
 ModelInferResponse = message("ModelInferResponse")
+ModelStreamInferResponse = message("ModelStreamInferResponse")
 InferParameter = message("InferParameter")

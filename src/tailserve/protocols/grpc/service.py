@@ -1,9 +1,10 @@
 """The worker's gRPC surface: the Open Inference Protocol's ``GRPCInferenceService``.
 
-Health (ServerLive, ServerReady, ModelReady), metadata (ServerMetadata, ModelMetadata) and
-ModelInfer, on the worker's event loop beside the HTTP server, into the same data plane: a
-gRPC request is shed, batched, cached, admitted and refused like an HTTP one. ``tritonclient.grpc``
-and the KServe clients work unchanged.
+Health (ServerLive, ServerReady, ModelReady), metadata (ServerMetadata, ModelMetadata),
+ModelInfer and ModelStreamInfer (requests pipelined on one stream), on the worker's event
+loop beside the HTTP server, into the same data plane: a gRPC request is shed, batched,
+cached, admitted and refused like an HTTP one. ``tritonclient.grpc`` and the KServe clients
+work unchanged.
 
 - Inputs come as ``raw_input_contents`` (one raw buffer per input, in order; BYTES items
   4-byte length-prefixed, as the binary HTTP extension has them) or as typed ``contents``.
@@ -17,7 +18,10 @@ and the KServe clients work unchanged.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -30,6 +34,7 @@ from tailserve.observability.metrics import Metrics
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import (
     generic_handler,
+    malformed,
     parameters_of,
     raw_contents,
     set_parameter,
@@ -38,6 +43,13 @@ from tailserve.protocols.grpc.common import (
 )
 from tailserve.protocols.http.errors import status_of
 from tailserve.tensors import Tensor, from_binary, to_binary
+
+log = logging.getLogger(__name__)
+
+# Requests of one stream in flight or answered and not yet sent; past it the stream is not
+# read until an answer has gone.
+MAX_STREAM_IN_FLIGHT = 1024
+_END = object()
 
 
 def decode_request(message: Any) -> InferRequest:
@@ -121,14 +133,67 @@ class InferenceService:
         return message
 
     async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._infer(request, time_left_s(context))
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """Requests pipelined on one stream, each answered as soon as it is done (out of order:
+        the client matches them by ``id``), an error as that request's ``error_message``, the
+        stream going on. The client closing its side ends the stream once every answer has
+        gone; the client leaving cancels the requests still in flight."""
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        room = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any, left_s: float | None) -> None:
+            try:
+                message = schema.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, left_s)
+                )
+            except TailserveError as exc:
+                message = _stream_error(request, exc.message)
+            except Exception as exc:
+                log.exception("unexpected error in a gRPC stream's request")
+                message = _stream_error(request, f"internal error: {type(exc).__name__}")
+            answers.put_nowait(message)
+
+        async def read() -> None:
+            async for request in requests:
+                # More than the bound in flight or unsent: stop reading (HTTP/2's flow control
+                # holds the client back) until an answer has gone.
+                await room.acquire()
+                reason = malformed(request)
+                if reason is not None:
+                    answers.put_nowait(schema.ModelStreamInferResponse(error_message=reason))
+                    continue
+                task = asyncio.create_task(answer(request, time_left_s(context)))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.wait(list(tasks))
+            answers.put_nowait(_END)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (message := await answers.get()) is not _END:
+                yield message
+                room.release()
+            await reader  # (its error, if it failed, ends the call)
+        finally:
+            for task in [reader, *tasks]:
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _infer(self, request: Any, left_s: float | None) -> Any:
+        """One inference request (of a unary call or a stream): ``left_s`` of the call's gRPC
+        deadline counts as X-Deadline-Ms does."""
         started = time.perf_counter()
         status = 200
         self.traffic.in_flight += 1
         try:
             received = time.monotonic()
-            remaining = time_left_s(context)
-            # The client's gRPC deadline counts as X-Deadline-Ms does.
-            deadline_ms = remaining * 1e3 if remaining is not None else None
+            deadline_ms = left_s * 1e3 if left_s is not None else None
             # Shed before decoding, as over HTTP; a ``timeout`` parameter with no gRPC deadline
             # may be looser than the SLO, and is left to admission.
             screened = deadline_ms is not None or "timeout" not in request.parameters
@@ -146,6 +211,9 @@ class InferenceService:
         except TailserveError as exc:
             status = status_of(exc)
             raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
         except Exception:
             status = 500
             raise
@@ -159,3 +227,12 @@ class InferenceService:
                 model = request.model_name
                 label = model if self.dataplane.knows(model) else "_unknown"
                 self.metrics.on_request(label, "grpc", status, time.perf_counter() - started)
+
+
+def _stream_error(request: Any, message: str) -> Any:
+    """An error answer on a stream, naming the request it answers."""
+    answer = schema.ModelStreamInferResponse(error_message=message)
+    answer.infer_response.model_name = request.model_name
+    answer.infer_response.model_version = request.model_version
+    answer.infer_response.id = request.id
+    return answer
