@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
 
 from support.models import doubler_config, write_model
 from support.servers import RunningWorker, free_port, run_worker, wait_for
@@ -168,12 +169,41 @@ async def test_a_client_that_leaves_cancels_what_it_left_in_flight(
     )
 
 
-def test_a_stream_goes_through_the_front_door_as_grpc(repository: Path, tmp_path: Path) -> None:
+def test_a_stream_goes_through_the_front_door_as_grpc_with_its_deadline(
+    repository: Path, tmp_path: Path
+) -> None:
     port = free_port()
-    with tailserve_up(repository, tmp_path, "--workers", "2", "--grpc-port", str(port)):
-        got = stream(
-            f"127.0.0.1:{port}", [("doubler", f"d{i}", x_input(float(i))) for i in range(10)]
+    with tailserve_up(repository, tmp_path, "--workers", "2", "--grpc-port", str(port)) as up:
+        address = f"127.0.0.1:{port}"
+        got = stream(address, [("doubler", f"d{i}", x_input(float(i))) for i in range(10)])
+        answered = sorted(result.get_response().id for result, error in got if error is None)
+        assert answered == sorted(f"d{i}" for i in range(10))
+        # The call's gRPC deadline reaches the worker through the front door as the request's
+        # own: once the slow model's cost is known (0.5 s a batch, on every worker), a 100 ms
+        # call is refused at admission (429) rather than run for a client that has gone.
+        client = triton_grpc.InferenceServerClient(address)
+        try:
+            workers = set(up.worker_pids())
+
+            def each_worker_ran_one() -> bool:
+                client.infer("slow", [x_input(1.0)])
+                page = httpx.get(f"{up.url}/metrics").text.splitlines()
+                ran = [
+                    line
+                    for line in page
+                    if line.startswith("tailserve_requests_total{")
+                    and 'model="slow"' in line
+                    and 'status="200"' in line
+                ]
+                return all(any(f'worker="{w}"' in line for line in ran) for w in workers)
+
+            wait_for(each_worker_ran_one, what="each worker to learn the slow model's cost")
+            with pytest.raises(InferenceServerException):
+                client.infer("slow", [x_input(1.0)], client_timeout=0.1)
+        finally:
+            client.close()
+        refused = 'model="slow",protocol="grpc",status="429"'
+        wait_for(
+            lambda: refused in httpx.get(f"{up.url}/metrics").text,
+            what="the worker's refusal of the call",
         )
-    assert sorted(result.get_response().id for result, error in got if error is None) == sorted(
-        f"d{i}" for i in range(10)
-    )
