@@ -97,6 +97,32 @@ def worker(repository: Path, port: int, *flags: str) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def up_stack(repository: Path, *flags: str) -> Iterator[str]:
+    """`tailserve up` on a free port (no gRPC, no hedging lane, quiet, in a session of its
+    own) until the block ends; yields the front door's URL once it is ready."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "tailserve.cli",
+        "up",
+        "--repository",
+        str(repository),
+        "--port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--hedge-lane-ms",
+        "0",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+    with serving(command, port, start_new_session=True) as url:
+        yield url
+
+
 def examples(directory: Path, *flags: str) -> Path:
     command = [sys.executable, "-m", "tailserve.cli", "examples", str(directory), *flags]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)

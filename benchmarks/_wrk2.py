@@ -231,3 +231,17 @@ def parse(output: str, rate: float, seconds: float) -> Run:
         answered,
         int(total[1]) if total else 0,
     )
+
+
+def slo_capacity(url: str, seconds: float, slo_ms: float, start_rps: float = 3000.0) -> float:
+    """The highest rate whose p99 stays within ``slo_ms`` with no errors (churn, 64
+    connections), searched run by run; each run printed."""
+    from tailserve.loadgen.capacity import CapacitySearch, Step
+
+    search = CapacitySearch(slo_ms, start_rps=start_rps, precision=0.1)
+    while (rate := search.next_rate()) is not None:
+        found = run(url, rate, seconds, connections=64)
+        achieved = found.answered / found.seconds if found.seconds else 0.0
+        print(f"  {rate:8.0f} req/s: p99 {found.quantile(0.99):8.2f} ms, errors {found.errors}")
+        search.record(Step(rate, achieved, found.quantile(0.99), found.errors))
+    return search.capacity_rps or 0.0

@@ -44,9 +44,8 @@ from typing import Any
 import orjson
 
 import _wrk2
-from _harness import QUIET, examples, free_port, get_json, one_model, wait_ready
+from _harness import QUIET, examples, get_json, one_model, up_stack
 from tailserve.fleet.load import parse_stat
-from tailserve.loadgen.capacity import CapacitySearch, Step
 
 SLO_MS = 50.0
 LOW_S, HIGH_S, AFTER_S = 20.0, 30.0, 100.0  # the step: 1x, 4x, 1x
@@ -73,34 +72,10 @@ class Outcome:
 
 @contextlib.contextmanager
 def stack(repository: Path, flags: list[str]) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tailserve.cli",
-        "up",
-        "--repository",
-        str(repository),
-        "--port",
-        str(port),
-        "--grpc-port",
-        "0",
-        "--hedge-lane-ms",
-        "0",
-        "--log-level",
-        "warning",
-        *flags,
-    ]
-    process = subprocess.Popen(command, start_new_session=True, **QUIET)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process)
+    with up_stack(repository, *flags) as url:
         if "--warm-pool" in flags:
             until(lambda: any(w["state"] == "standby" for w in fleet(url)["workers"]), 120)
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=90)
 
 
 def fleet(url: str) -> dict[str, Any]:
@@ -203,16 +178,6 @@ def step_load(url: str, quarter: float, out: Path, name: str) -> Outcome:
     return outcome
 
 
-def capacity(url: str, seconds: float) -> float:
-    search = CapacitySearch(SLO_MS, start_rps=3000.0, precision=0.1)
-    while (rate := search.next_rate()) is not None:
-        run = _wrk2.run(url, rate, seconds, connections=64)
-        achieved = run.answered / run.seconds if run.seconds else 0.0
-        print(f"  {rate:8.0f} req/s: p99 {run.quantile(0.99):8.2f} ms, errors {run.errors}")
-        search.record(Step(rate, achieved, run.quantile(0.99), run.errors))
-    return search.capacity_rps or 0.0
-
-
 def absorbed(outcome: Outcome) -> float | None:
     """Seconds from the step until the probe's p99 stays within the SLO to the step's end."""
     inside = [p for p in outcome.timeline if LOW_S <= p["t"] < LOW_S + HIGH_S]
@@ -313,7 +278,7 @@ def main() -> None:
         if rps is None:
             print("SLO capacity of `tailserve up --workers 2` (p99 <= 50 ms, 64 connections):")
             with stack(repository, ["--workers", "2"]) as url:
-                rps = capacity(url, 5.0)
+                rps = _wrk2.slo_capacity(url, 5.0, SLO_MS)
             print(f"  capacity {rps:.0f} req/s")
         quarter = rps / 4
         outcomes = []

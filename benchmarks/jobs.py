@@ -37,34 +37,20 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 import _wrk2
-from _harness import QUIET, examples, free_port, get_json, redis, redis_command, wait_ready
-from tailserve.examples.churn import sample_rows
-from tailserve.loadgen.capacity import CapacitySearch, Step
+from _harness import examples, get_json, redis, redis_command, up_stack
+from tailserve.examples.churn import FIELDS, sample_rows
 
 SLO_MS = 50.0
-FIELDS = {
-    "tenure_months": "INT64",
-    "monthly_spend": "FP32",
-    "support_tickets": "INT64",
-    "feature_usage_pct": "FP32",
-    "last_login_days_ago": "INT64",
-    "num_integrations": "INT64",
-    "contract_type": "BYTES",
-    "plan_tier": "BYTES",
-    "is_enterprise": "INT64",
-}
 SUBMIT_AT_S = 3.0  # into the measured window
 VISIBILITY_S = 5.0
 KILL_AFTER_S = 10.0  # after the submissions began
@@ -87,46 +73,23 @@ class Outcome:
     refusals: int = 0  # submissions refused (and sent again)
 
 
-@contextlib.contextmanager
-def stack(repository: Path, redis_url: str) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tailserve.cli",
-        "up",
-        "--repository",
-        str(repository),
-        "--port",
-        str(port),
-        "--grpc-port",
-        "0",
-        "--hedge-lane-ms",
-        "0",
+def stack(repository: Path, redis_url: str) -> contextlib.AbstractContextManager[str]:
+    return up_stack(
+        repository,
         "--workers",
         "2",
         "--redis-url",
         redis_url,
         "--jobs-visibility-timeout",
         str(VISIBILITY_S),
-        "--log-level",
-        "warning",
-    ]
-    process = subprocess.Popen(command, start_new_session=True, **QUIET)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=90)
+    )
 
 
 def job_body(rows: int, seed: int) -> bytes:
     sample = sample_rows(rows, seed)
     inputs = [
-        {"name": name, "datatype": datatype, "shape": [rows, 1], "data": list(sample[name])}
-        for name, datatype in FIELDS.items()
+        {"name": f.name, "datatype": f.datatype, "shape": [rows, 1], "data": list(sample[f.name])}
+        for f in FIELDS
     ]
     return orjson.dumps({"inputs": inputs}, option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -258,16 +221,6 @@ def one_run(
     return outcome
 
 
-def capacity(url: str, seconds: float) -> float:
-    search = CapacitySearch(SLO_MS, start_rps=3000.0, precision=0.1)
-    while (rate := search.next_rate()) is not None:
-        run = _wrk2.run(url, rate, seconds, connections=64)
-        achieved = run.answered / run.seconds if run.seconds else 0.0
-        print(f"  {rate:8.0f} req/s: p99 {run.quantile(0.99):8.2f} ms, errors {run.errors}")
-        search.record(Step(rate, achieved, run.quantile(0.99), run.errors))
-    return search.capacity_rps or 0.0
-
-
 def report(outcomes: list[Outcome], rate: float, jobs: int, rows: int) -> str:
     lines = [
         f"online load: {rate:.0f} req/s of churn (half the SLO capacity), wrk2, 64 connections;"
@@ -325,7 +278,7 @@ def main() -> None:
         repository = examples(Path(tmp) / "repo")
         outcomes = []
         with redis(Path(tmp)) as redis_url, stack(repository, redis_url) as url:
-            full = args.capacity or capacity(url, 10.0)
+            full = args.capacity or _wrk2.slo_capacity(url, 10.0, SLO_MS)
             rate = full / 2
             print(f"SLO capacity {full:.0f} req/s: online load {rate:.0f} req/s")
             _wrk2.run(url, rate, 20.0, connections=64)  # a fresh stack's first seconds: unmeasured

@@ -34,8 +34,6 @@ class BackgroundLane:
         self.max_rows = max(1, max_rows)
         self._max_waiting = max_waiting
         self._waiting: deque[Item] = deque()
-        self.batches = 0
-        self.rows = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -67,8 +65,6 @@ class BackgroundLane:
                 break
             batch.append(waiting.popleft())
             rows += more
-        self.batches += 1
-        self.rows += rows
         return batch
 
     def rows_that_fit(self, predict: Callable[[int], float], rows: int) -> int:

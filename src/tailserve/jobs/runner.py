@@ -93,9 +93,6 @@ class JobRunner:
         self._running: dict[asyncio.Task[None], Lease] = {}
         self._main: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self.succeeded = 0
-        self.failed = 0
-        self.released = 0
 
     @property
     def running(self) -> int:
@@ -210,10 +207,6 @@ class JobRunner:
             return
         if finished is None:
             return  # cancelled meanwhile, or another worker's outcome came first
-        if error is None:
-            self.succeeded += 1
-        else:
-            self.failed += 1
         if self._observer is not None:
             seconds = (finished.finished_at or finished.created_at) - finished.created_at
             outcome = "succeeded" if error is None else "failed"
@@ -223,7 +216,6 @@ class JobRunner:
             self._webhooks.send(finished.webhook, finished.id, body)
 
     async def _release(self, lease: Lease) -> None:
-        self.released += 1
         if self._observer is not None:
             self._observer.on_job(lease.job.model, "released", None)
         with contextlib.suppress(TailserveError):

@@ -22,7 +22,7 @@ from tailserve.transport.http1 import Pool, frame_request
 
 log = logging.getLogger(__name__)
 
-# Deliveries pending (waiting to be retried) at once; a job beyond it is noted undelivered.
+# Deliveries pending (waiting to be retried) at once; past it a job's webhook is dropped (logged).
 MAX_PENDING = 10_000
 _RETRY_STATUS = frozenset((408, 429))
 
@@ -70,16 +70,9 @@ class Webhooks:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.delivered = 0
-        self.failed = 0
-
-    @property
-    def pending(self) -> int:
-        return len(self._tasks)
 
     def send(self, url: str, job_id: str, body: bytes) -> None:
         if len(self._tasks) >= MAX_PENDING:
-            self.failed += 1
             log.warning("webhook for job %s dropped: %d deliveries pending", job_id, MAX_PENDING)
             return
         task = asyncio.create_task(self._deliver(url, job_id, body), name=f"webhook {job_id}")
@@ -92,7 +85,6 @@ class Webhooks:
         for attempt in range(1, self.policy.attempts + 1):
             status, error = await self._post(url, body)
             if status is not None and 200 <= status < 300:
-                self.delivered += 1
                 await self._noted(job_id, attempt, True, None)
                 return
             final = status is not None and 400 <= status < 500 and status not in _RETRY_STATUS
@@ -100,7 +92,6 @@ class Webhooks:
                 break
             await self._noted(job_id, attempt, None, error)
             await self._sleep(self.policy.delay(attempt, self._rng))
-        self.failed += 1
         log.warning("webhook for job %s not delivered after %d tries: %s", job_id, attempt, error)
         await self._noted(job_id, attempt, False, error)
 
