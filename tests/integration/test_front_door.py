@@ -263,6 +263,16 @@ async def test_affinity_sends_one_key_to_one_worker_and_spreads_the_keys(tmp_pat
         policy=FrontDoorPolicy(balance="affinity"),
     )
     async with started(config) as stack, httpx.AsyncClient(base_url=stack.url, timeout=10) as c:
+
+        async def both_up() -> bool:  # (a key sent while one is still down goes to the other)
+            try:
+                stat = parse_stat(await stack.front_door_process.command("@1 show stat"))
+            except OSError:
+                return False
+            rows = [stat.get(("m.doubler", w), {}) for w in ("worker-0", "worker-1")]
+            return [row.get("status") for row in rows] == ["UP", "UP"]
+
+        await async_wait_for(both_up, what="both workers up in the model's backend")
         by_key: dict[str, set[str]] = {}
         for key in (f"user-{n}" for n in range(40)):
             for _ in range(3):
