@@ -147,6 +147,12 @@ class Run:
         return self.errors == 0 and self.answered > 0 and self.quantile(0.99) <= slo_ms
 
 
+def calibration_s(connections: int, threads: int = 2) -> float:
+    """How long a run calibrates before its measured window begins."""
+    threads = max(1, min(threads, connections))
+    return (CALIBRATION_MS + (connections // threads) * 5) / 1000
+
+
 def binary() -> str:
     found = os.environ.get("WRK2") or shutil.which("wrk2")
     if not found:
@@ -170,7 +176,7 @@ def run(
     ``count``: the span (ms from the start) whose replies are counted by status, if not the
     measured window (the latencies are always the window's)."""
     threads = max(1, min(threads, connections))
-    calibration_ms = CALIBRATION_MS + (connections // threads) * 5
+    calibration_ms = calibration_s(connections, threads) * 1000
     duration = math.ceil(calibration_ms / 1000 + seconds)
     seconds = duration - calibration_ms / 1000  # what is measured, whole seconds of run
     with tempfile.TemporaryDirectory() as tmp:

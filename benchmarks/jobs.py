@@ -2,11 +2,11 @@
 the stack's SLO capacity, against the same online load with no jobs, side by side.
 
 The stack is `tailserve up --workers 2 --redis-url URL` on the example repository (jobs in
-Redis Streams). Online load: wrk2 (open loop, C), unique churn rows, 64 connections, for the
-same measured window in each run. The jobs are submitted by h2load (C, 64 connections; those
-refused are sent again a second later), their drain is watched in Redis (the stream's
-length) and they are checked there after the window, so no Python client shares the cores
-with the stack while the load is measured. Runs:
+Redis Streams). Online load: wrk2 (open loop, C), unique churn rows, 64 connections (or
+`--connections`), for the same measured window in each run. The jobs are submitted by
+h2load (C, 64 connections; those refused are sent again a second later), their drain is
+watched in Redis (the stream's length) and they are checked there after the window, so no
+Python client shares the cores with the stack while the load is measured. Runs:
 
 - `off`: online load only;
 - `jobs`: online load, and 10,000 churn jobs of ``--rows`` rows each submitted at once
@@ -22,7 +22,8 @@ submit, the time until every job had finished, the jobs drained a second, and th
 every job succeeded with one result of the right rows (and, after the kill, how many jobs ran
 more than once).
 
-    python benchmarks/jobs.py [--capacity RPS] [--jobs 10000] [--rows 20] [--out DIR]
+    python benchmarks/jobs.py [--capacity RPS] [--jobs 10000] [--rows 20] [--connections 64]
+                              [--seconds 60] [--out DIR]
 
 Without `--capacity`, the stack's SLO capacity is searched first (about 3 min). Needs wrk2
 on the PATH (see benchmarks/_wrk2.py), h2load (Debian's nghttp2-client) and redis-server.
@@ -174,13 +175,15 @@ def kill_a_worker(url: str, outcome: Outcome, look_s: float = 60.0) -> None:
             return
 
 
-def run_jobs(url: str, redis_url: str, outcome: Outcome, jobs: int, rows: int, kill: bool) -> None:
+def run_jobs(
+    url: str, redis_url: str, outcome: Outcome, jobs: int, rows: int, kill: bool, start_s: float
+) -> None:
     """In the background of the online load: submit, (kill), wait until all have finished,
     then check them in Redis (after the window: the check loads nothing the load measures)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as body:
         body.write(job_body(rows, seed=7))
         body.flush()
-        time.sleep(_wrk2.CALIBRATION_MS / 1000 + SUBMIT_AT_S)
+        time.sleep(start_s)
         started = time.monotonic()
         killer = threading.Timer(KILL_AFTER_S, kill_a_worker, (url, outcome)) if kill else None
         if killer is not None:
@@ -202,18 +205,21 @@ def one_run(
     jobs: int,
     rows: int,
     kill: bool,
+    connections: int,
 ) -> Outcome:
     url, redis_url = urls
     outcome = Outcome(name)
     worker = None
+    start_s = _wrk2.calibration_s(connections) + SUBMIT_AT_S  # into the measured window
     if jobs:
-        worker = threading.Thread(target=run_jobs, args=(url, redis_url, outcome, jobs, rows, kill))
+        worker = threading.Thread(
+            target=run_jobs, args=(url, redis_url, outcome, jobs, rows, kill, start_s)
+        )
         worker.start()
     elif kill:  # the same moment as with jobs, and no jobs to wait for
-        at = _wrk2.CALIBRATION_MS / 1000 + SUBMIT_AT_S + KILL_AFTER_S
-        worker = threading.Timer(at, kill_a_worker, (url, outcome, 0.0))
+        worker = threading.Timer(start_s + KILL_AFTER_S, kill_a_worker, (url, outcome, 0.0))
         worker.start()
-    outcome.online = _wrk2.run(url, rate, seconds, connections=64)
+    outcome.online = _wrk2.run(url, rate, seconds, connections=connections)
     if worker is not None:
         worker.join()
     if jobs:
@@ -221,9 +227,10 @@ def one_run(
     return outcome
 
 
-def report(outcomes: list[Outcome], rate: float, jobs: int, rows: int) -> str:
+def report(outcomes: list[Outcome], rate: float, jobs: int, rows: int, connections: int) -> str:
     lines = [
-        f"online load: {rate:.0f} req/s of churn (half the SLO capacity), wrk2, 64 connections;"
+        f"online load: {rate:.0f} req/s of churn (half the SLO capacity), wrk2, "
+        f"{connections} connections;"
         f" jobs: {jobs:,} of {rows} rows each, submitted at once",
         "",
         "| run | online p50 ms | p99 ms | p99.9 ms | online errors | submit s | refused |"
@@ -271,6 +278,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--rows", type=int, default=20, help="churn rows a job (20)")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window (60)")
+    parser.add_argument("--connections", type=int, default=64, help="wrk2's connections (64)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/jobs"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -281,7 +289,8 @@ def main() -> None:
             full = args.capacity or _wrk2.slo_capacity(url, 10.0, SLO_MS)
             rate = full / 2
             print(f"SLO capacity {full:.0f} req/s: online load {rate:.0f} req/s")
-            _wrk2.run(url, rate, 20.0, connections=64)  # a fresh stack's first seconds: unmeasured
+            # A fresh stack's first seconds: unmeasured.
+            _wrk2.run(url, rate, 20.0, connections=args.connections)
             # `off` twice, first and last: the machine's noise between runs, side by side.
             runs = [
                 ("off", 0, False),
@@ -292,9 +301,18 @@ def main() -> None:
             ]
             for name, jobs, kill in runs:
                 print(f"run {name} ...", flush=True)
-                outcome = one_run(name, (url, redis_url), rate, args.seconds, jobs, args.rows, kill)
+                outcome = one_run(
+                    name,
+                    (url, redis_url),
+                    rate,
+                    args.seconds,
+                    jobs,
+                    args.rows,
+                    kill,
+                    args.connections,
+                )
                 outcomes.append(outcome)
-        text = report(outcomes, rate, args.jobs, args.rows)
+        text = report(outcomes, rate, args.jobs, args.rows, args.connections)
     print(text)
     (args.out / "jobs.md").write_text(text + "\n")
 
