@@ -31,7 +31,11 @@ import yaml
 from tailserve.errors import ConfigError, field_message
 from tailserve.tensors import DATATYPES
 
-RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python"]
+RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python", "torch"]
+# How a variant's accuracy was measured against the full model on held-out inputs: area under
+# the ROC curve, the share of labels right (classifiers), or the largest absolute error of a
+# score (lower is better).
+Metric = Literal["auc", "accuracy", "max_abs_error"]
 
 
 class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -187,6 +191,32 @@ class JobsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     budget_share: float = 0.25
 
 
+class Variant(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One form of the model: the full one, a quantised or compiled one, a smaller one."""
+
+    name: str
+    # The file in each version folder (default: the runtime's own, e.g. model.onnx).
+    artifact: str | None = None
+    # Runtime settings for this variant, over the model's ``parameters`` (e.g. a torch
+    # model's {quantize: dynamic_int8}).
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    # As `tailserve optimize` measured it against the full model (``variants.metric``).
+    accuracy: float | None = None
+    # Measured milliseconds a batch by its size (the worker measures its own at warm-up).
+    latency_ms: dict[int, float] = msgspec.field(default_factory=dict)
+    size_bytes: int | None = None
+
+
+class Variants(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Forms of the model the worker chooses between per request, by deadline and load."""
+
+    metric: Metric = "auc"
+    # A variant less accurate than this (for max_abs_error: with a larger error) never serves.
+    floor: float | None = None
+    # The variants, the most accurate first (that order is the order of preference).
+    choices: list[Variant] = msgspec.field(default_factory=list)
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     runtime: RuntimeName
@@ -202,6 +232,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Inputs looked up in the feature store by entity id instead of sent by the client.
     features: FeaturesConfig | None = None
     jobs: JobsConfig = JobsConfig()
+    variants: Variants = Variants()
     # Runtimes that execute code from the artifact on load (pickles) refuse unless trusted.
     trust: bool = False
     # Runtime-specific settings, e.g. {method: predict_proba, column: 1} for sklearn.
@@ -315,6 +346,41 @@ def _check(config: ModelConfig, source: str) -> None:
     if config.slo.p99_ms <= 0:
         raise fail("slo.p99_ms", "must be > 0")
     _check_cache(config, fail)
+    _check_variants(config, fail)
+
+
+def _check_variants(config: ModelConfig, fail: Any) -> None:
+    variants = config.variants
+    seen: set[str] = set()
+    for i, variant in enumerate(variants.choices):
+        where = f"variants.choices[{i}]"
+        if not variant.name or not variant.name.replace("-", "").replace("_", "").isalnum():
+            raise fail(f"{where}.name", "letters, digits, '-' and '_' only")
+        if variant.name in seen:
+            raise fail(f"{where}.name", f"duplicate variant name {variant.name!r}")
+        seen.add(variant.name)
+        if variant.artifact is not None and (
+            not variant.artifact or "/" in variant.artifact or variant.artifact.startswith(".")
+        ):
+            raise fail(f"{where}.artifact", "a file name in the version folder")
+        if variants.floor is not None and variant.accuracy is None:
+            raise fail(f"{where}.accuracy", "needed when variants.floor is set")
+    if variants.floor is not None and not served_variants(config):
+        raise fail("variants.floor", "every variant is below it: none could serve")
+
+
+def served_variants(config: ModelConfig) -> list[Variant]:
+    """The variants that may serve, in order of preference: those the floor allows (with no
+    variants, the model itself as one, named ``default``)."""
+    variants = config.variants
+    if not variants.choices:
+        return [Variant(name="default")]
+    floor = variants.floor
+    if floor is None:
+        return list(variants.choices)
+    if variants.metric == "max_abs_error":
+        return [v for v in variants.choices if v.accuracy is not None and v.accuracy <= floor]
+    return [v for v in variants.choices if v.accuracy is not None and v.accuracy >= floor]
 
 
 def _check_cache(config: ModelConfig, fail: Any) -> None:

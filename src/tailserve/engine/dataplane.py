@@ -434,6 +434,7 @@ def _platform(config: ModelConfig) -> str:
         "lightgbm": "lightgbm",
         "sklearn": "sklearn",
         "python": "python",
+        "torch": "pytorch_libtorch",
     }[config.runtime]
 
 

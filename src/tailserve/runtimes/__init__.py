@@ -16,6 +16,7 @@ _BACKENDS: dict[str, str] = {
     "lightgbm": "tailserve.runtimes.lightgbm:LightGBMRuntime",
     "sklearn": "tailserve.runtimes.sklearn:SklearnRuntime",
     "python": "tailserve.runtimes.python:PythonRuntime",
+    "torch": "tailserve.runtimes.torch:TorchRuntime",
 }
 
 

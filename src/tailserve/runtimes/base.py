@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tailserve.errors import ModelLoadError
-from tailserve.modelconfig import ModelConfig
+from tailserve.modelconfig import ModelConfig, Variant
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -44,14 +44,27 @@ class RuntimeContext:
     config: ModelConfig
     version: int
     version_dir: Path
+    # The form of the model to load (model.yaml's ``variants``); None: the model itself.
+    variant: Variant | None = None
 
     @property
     def where(self) -> str:
-        """How errors name this model version."""
-        return f"model {self.config.name!r} version {self.version}"
+        """How errors name this model version (and variant)."""
+        named = f" variant {self.variant.name!r}" if self.variant is not None else ""
+        return f"model {self.config.name!r} version {self.version}{named}"
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The runtime's settings: the model's ``parameters``, with the variant's over them."""
+        if self.variant is None or not self.variant.parameters:
+            return self.config.parameters
+        return {**self.config.parameters, **self.variant.parameters}
 
     def artifact(self, filename: str) -> Path:
-        """The version folder's file, or a load error naming the model, version and path."""
+        """The version folder's file (the variant's own where it names one), or a load error
+        naming the model, version and path."""
+        if self.variant is not None and self.variant.artifact is not None:
+            filename = self.variant.artifact
         path = self.version_dir / filename
         if not path.is_file():
             raise ModelLoadError(f"{self.where}: {path} not found")

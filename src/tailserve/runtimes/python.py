@@ -38,7 +38,7 @@ class PythonRuntime:
         config = self.context.config
         path = self.context.artifact(ARTIFACT)
         module = self._import(path)
-        class_name = str(config.parameters.get("class", "Model"))
+        class_name = str(self.context.parameters.get("class", "Model"))
         cls = getattr(module, class_name, None)
         if not isinstance(cls, type):
             self._forget_module()

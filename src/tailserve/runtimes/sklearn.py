@@ -51,14 +51,14 @@ class SklearnRuntime:
         except Exception as exc:
             raise ModelLoadError(f"{self._where}: cannot load {path}: {exc}") from exc
         default = "predict_proba" if hasattr(estimator, "predict_proba") else "predict"
-        name = str(config.parameters.get("method", default))
+        name = str(self.context.parameters.get("method", default))
         method = getattr(estimator, name, None)
         if not callable(method):
             raise ModelLoadError(
                 f"{self._where}: field 'parameters.method': {type(estimator).__name__} has no "
                 f"method {name!r}"
             )
-        column = config.parameters.get("column")
+        column = self.context.parameters.get("column")
         if column is not None and not isinstance(column, int):
             raise ModelLoadError(f"{self._where}: field 'parameters.column' must be an integer")
         self._plan_columns(estimator)
