@@ -51,6 +51,6 @@ def test_a_well_formed_value_of_another_making_is_refused_not_raised(
         CachedResult({"y": np.array([1.0], dtype=np.float32)}, Lineage(1, "", 1.0, "w"), 2.0)
     )
     wire = msgspec.msgpack.decode(good)
-    wire[-1][0][1:] = [datatype, shape, data]  # outputs[0]: name, datatype, shape, data
+    wire[6][0][1:] = [datatype, shape, data]  # outputs[0]: name, datatype, shape, data
     with pytest.raises(ValueError, match="not a cached result: tensor 'y'"):
         decode(msgspec.msgpack.encode(wire))

@@ -34,6 +34,7 @@ class _Wire(msgspec.Struct, array_like=True):
     fresh_until: float
     precomputed: bool
     outputs: list[_Tensor]
+    variant: str = ""  # (last, with a default: entries written before it decode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class Lineage:
     computed_at: float  # Unix time
     computed_by: str  # the worker (host:pid) or job that computed it
     precomputed: bool = False
+    variant: str = ""  # the model's variant that computed it ("": the model has none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ def encode(result: CachedResult) -> bytes:
         result.fresh_until,
         lineage.precomputed,
         tensors,
+        lineage.variant,
     )
     return _encoder.encode(wire)
 
@@ -107,6 +110,7 @@ def decode(raw: bytes) -> CachedResult:
         wire.computed_at,
         wire.computed_by,
         wire.precomputed,
+        wire.variant,
     )
     return CachedResult(outputs, lineage, wire.fresh_until)
 

@@ -293,7 +293,11 @@ class ResultCache:
         outputs, extra = await compute()
         self.observer.on_compute(view.model, recompute)
         policy = view.policy
-        lineage = Lineage(view.version, policy.feature_version, self._wall(), self.worker_id)
+        # (The batch's account names the variant that computed it, for a model with several.)
+        variant = getattr(extra, "variant", "")
+        lineage = Lineage(
+            view.version, policy.feature_version, self._wall(), self.worker_id, variant=variant
+        )
         if generation == self._stamp(view.model):  # no invalidation passed while it ran
             self.store(view, key, outputs, lineage)
         return Served(outputs, source, lineage, extra)

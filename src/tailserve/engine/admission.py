@@ -68,9 +68,19 @@ class Admission:
         return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
 
     def admit(
-        self, item: Item, queue: ClassQueue, now: float, free_at: Sequence[float]
+        self,
+        item: Item,
+        queue: ClassQueue,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        count: bool = True,
+        headroom: float = 1.0,
     ) -> Rejection | None:
-        """Whether ``item`` may join its class ``queue``; admitted, it is given its estimate."""
+        """Whether ``item`` may join its class ``queue``; admitted, it is given its estimate.
+        Not ``count``: a refusal is not counted (the request will be offered another way).
+        ``headroom``: the share of the allowance for the queue ahead it may take (a model's
+        more accurate variants take less: engine/variants.py)."""
         delays = self.delays
         cost = queue.cost
         learnt = delays.learnt(now)
@@ -89,10 +99,10 @@ class Admission:
         ahead = self._ahead(work, now, free_at)
         own = own_work / (len(free_at) or 1)
         waits = learnt[1] + delays.loop_delay_s
-        share = 1.0 if item.screened else self._share
+        share = (1.0 if item.screened else self._share) * headroom
         if ahead > (budget - waits - own) * share:
             self._hint = (now, work)
-            return self._unmeetable(budget, ahead + own, waits)
+            return self._unmeetable(budget, ahead + own, waits, count=count)
         self._hint = (now, work + own_work)  # (admitted: its rows are ahead of the next one)
         self._count(refused=False)
         item.estimate = now + ahead + own + waits
@@ -157,10 +167,13 @@ class Admission:
             return dataclasses.replace(rejection, reusable_s=_REUSE_S, least_budget_s=least)
         return None
 
-    def _unmeetable(self, budget: float, queueing: float, waits: float) -> Rejection:
+    def _unmeetable(
+        self, budget: float, queueing: float, waits: float, *, count: bool = True
+    ) -> Rejection:
         """A refusal for the wait ahead, saying what makes it up and what share of the budget
         it may take."""
-        self._count(refused=True)
+        if count:
+            self._count(refused=True)
         wait = queueing + waits
         backlog = self.delays.loop_backlog_s
         return Rejection(

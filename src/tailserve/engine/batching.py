@@ -77,8 +77,18 @@ class Batcher(Protocol):
     # still stands (an arrival that only adds to a batch still filling wakes no one).
     poll_soon: bool
 
-    def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
-        """Queue the request, or say why not. ``free_at``: when each instance is free."""
+    def offer(
+        self,
+        item: Item,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        final: bool = True,
+        headroom: float = 1.0,
+    ) -> Rejection | None:
+        """Queue the request, or say why not. ``free_at``: when each instance is free. Not
+        ``final``: a refusal for its deadline is not counted (it will be offered another way).
+        ``headroom``: the share of admission's allowance for the queue ahead it may take."""
         ...
 
     def poll(self, now: float, free_at: Sequence[float], *, draining: bool = False) -> Poll:
@@ -148,7 +158,15 @@ class _Fifo:
         self.rows = 0
         self._costs: dict[Any, tuple[str, LinearCost]] = {}
 
-    def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
+    def offer(
+        self,
+        item: Item,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        final: bool = True,
+        headroom: float = 1.0,
+    ) -> Rejection | None:
         if len(self.queue) >= self.max_queue:
             return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
         self.queue.append(item)

@@ -48,6 +48,12 @@ class Bucket:
     key: Hashable  # requests batch together only within one key
     label: str  # for metrics and stats
     pad: Pad | None = None
+    # Which of the model's variants runs it (engine/variants.py): 0, the first, by default.
+    variant: int = 0
+
+    def on(self, variant: int, name: str) -> Bucket:
+        """This class as run by another variant: its own queue and cost model."""
+        return Bucket((variant, self.key), f"{name}/{self.label}", self.pad, variant)
 
 
 class BucketRule:

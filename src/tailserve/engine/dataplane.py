@@ -158,6 +158,7 @@ class DataPlane:
         config = served.config
         wanted = _wanted_outputs(config, request)
         deadline, hard, priority = deadline_and_priority(config, request)
+        pinned = _pinned_variant(served, request)
 
         checked = None
         view = served.cache
@@ -181,6 +182,7 @@ class DataPlane:
                 priority=priority,
                 hard_deadline=hard,
                 screened=screened,
+                variant=pinned,
             )
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}
@@ -197,8 +199,12 @@ class DataPlane:
                 lineage = answer.lineage
                 parameters["cache_computed_at"] = lineage.computed_at
                 parameters["cache_computed_by"] = lineage.computed_by
+                if lineage.variant:
+                    parameters["variant"] = lineage.variant
         if stats is None:  # answered from the cache: no queue, no batch
             stats = _CACHED
+        elif served.variants:
+            parameters["variant"] = stats.variant or served.variants[0]
         parameters.update(
             queue_us=int(stats.queue_s * 1e6),
             compute_us=int(stats.compute_s * 1e6),
@@ -378,6 +384,23 @@ def _response(
         id=request.id,
         parameters=parameters,
     )
+
+
+def _pinned_variant(served: ServedVersion, request: InferRequest) -> int | None:
+    """The variant the request asks for by name (parameter ``variant``), if any."""
+    name = request.parameters.get("variant", request.variant)
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise InvalidInput(f"parameter 'variant' must be a variant's name, got {name!r}")
+    if not served.variants:
+        raise InvalidInput(f"model {served.config.name!r} has no variants to choose from")
+    if name not in served.variants:
+        raise InvalidInput(
+            f"model {served.config.name!r} has no variant {name!r} serving "
+            f"(serving: {', '.join(served.variants)})"
+        )
+    return served.variants.index(name) if len(served.variants) > 1 else None
 
 
 def _delays(batcher: Any) -> dict[str, float]:

@@ -107,12 +107,20 @@ class DeadlineBatcher:
     def share(self) -> float:
         return self._admission.share()
 
-    def offer(self, item: Item, now: float, free_at: Sequence[float]) -> Rejection | None:
+    def offer(
+        self,
+        item: Item,
+        now: float,
+        free_at: Sequence[float],
+        *,
+        final: bool = True,
+        headroom: float = 1.0,
+    ) -> Rejection | None:
         admission, queues = self._admission, self._queues
         if queues.queued >= admission.max_queue:
             return admission.queue_full()
         queue = queues.by_key.get(item.bucket.key) or self._class(item.bucket)
-        rejection = admission.admit(item, queue, now, free_at)
+        rejection = admission.admit(item, queue, now, free_at, count=final, headroom=headroom)
         if rejection is not None:
             return rejection
         queues.add(queue, item, now)

@@ -29,6 +29,7 @@ class InferRequest:
     deadline_ms: float | None = None
     priority: int | None = None
     cache_mode: str | None = None
+    variant: str | None = None  # the model's variant asked for by name (X-Variant)
 
 
 @dataclass(slots=True)

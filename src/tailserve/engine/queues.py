@@ -35,7 +35,7 @@ class ArrivalRate:
     at: float = 0.0
     since: float | None = None
 
-    def add(self, now: float, rows: int) -> None:
+    def add(self, now: float, rows: float) -> None:
         if self.since is None:
             self.since = now
         elif 0.0 <= now - self.at < _RATE_GRANULE_S:

@@ -30,6 +30,7 @@ from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
 from tailserve.engine.stats import ModelStats
+from tailserve.engine.variants import VariantChooser
 from tailserve.errors import (
     DeadlineExceeded,
     DeadlineUnmeetable,
@@ -51,6 +52,7 @@ class BatchStats:
     compute_s: float
     batch_size: int
     cost_class: str = "all"
+    variant: str = ""  # the variant that ran it (models with variants only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ class BatchRecord:
     predicted_s: float
     queue_s: Sequence[float]
     missed: int  # members answered after their deadline
+    variant: str = ""  # the variant that ran it (models with variants only)
 
 
 class BatchObserver(Protocol):
@@ -81,13 +84,14 @@ _MIN_WINDOW_S = 0.0005
 
 
 class _Instance:
-    """One model instance: its runtime, its own thread, and the batches handed to it."""
+    """One model instance: its runtime (one per variant of the model), its own thread, and the
+    batches handed to it."""
 
-    def __init__(self, model: str, index: int, runtime: Runtime) -> None:
+    def __init__(self, model: str, index: int, runtimes: Sequence[Runtime]) -> None:
         self.index = index
-        self.runtime = runtime
+        self.runtimes = runtimes
         # Whether its cheap batches may run on the loop's thread (runtimes/base.py).
-        self.steady = bool(getattr(runtime, "steady", False))
+        self.steady = all(getattr(runtime, "steady", False) for runtime in runtimes)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}-{index}")
         self.outstanding = 0
         # When its handed-over batches are predicted to be done (0: idle), and how long the
@@ -121,7 +125,7 @@ class Scheduler:
         self,
         *,
         model: str,
-        runtimes: Sequence[Runtime],
+        runtimes: Sequence[Runtime | Sequence[Runtime]],
         batcher: Batcher,
         batched: bool,
         observer: BatchObserver | None = None,
@@ -129,8 +133,12 @@ class Scheduler:
         loop: LoopState | None = None,
         inline_below_s: float = 0.0,
         background: BackgroundLane | None = None,
+        variants: VariantChooser | None = None,
     ) -> None:
+        """``runtimes``: per instance, its runtime, or one per variant of the model (in the
+        order of ``variants``, whose policy then chooses per request)."""
         self._model = model
+        self.variants = variants if variants is not None and len(variants) > 1 else None
         # Jobs' work, run only in the time online requests leave free (engine/background.py).
         self.background = (
             background if background is not None else BackgroundLane(budget_s=0.0, max_rows=1)
@@ -139,7 +147,7 @@ class Scheduler:
         self.inline_batches = 0
         # Cost classes whose cost has been measured (a class once measured stays so).
         self._measured: set[str] = set()
-        self._runtimes = list(runtimes)
+        instances = [[r] if not isinstance(r, Sequence) else list(r) for r in runtimes]
         self._batcher = batcher
         self._batched = batched
         self._observer = observer
@@ -152,7 +160,7 @@ class Scheduler:
         self._waiters: set[asyncio.Future[None]] = set()
         self._busy_waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
-        self._instances = [_Instance(model, i, runtime) for i, runtime in enumerate(runtimes)]
+        self._instances = [_Instance(model, i, forms) for i, forms in enumerate(instances)]
         # How long the loop takes to pick a finished batch's results up (moving average).
         self._handoff_s = 0.0005
         self._closing = False
@@ -176,8 +184,11 @@ class Scheduler:
             )
             self._workers.append(task)
 
-    def seed(self, bucket: Bucket, rows: int, seconds: float) -> None:
-        """A warm-up batch's time, so the cost model starts from a measurement."""
+    def seed(self, bucket: Bucket, rows: int, seconds: float, variant: int = 0) -> None:
+        """A warm-up batch's time (on ``variant``), so the cost model starts from a
+        measurement."""
+        if self.variants is not None:
+            bucket = bucket.on(variant, self.variants.names[variant])
         self._batcher.observe(bucket, rows, seconds, -1.0)
 
     def shed(self, *, deadline: float, priority: int = 1, queue: bool = True) -> None:
@@ -236,7 +247,10 @@ class Scheduler:
         priority: int = 1,
         hard_deadline: bool = False,
         screened: bool = False,
+        variant: int | None = None,
     ) -> tuple[Arrays, BatchStats]:
+        """Queue a request and wait for its answer. A model with variants chooses the one to
+        run it (engine/variants.py), unless ``variant`` names one."""
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
         now = self._clock()
@@ -254,7 +268,10 @@ class Scheduler:
             screened=screened,
         )
         self._read_loop()
-        rejection = self._batcher.offer(item, now, self._free_times(now))
+        if self.variants is None:
+            rejection = self._batcher.offer(item, now, self._free_times(now))
+        else:
+            rejection = self._offer_variants(item, now, variant)
         if rejection is not None:
             self._refuse(rejection)
         if self._batcher.poll_soon:  # (else the time the last poll gave still stands)
@@ -267,6 +284,30 @@ class Scheduler:
         self.stats.on_success(self._clock() - now, result[1].queue_s)
         return result
 
+    def _offer_variants(self, item: Item, now: float, pinned: int | None) -> Rejection | None:
+        """Offer ``item`` as the variants' policy orders: on refusal for its deadline, to the
+        next cheaper variant; only the last refusal counts as one."""
+        chooser = self.variants
+        assert chooser is not None
+        free_at = self._free_times(now)
+        base = item.bucket
+        if pinned is not None:
+            item.bucket = base.on(pinned, chooser.names[pinned])
+            return self._batcher.offer(item, now, free_at)
+        buckets = [base.on(v, name) for v, name in enumerate(chooser.names)]
+        size = max(1, round(chooser.batch_rows))
+        predict = self._batcher.predict
+        costs = [predict(bucket, size) / size * item.rows for bucket in buckets]
+        order = chooser.order(now, costs)
+        rejection = None
+        for position, (index, headroom) in enumerate(order):
+            item.bucket = buckets[index]
+            last = position == len(order) - 1
+            rejection = self._batcher.offer(item, now, free_at, final=last, headroom=headroom)
+            if rejection is None or rejection.reason != "deadline":
+                return rejection
+        return rejection
+
     async def infer_background(
         self, inputs: Arrays, rows: int, bucket: Bucket
     ) -> tuple[Arrays, BatchStats]:
@@ -277,12 +318,17 @@ class Scheduler:
         future: asyncio.Future[tuple[Arrays, BatchStats]] = (
             asyncio.get_running_loop().create_future()
         )
+        if self.variants is not None:
+            bucket = bucket.on(0, self.variants.names[0])
         self.background.add(Item(rows, bucket, self._clock(), payload=_Pending(inputs, future)))
         self._wake(arrival=True)
         return await future
 
     def predict(self, bucket: Bucket, rows: int) -> float:
-        """The cost model's time for a batch of ``rows`` of ``bucket``, seconds."""
+        """The cost model's time for a batch of ``rows`` of ``bucket`` (on the first
+        variant), seconds."""
+        if self.variants is not None and bucket.variant == 0:
+            bucket = bucket.on(0, self.variants.names[0])
         return self._batcher.predict(bucket, rows)
 
     async def close(self, drain_s: float | None = None) -> None:
@@ -448,7 +494,7 @@ class Scheduler:
         dispatched = self._clock()
         try:
             outputs, started, ended = await loop.run_in_executor(
-                instance.executor, self._execute, instance.runtime, batch, bucket
+                instance.executor, self._execute, instance.runtimes[bucket.variant], batch, bucket
             )
         except Exception as exc:
             self._failed(batch, exc)
@@ -466,7 +512,9 @@ class Scheduler:
     ) -> None:
         dispatched = self._clock()
         try:
-            outputs, started, ended = self._execute(instance.runtime, batch, bucket)
+            outputs, started, ended = self._execute(
+                instance.runtimes[bucket.variant], batch, bucket
+            )
         except Exception as exc:
             self._failed(batch, exc)
             return
@@ -502,6 +550,10 @@ class Scheduler:
         self._handoff_s += 0.05 * (min(handoff, _MAX_HANDOFF_S) - self._handoff_s)
         self._batcher.observe(bucket, rows, compute_s, handoff, done)
         self.stats.on_batch(rows, compute_s)
+        variant = ""
+        if self.variants is not None:
+            variant = self.variants.names[bucket.variant]
+            self.variants.batched(rows)
         queue_times = [started - item.enqueued_at for item in batch]
         missed = 0
         for item, part, queue_s in zip(batch, outputs, queue_times, strict=True):
@@ -509,7 +561,9 @@ class Scheduler:
             self._batcher.completed(item, done)
             future = item.payload.future
             if not future.done():
-                future.set_result((part, BatchStats(queue_s, compute_s, rows, bucket.label)))
+                future.set_result(
+                    (part, BatchStats(queue_s, compute_s, rows, bucket.label, variant))
+                )
         self.stats.deadline_misses += missed
         if self._observer is not None:
             self._observer.on_batch(
@@ -522,6 +576,7 @@ class Scheduler:
                     predicted,
                     queue_times,
                     missed,
+                    variant,
                 )
             )
 

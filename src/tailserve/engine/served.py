@@ -8,6 +8,8 @@ is what it calls to make and retire one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,9 +23,10 @@ from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
 from tailserve.engine.scheduler import BatchObserver, LoopState, Scheduler
 from tailserve.engine.validation import InputPlan
+from tailserve.engine.variants import VariantChooser
 from tailserve.engine.warmup import load_and_warm
 from tailserve.errors import ModelNotServed
-from tailserve.modelconfig import FeaturesConfig, ModelConfig
+from tailserve.modelconfig import FeaturesConfig, ModelConfig, served_variants
 from tailserve.runtimes import Runtime, RuntimeContext
 
 if TYPE_CHECKING:
@@ -43,6 +46,8 @@ class ServedVersion:
     cache: ModelView | None = None
     # Fills inputs from the feature store by entity id (None: the client sends them all).
     features: FeatureResolver | None = None
+    # The variants that serve, in order of preference (empty: the model has none).
+    variants: tuple[str, ...] = ()
 
 
 class VersionBuilder:
@@ -80,33 +85,53 @@ class VersionBuilder:
         policy = batching_policy(config)
         plan = InputPlan(config)
         buckets = BucketRule(config, classes=policy == "deadline")
-        runtimes: list[Runtime] = []
-        timings: list[tuple[Bucket, int, float]] = []
+        # Per instance, a runtime for each variant that may serve (the model alone: one).
+        forms = served_variants(config) if config.variants.choices else [None]
+        instances: list[list[Runtime]] = []
+        timings: list[tuple[int, Bucket, int, float]] = []
         try:
             for _ in range(config.instances.count):
-                runtime, measured = await loop.run_in_executor(
-                    self._loader, load_and_warm, context, plan, buckets
-                )
-                runtimes.append(runtime)
-                timings += measured
+                runtimes: list[Runtime] = []
+                instances.append(runtimes)
+                for index, variant in enumerate(forms):
+                    runtime, measured = await loop.run_in_executor(
+                        self._loader,
+                        load_and_warm,
+                        dataclasses.replace(context, variant=variant),
+                        plan,
+                        buckets,
+                    )
+                    runtimes.append(runtime)
+                    timings += [(index, *timing) for timing in measured]
         except BaseException:
-            for runtime in runtimes:
+            for runtime in itertools.chain.from_iterable(instances):
                 runtime.unload()
             raise
+        names = tuple(variant.name for variant in forms if variant is not None)
+        chooser = None
+        if len(names) > 1:
+            chooser = VariantChooser(
+                names,
+                instances=config.instances.count,
+                target_utilization=config.batching.target_utilization,
+            )
         scheduler = Scheduler(
             model=config.name,
-            runtimes=runtimes,
+            runtimes=instances,
             batcher=batcher_for(config, policy),
             batched=config.batched,
             observer=self._observer,
             loop=self._loop,
             inline_below_s=config.instances.inline_below_ms / 1e3,
             background=background_lane(config),
+            variants=chooser,
         )
-        for bucket, rows, seconds in timings:
-            scheduler.seed(bucket, rows, seconds)
+        for index, bucket, rows, seconds in timings:
+            scheduler.seed(bucket, rows, seconds, index)
         scheduler.start()
+        runtimes = list(itertools.chain.from_iterable(instances))
         served = ServedVersion(config, version, runtimes, scheduler, plan, buckets, policy)
+        served.variants = names
         if config.cache.enabled and self.cache is not None:
             served.cache = model_view(self.cache, config, version)
         if config.features is not None:

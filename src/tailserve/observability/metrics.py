@@ -285,6 +285,11 @@ class Metrics:
         self.deadline_misses = LoopCounter(
             "tailserve_deadline_misses", "Requests answered after their deadline.", ["model"]
         )
+        self.variant_requests = LoopCounter(
+            "tailserve_variant_requests",
+            "Requests a model with variants computed, by the variant that ran them.",
+            ["model", "variant"],
+        )
         self.loop_lag = LoopHistogram(
             "tailserve_event_loop_lag_seconds",
             "How late the event loop ran a timer: the wait of anything ready to run.",
@@ -359,6 +364,7 @@ class Metrics:
             self.batch_predicted,
             self.rejected,
             self.deadline_misses,
+            self.variant_requests,
             self.loop_lag,
             self.gc_full_pause,
             self.cache_lookups,
@@ -421,6 +427,8 @@ class Metrics:
             self.deadline_misses.values[(model,)] = (
                 self.deadline_misses.values.get((model,), 0) + record.missed
             )
+        if record.variant:
+            self.variant_requests.add(len(record.queue_s), model, record.variant)
 
     # --- the result cache (tailserve.cache.tiered.CacheObserver) ----------------------------
 

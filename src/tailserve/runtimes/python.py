@@ -17,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import msgspec
+
 from tailserve.errors import ModelExecutionError, ModelLoadError, TailserveError
 from tailserve.runtimes.base import Arrays, RuntimeContext, Signature
 
@@ -43,6 +45,9 @@ class PythonRuntime:
         if not isinstance(cls, type):
             self._forget_module()
             raise ModelLoadError(f"{self._where}: {path} defines no class {class_name!r}")
+        if self.context.variant is not None and self.context.variant.parameters:
+            # The model's code reads its settings from config.parameters: the variant's there.
+            config = msgspec.structs.replace(config, parameters=self.context.parameters)
         try:
             if _takes_context(cls):
                 model = cls(version_dir=self.context.version_dir, config=config)

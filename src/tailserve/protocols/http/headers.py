@@ -27,6 +27,9 @@ def request_options(request: HttpRequest, infer: InferRequest) -> None:
     mode = request.header(b"x-cache-mode")
     if mode is not None:
         infer.cache_mode = mode.decode(errors="replace")
+    variant = request.header(b"x-variant")
+    if variant is not None:
+        infer.variant = variant.decode(errors="replace")
     priority = request.header(b"x-priority")
     if priority is not None:
         if not priority.isdigit():
@@ -44,4 +47,5 @@ def served_headers(response: InferResponse) -> Headers:
         (b"x-batch-size", str(params["batch_size"]).encode()),
         (b"x-cost-class", str(params["cost_class"]).encode()),
         *([(b"x-cache", params["cache"].encode())] if "cache" in params else []),
+        *([(b"x-variant", params["variant"].encode())] if "variant" in params else []),
     ]

@@ -1,0 +1,106 @@
+"""Which form of a model serves a request: latency as a dial.
+
+A model may come in variants (model.yaml's ``variants``): the full model, a quantised one, a
+smaller one, the most accurate first. Each request is served by the most accurate variant that
+the load allows and that meets its deadline given the queue now:
+
+1. *The load.* Every request the model must compute adds what it would cost on the most
+   accurate variant (its rows at the batch size the model now runs, seconds) to a decayed
+   rate: the demand, in seconds of the instances' time a second. While the demand fits the
+   instances' ``target_utilization``, every request gets the first variant. Past it, requests
+   are split between the two neighbouring variants whose mix fits, in the proportion that fits
+   exactly (the mix of the most accuracy the instances can afford); past what the cheapest can
+   do, all get the cheapest, and admission refuses what even it cannot serve in time. The
+   split is a running credit, not a coin: at a share of 0.3, three requests in every ten.
+2. *The queue now.* The chosen variant is offered to the batcher, which admits it only while
+   the work queued ahead leaves it a share of its time: of the n variants worth choosing, the
+   k-th most accurate may take k/n of what admission allows (with two, the full model only
+   while the queue ahead takes under half). Refused, the request is offered the next cheaper
+   variant, and so on; only the last refusal counts as one. So a burst is answered by the full
+   model until the queue is half-full, then by the cheaper ones, which still find room: under
+   overload the cheaper variant comes before a refusal.
+
+A variant that measures no cheaper than a more accurate one for the request is never chosen:
+it would trade accuracy for nothing. The demand is counted in the first variant's costs
+whatever served, so what is chosen does not feed back into what is measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tailserve.engine.queues import ArrivalRate
+
+# The batch size assumed before the model has run any (and the least the average may fall to).
+_MIN_ROWS = 1.0
+# How fast the average batch size follows the batches run (per batch).
+_ROWS_ALPHA = 0.05
+
+
+@dataclass(slots=True)
+class VariantChooser:
+    """The dial's policy for one served version; pure (it is told the time and the costs)."""
+
+    names: Sequence[str]
+    instances: int = 1
+    target_utilization: float = 0.8
+    demand: ArrivalRate = field(default_factory=ArrivalRate)
+    # Rows a batch of this model has held lately (moving average): costs are taken per row at
+    # that size, so the fixed part of a batch is shared as the batches share it now.
+    batch_rows: float = _MIN_ROWS
+    _credit: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def index(self, name: str) -> int | None:
+        try:
+            return list(self.names).index(name)
+        except ValueError:
+            return None
+
+    def batched(self, rows: int) -> None:
+        """A batch of ``rows`` ran (any variant)."""
+        self.batch_rows += _ROWS_ALPHA * (rows - self.batch_rows)
+
+    def order(self, now: float, costs: Sequence[float]) -> list[tuple[int, float]]:
+        """The variants to offer a request to, in turn, each with the share of admission's
+        allowance it may take of the queue (see above). ``costs``: what the request would cost
+        on each variant (seconds, per row at the current batch size times its rows)."""
+        frontier = _frontier(costs)
+        tiers = len(frontier)
+        offers = [(index, (rank + 1) / tiers) for rank, index in enumerate(frontier)]
+        if tiers == 1:
+            return offers
+        first = costs[0]
+        self.demand.add(now, first)  # (a float count: seconds, not rows)
+        demand = self.demand.value(now)
+        capacity = self.target_utilization * self.instances
+        if demand <= capacity or first <= 0:
+            return offers
+        # The cost a request may have on average, in units of the first variant's.
+        allowed = capacity / demand
+        ratios = [costs[v] / first for v in frontier]
+        for at in range(len(frontier) - 1):
+            upper, lower = ratios[at], ratios[at + 1]
+            if lower <= allowed < upper:
+                share = (allowed - lower) / (upper - lower)  # of the more accurate one
+                self._credit += share
+                if self._credit >= 1.0:
+                    self._credit -= 1.0
+                    return offers[at:]
+                return offers[at + 1 :]
+        return offers[-1:]
+
+
+def _frontier(costs: Sequence[float]) -> list[int]:
+    """The variants worth choosing: each cheaper than every more accurate one."""
+    chosen: list[int] = []
+    cheapest = math.inf
+    for index, cost in enumerate(costs):
+        if cost < cheapest:
+            chosen.append(index)
+            cheapest = cost
+    return chosen
