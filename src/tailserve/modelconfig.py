@@ -145,6 +145,9 @@ class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     l2_ttl_s: float | None = None
     # Grace window after the TTL: the stale value is served while it is refreshed once.
     stale_s: float = 0.0
+    # Under overload (the model refusing requests, or its queue past what admission allows),
+    # a value up to this long past its TTL is served as stale instead of recomputed.
+    stale_if_overloaded_s: float = 0.0
     key: CacheKeyRule = CacheKeyRule()
     # > 0: identical requests on different workers wait up to this long for the one
     # holding a short Redis lease to compute, instead of all computing.
@@ -398,8 +401,8 @@ def _check_cache(config: ModelConfig, fail: Any) -> None:
         raise fail("cache.l1.ttl_s", "must be > 0")
     if cache.l1.max_entries < 1 or cache.l1.max_bytes < 1024:
         raise fail("cache.l1", "max_entries must be >= 1 and max_bytes >= 1024")
-    if cache.stale_s < 0 or cache.lease_ms < 0:
-        raise fail("cache", "stale_s and lease_ms must be >= 0")
+    if cache.stale_s < 0 or cache.lease_ms < 0 or cache.stale_if_overloaded_s < 0:
+        raise fail("cache", "stale_s, stale_if_overloaded_s and lease_ms must be >= 0")
     for i, name in enumerate(cache.key.exclude):
         if name not in names:
             raise fail(f"cache.key.exclude[{i}]", f"{name!r} is not an input of the model")

@@ -234,3 +234,69 @@ async def test_an_invalidation_is_published_even_when_l2_could_not_be_cleared() 
     await cache.flush()
     assert len(store) == 0
     await cache.close()
+
+
+class Pressure:
+    """The model's load as the cache asks for it: overloaded or not, and how often asked."""
+
+    def __init__(self, overloaded: bool) -> None:
+        self.overloaded = overloaded
+        self.asked = 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.overloaded
+
+
+async def test_past_the_grace_window_an_overloaded_model_serves_stale_not_computes() -> None:
+    clock = Clock()
+    cache, model = ResultCache(), Model()
+    v = view(clock, CachePolicy(l1_ttl_s=5, l2_ttl_s=5, grace_s=2, overload_s=60))
+    await cache.serve(v, "k", "use", model)
+    pressure = Pressure(overloaded=True)
+    clock.now = 6.0  # within the grace window: stale and refreshed, load or no load
+    model.release.clear()
+    assert (await cache.serve(v, "k", "use", model, pressure)).source == "stale"
+    assert pressure.asked == 0
+    model.release.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert model.runs == 2
+    clock.now = 6.0 + 5 + 30  # 30 s past its (refreshed) TTL: past grace, within overload_s
+    answer = await cache.serve(v, "k", "use", model, pressure)
+    assert (answer.source, answer.outputs["y"].tolist(), model.runs) == ("stale", [2.0], 2)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert model.runs == 2  # not refreshed either: the model has no time for it
+    pressure.overloaded = False
+    quiet = await cache.serve(v, "k", "use", model, pressure)
+    assert (quiet.source, quiet.outputs["y"].tolist(), model.runs) == ("miss", [3.0], 3)
+
+
+async def test_past_the_overload_bound_a_value_is_computed_even_under_overload() -> None:
+    clock = Clock()
+    cache, model = ResultCache(), Model()
+    v = view(clock, CachePolicy(l1_ttl_s=5, l2_ttl_s=5, overload_s=10))
+    await cache.serve(v, "k", "use", model)
+    clock.now = 5 + 11
+    answer = await cache.serve(v, "k", "use", model, Pressure(overloaded=True))
+    assert (answer.source, model.runs) == ("miss", 2)
+
+
+async def test_an_overloaded_model_serves_a_stale_value_from_l2() -> None:
+    # Another worker's value in the shared tier, past its TTL (wall clock) and grace.
+    wall = Clock()
+    store = InProcessStore()
+    writer = ResultCache(redis=InProcessTier(store), worker_id="w1", wall_clock=wall)
+    policy = CachePolicy(l1_ttl_s=5, l2_ttl_s=5, grace_s=1, overload_s=60)
+    await writer.serve(view(Clock(), policy), "k", "use", Model())
+    await writer.flush()
+    wall.now = 30.0
+    reader = ResultCache(redis=InProcessTier(store), worker_id="w2", wall_clock=wall)
+    model = Model()
+    answer = await reader.serve(view(Clock(), policy), "k", "use", model, Pressure(True))
+    assert (answer.source, answer.outputs["y"].tolist(), model.runs) == ("stale", [1.0], 0)
+    computed = await reader.serve(view(Clock(), policy), "k", "use", model, Pressure(False))
+    assert (computed.source, model.runs) == ("miss", 1)
+    await writer.close()
+    await reader.close()

@@ -437,3 +437,24 @@ async def test_an_arrival_wakes_the_instance_only_when_the_batcher_asks() -> Non
     assert [out["y"][0, 0] for out, _ in results] == [100.0 + i for i in range(8)]
     assert batcher.polls <= 4  # the start, the first arrival, the eighth, once after the batch
     await s.close()
+
+
+async def test_a_model_is_pressed_while_its_queue_is_past_what_admission_allows() -> None:
+    runtime = Recorder()
+    batcher = DeadlineBatcher(max_rows=1, instances=1, max_queue=1000, admission_target=0.3)
+    s = Scheduler(model="m", runtimes=[runtime], batcher=batcher, batched=True)
+    s.seed(ALL, 1, 0.005, 0)  # 5 ms a request
+    s.start()
+    assert not s.pressed(0.050)
+    runtime.release.clear()
+    deadline = time.monotonic() + 10.0
+    queued = [asyncio.ensure_future(s.infer(x(i), 1, ALL, deadline=deadline)) for i in range(8)]
+    await asyncio.sleep(0)
+    await asyncio.to_thread(runtime.entered.wait, 5)
+    # ~7 x 5 ms queued: past 30% of a 50 ms budget, within 30% of a second's.
+    assert s.pressed(0.050)
+    assert not s.pressed(1.0)
+    runtime.release.set()
+    await asyncio.gather(*queued)
+    assert not s.pressed(0.050)
+    await s.close()

@@ -46,6 +46,7 @@ def model_view(
         l1_ttl_s=min(l1_ttl, l2_ttl) if settings.l2 else l1_ttl,
         l2_ttl_s=l2_ttl,
         grace_s=settings.stale_s,
+        overload_s=settings.stale_if_overloaded_s,
         use_l2=settings.l2,
         lease_s=settings.lease_ms / 1e3,
         feature_version=feature_version,

@@ -242,6 +242,10 @@ class MemoryCache:
 
     # --- writing ----------------------------------------------------------------------------
 
+    def now(self) -> float:
+        """The time on the cache's clock (the one its entries' times are on)."""
+        return self._clock()
+
     def put(self, key: str, value: Any, size: int, ttl_s: float, grace_s: float = 0.0) -> bool:
         """Store a value for ``ttl_s`` (then stale for ``grace_s``); False when the policy
         turned it away or it is larger than the whole cache."""

@@ -6,7 +6,9 @@ stores what it computed in both tiers, and says where the answer came from (``so
 
 - ``l1`` / ``l2``: a fresh hit; ``precomputed``: a hit written by a precompute job;
 - ``stale``: past its TTL, within the grace window: served at once and refreshed in the
-  background, once however many requests see it stale;
+  background, once however many requests see it stale; or, while the model is overloaded
+  (``pressed``), up to ``overload_s`` past its TTL: served instead of computed, and not
+  refreshed (the model has no time for it; the next request after the overload computes);
 - ``coalesced``: waited for an identical request in flight (here, or on another worker that held
   the Redis lease);
 - ``miss``: computed; ``bypass`` / ``refresh``: the request asked not to read the cache (refresh
@@ -72,9 +74,16 @@ class CachePolicy:
     l1_ttl_s: float = 300.0
     l2_ttl_s: float = 300.0
     grace_s: float = 0.0
+    # Under overload, a value this long past its TTL is still served (stale-if-overloaded).
+    overload_s: float = 0.0
     use_l2: bool = True
     lease_s: float = 0.0  # > 0: coalesce across workers through a Redis lease this long
     feature_version: str = ""
+
+    @property
+    def keep_s(self) -> float:
+        """How long past its TTL a value is kept: for the grace window, or for overload."""
+        return max(self.grace_s, self.overload_s)
 
 
 _SERIALS = itertools.count(1)
@@ -117,6 +126,12 @@ _OWN_REFUSALS = (Overloaded, DeadlineUnmeetable, DeadlineExceeded)
 
 
 Compute = Callable[[], Awaitable[tuple[Outputs, Any]]]
+# Whether the model is overloaded now (asked only of a value past its grace window).
+Pressed = Callable[[], bool]
+
+
+def _never() -> bool:
+    return False
 
 
 class ResultCache:
@@ -161,7 +176,14 @@ class ResultCache:
 
     # --- serving ----------------------------------------------------------------------------
 
-    async def serve(self, view: ModelView, key: str, mode: Mode, compute: Compute) -> Served:
+    async def serve(
+        self,
+        view: ModelView,
+        key: str,
+        mode: Mode,
+        compute: Compute,
+        pressed: Pressed = _never,
+    ) -> Served:
         if mode == "bypass":
             outputs, extra = await compute()
             return Served(outputs, "bypass", None, extra)
@@ -173,12 +195,20 @@ class ResultCache:
             # L1 holds the encoded bytes: untracked by the collector, and the decode (~3 µs)
             # gives each hit arrays of its own.
             result = codec.decode(found[0])
-            self.observer.on_lookup(model, "l1", lookup.value)
             if lookup is Lookup.STALE:
-                self._refresh_later(view, key, compute, from_l2=True)
-                return Served(result.outputs, "stale", result.lineage)
-            source = "precomputed" if result.lineage.precomputed else "l1"
-            return Served(result.outputs, source, result.lineage, value=found[0])
+                overdue = view.l1.now() - found[2]
+                if overdue < view.policy.grace_s:
+                    self.observer.on_lookup(model, "l1", "stale")
+                    self._refresh_later(view, key, compute, from_l2=True)
+                    return Served(result.outputs, "stale", result.lineage)
+                if pressed():
+                    self.observer.on_lookup(model, "l1", "stale_overloaded")
+                    return Served(result.outputs, "stale", result.lineage)
+                lookup = Lookup.EXPIRED  # kept only for an overload: computed afresh
+            else:
+                self.observer.on_lookup(model, "l1", lookup.value)
+                source = "precomputed" if result.lineage.precomputed else "l1"
+                return Served(result.outputs, source, result.lineage, value=found[0])
         self.observer.on_lookup(model, "l1", lookup.value)
         waiting = self._inflight.get(key)
         if waiting is not None:
@@ -186,7 +216,7 @@ class ResultCache:
         future: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            served = await self._lead(view, key, compute, lookup)
+            served = await self._lead(view, key, compute, lookup, pressed)
         except BaseException as exc:
             own = isinstance(exc, (asyncio.CancelledError, *_OWN_REFUSALS))
             future.set_exception(_LeaderGone() if own else exc)
@@ -209,11 +239,13 @@ class ResultCache:
             return await self.serve(view, key, "use", compute)
         return Served(led.outputs, "coalesced", led.lineage)
 
-    async def _lead(self, view: ModelView, key: str, compute: Compute, lookup: Lookup) -> Served:
+    async def _lead(
+        self, view: ModelView, key: str, compute: Compute, lookup: Lookup, pressed: Pressed
+    ) -> Served:
         redis = self.redis if view.policy.use_l2 else None
         leased = False
         if redis is not None:
-            hit = await self._from_l2(view, key, compute, redis)
+            hit = await self._from_l2(view, key, compute, redis, pressed)
             if hit is not None:
                 return hit
             if view.policy.lease_s > 0:
@@ -234,19 +266,26 @@ class ResultCache:
             raise
 
     async def _from_l2(
-        self, view: ModelView, key: str, compute: Compute, redis: CacheTier
+        self, view: ModelView, key: str, compute: Compute, redis: CacheTier, pressed: Pressed
     ) -> Served | None:
         result = await self._read_l2(view, key, redis)
         if result is None:
             self.observer.on_lookup(view.model, "l2", "miss")
             return None
-        fresh = result.fresh_until > self._wall()
-        self.observer.on_lookup(view.model, "l2", "hit" if fresh else "stale")
-        if fresh:
+        overdue = self._wall() - result.fresh_until
+        if overdue < 0:
+            self.observer.on_lookup(view.model, "l2", "hit")
             source = "precomputed" if result.lineage.precomputed else "l2"
             return Served(result.outputs, source, result.lineage)
-        self._refresh_later(view, key, compute)
-        return Served(result.outputs, "stale", result.lineage)
+        if overdue < view.policy.grace_s:
+            self.observer.on_lookup(view.model, "l2", "stale")
+            self._refresh_later(view, key, compute)
+            return Served(result.outputs, "stale", result.lineage)
+        if overdue < view.policy.overload_s and pressed():
+            self.observer.on_lookup(view.model, "l2", "stale_overloaded")
+            return Served(result.outputs, "stale", result.lineage)
+        self.observer.on_lookup(view.model, "l2", "expired")
+        return None
 
     async def _read_l2(self, view: ModelView, key: str, redis: CacheTier) -> CachedResult | None:
         """The value under ``key`` in Redis (None: none, or undecodable), filling L1 with it
@@ -263,7 +302,7 @@ class ResultCache:
         left = result.fresh_until - self._wall()
         if left > 0:
             policy = view.policy
-            view.l1.put(key, raw, len(raw), min(left, policy.l1_ttl_s), policy.grace_s)
+            view.l1.put(key, raw, len(raw), min(left, policy.l1_ttl_s), policy.keep_s)
         return result
 
     async def _await_other_worker(
@@ -282,7 +321,7 @@ class ResultCache:
                     result = codec.decode(raw)
                     self.observer.on_coalesced(view.model)
                     policy = view.policy
-                    view.l1.put(key, raw, len(raw), policy.l1_ttl_s, policy.grace_s)
+                    view.l1.put(key, raw, len(raw), policy.l1_ttl_s, policy.keep_s)
                     return Served(result.outputs, "coalesced", result.lineage)
         return None
 
@@ -305,9 +344,9 @@ class ResultCache:
     def store(self, view: ModelView, key: str, outputs: Outputs, lineage: Lineage) -> None:
         policy = view.policy
         raw = codec.encode(CachedResult(outputs, lineage, lineage.computed_at + policy.l2_ttl_s))
-        view.l1.put(key, raw, len(raw), policy.l1_ttl_s, policy.grace_s)
+        view.l1.put(key, raw, len(raw), policy.l1_ttl_s, policy.keep_s)
         if self.redis is not None and policy.use_l2:
-            self.redis.put(key, raw, policy.l2_ttl_s + policy.grace_s)
+            self.redis.put(key, raw, policy.l2_ttl_s + policy.keep_s)
 
     def _refresh_later(
         self, view: ModelView, key: str, compute: Compute, *, from_l2: bool = False

@@ -137,6 +137,10 @@ class Admission:
         waits = delays.learnt(now)[1] + delays.loop_delay_s
         return self._refused_unread(budget, self._ahead(work, now, free_at), waits)
 
+    def wait_s(self, now: float, free_at: Sequence[float], priority: int) -> float:
+        """How long a request of ``priority`` offered now would wait for what is ahead."""
+        return self._ahead(self.queues.work_ahead(priority, 0, None)[0], now, free_at)
+
     def refused(self) -> None:
         """A request was refused on the word of an earlier shed."""
         self._count(refused=True)

@@ -190,7 +190,14 @@ class DataPlane:
             outputs, stats = await compute()
         else:
             key = view.keys.key(request.inputs, request.parameters)
-            answer = await self.cache.serve(view, key, cache_mode(request), compute)
+            budget_s = deadline - (request.received_at or deadline)
+
+            def pressed() -> bool:
+                return served.scheduler.pressed(
+                    budget_s if budget_s > 0 else config.slo.p99_ms / 1e3
+                )
+
+            answer = await self.cache.serve(view, key, cache_mode(request), compute, pressed)
             outputs, stats = answer.outputs, answer.extra
             if answer.value is not None and on_hit is not None:
                 on_hit(Hit(view, key, answer.value))

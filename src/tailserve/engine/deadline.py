@@ -142,6 +142,15 @@ class DeadlineBatcher:
     def refused(self) -> None:
         self._admission.refused()
 
+    def pressed(self, now: float, free_at: Sequence[float], budget_s: float) -> bool:
+        """Whether the model is overloaded: refusing requests lately, or a request of the
+        lowest priority offered now would wait more than admission lets it of ``budget_s``."""
+        admission = self._admission
+        if admission.share() < 1.0:
+            return True
+        lowest = max(1, max((q.lowest for q in self._queues.by_key.values()), default=1))
+        return admission.wait_s(now, free_at, lowest) > budget_s * admission.admission_target
+
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:
             self._delays.learn_answer(item.estimate, done)

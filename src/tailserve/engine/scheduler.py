@@ -204,6 +204,18 @@ class Scheduler:
         if rejection is not None:
             self._refuse(rejection, deadline=deadline, now=now)
 
+    def pressed(self, budget_s: float) -> bool:
+        """Whether the model is overloaded now, for requests of ``budget_s`` (the deadline
+        policy's view: refusing lately, or its queue past what admission allows; the other
+        policies: a queue over half full)."""
+        now = self._clock()
+        pressed = getattr(self._batcher, "pressed", None)
+        if pressed is not None:
+            self._read_loop()
+            return bool(pressed(now, self._free_times(now), budget_s))
+        bound = getattr(self._batcher, "max_queue", 0)
+        return bool(bound) and len(self._batcher) * 2 >= bound
+
     def refused(self) -> None:
         """Count a request refused on the word of an earlier shed (`DeadlineUnmeetable.
         reusable_until`): in the statistics, the metrics and the batcher's share of refusals."""

@@ -383,7 +383,7 @@ class _Writer:
         self.checkpoint = checkpoint
         policy = view.policy
         self.fresh_s = job.ttl_s if job.ttl_s is not None else policy.l2_ttl_s
-        self.keep_s = self.fresh_s + policy.grace_s  # as a worker stores: fresh, then grace
+        self.keep_s = self.fresh_s + policy.keep_s  # as a worker stores: fresh, then kept
         self.report = Report(job.model, served.version, lines=total)
         self.stopping = False  # set by SIGINT/SIGTERM: stop after the batch being stored
 

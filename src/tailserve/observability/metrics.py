@@ -305,8 +305,9 @@ class Metrics:
         )
         self.cache_lookups = LoopCounter(
             "tailserve_cache_lookups",
-            "Result cache lookups by tier (l1, l2) and result (hit, stale; misses: cold = never "
-            "seen, expired, evicted at L1; miss at L2).",
+            "Result cache lookups by tier (l1, l2) and result (hit, stale, stale_overloaded = "
+            "past the grace window, served because the model was overloaded; misses: cold = "
+            "never seen, expired, evicted at L1; miss, expired at L2).",
             ["model", "tier", "result"],
         )
         self.cache_computations = LoopCounter(
