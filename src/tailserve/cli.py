@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fleet.add_parser(commands)
     _add_cache_commands(commands)
+    _add_optimize_command(commands)
     return parser
 
 
@@ -359,6 +360,97 @@ def _warm(args: argparse.Namespace) -> int:
     for sample in report.error_samples:
         print(f"tailserve: warm: {sample}", file=sys.stderr)
     return 1 if report.errors else 0
+
+
+def _add_optimize_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    optimize = _add_command(
+        commands,
+        "optimize",
+        "write graph-optimised and INT8 variants of a model, measure them against it (latency, "
+        "size, accuracy) and keep the useful ones in its model.yaml",
+    )
+    optimize.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="the model's folder")
+    optimize.add_argument("--version", type=int, help="the version folder (default: the newest)")
+    optimize.add_argument(
+        "--calibration",
+        type=Path,
+        metavar="FILE.npz",
+        help="inputs to calibrate static INT8 with: arrays named like the inputs, rows first "
+        "(default: synthetic draws from the input specs)",
+    )
+    optimize.add_argument(
+        "--held-out",
+        type=Path,
+        metavar="FILE.npz",
+        help="inputs to measure accuracy on, like --calibration, optionally with a 'labels' "
+        "array of 0 or 1 (default: synthetic draws, another seed)",
+    )
+    optimize.add_argument(
+        "--batch-sizes",
+        metavar="1,8,64",
+        help="batch sizes to time (default: the model's warm-up sizes, or 1,8,64)",
+    )
+    optimize.add_argument(
+        "--metric",
+        choices=("auc", "accuracy", "max_abs_error"),
+        help="how accuracy is measured (default: auc for one probability a row, else "
+        "max_abs_error)",
+    )
+    optimize.add_argument(
+        "--repeat", type=int, default=20, help="timed runs a batch size and variant (20)"
+    )
+    optimize.add_argument(
+        "--no-write-config",
+        dest="write_config",
+        action="store_false",
+        help="leave model.yaml as it is (default: rewrite its variants block)",
+    )
+    optimize.add_argument(
+        "--variants",
+        default="graph,dynamic,static",
+        metavar="graph,dynamic,static",
+        help="what to make: graph-optimised, dynamic INT8, static INT8 (all three)",
+    )
+    optimize.add_argument(
+        "--keep",
+        metavar="NAME,...",
+        help="the variants model.yaml keeps (default: fp32 and each at least 1.1 times as "
+        "fast at some batch size; see docs/optimize.md)",
+    )
+    optimize.set_defaults(handler=_optimize)
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from tailserve.errors import ConfigError
+    from tailserve.optimize import Options, optimize, report_path, summary
+
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+    try:
+        sizes = names(args.batch_sizes)
+        batch_sizes = None if sizes is None else tuple(int(size) for size in sizes)
+    except ValueError:
+        raise ConfigError(
+            f"--batch-sizes: {args.batch_sizes!r} is not a list like 1,8,64"
+        ) from None
+    options = Options(
+        version=args.version,
+        calibration=args.calibration,
+        held_out=args.held_out,
+        batch_sizes=batch_sizes,
+        metric=args.metric,
+        repeat=args.repeat,
+        write_config=args.write_config,
+        kinds=names(args.variants) or (),
+        keep=names(args.keep),
+    )
+    outcome = optimize(args.model_dir, options, progress=lambda line: print(line, file=sys.stderr))
+    print(summary(outcome))
+    for warning in outcome.warnings:
+        print(f"tailserve: {warning}", file=sys.stderr)
+    print(f"report: {report_path(args.model_dir)}")
+    return 0
 
 
 if __name__ == "__main__":
