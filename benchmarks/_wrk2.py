@@ -64,6 +64,9 @@ function init(args)
   counting_from = started + tonumber(args[1])
   counting_until = started + tonumber(args[2])
   ok, refused, unavailable, other = 0, 0, 0, 0
+  -- (optional) the model's variant to pin, and another model's name
+  if args[3] and args[3] ~= "" then headers["X-Variant"] = args[3] end
+  if args[4] and args[4] ~= "" then path = "/v2/models/" .. args[4] .. "/infer" end
 end
 
 function request()
@@ -94,6 +97,35 @@ function done(summary, latency, requests)
     t[1], t[2], t[3], t[4]))
 end
 """
+
+# Sentiment reviews: token ids 1..1999, lengths lognormal (median ~24, capped at 512), as
+# `tailserve.examples.sentiment` draws them; the same counting as SCRIPT.
+SENTIMENT = SCRIPT.split("local contracts")[0] + r"""
+local path = "/v2/models/sentiment/infer"
+local headers = {["Content-Type"] = "application/json"}
+
+function init(args)
+  math.randomseed(tonumber(id) * 7919 + os.time())
+  local started = now_ms()
+  counting_from = started + tonumber(args[1])
+  counting_until = started + tonumber(args[2])
+  ok, refused, unavailable, other = 0, 0, 0, 0
+  if args[3] and args[3] ~= "" then headers["X-Variant"] = args[3] end
+  if args[4] and args[4] ~= "" then path = "/v2/models/" .. args[4] .. "/infer" end
+end
+
+function request()
+  local u1, u2 = math.random(), math.random()
+  local normal = math.sqrt(-2 * math.log(u1 + 1e-12)) * math.cos(2 * math.pi * u2)
+  local length = math.floor(math.exp(math.log(24) + 0.95 * normal) + 0.5)
+  if length < 1 then length = 1 elseif length > 512 then length = 512 end
+  local tokens = {}
+  for i = 1, length do tokens[i] = math.random(1, 1999) end
+  local body = '{"inputs":[{"name":"token_ids","datatype":"INT64","shape":[1,' .. length
+    .. '],"data":[' .. table.concat(tokens, ",") .. ']}]}'
+  return wrk.format("POST", path, headers, body)
+end
+""" + SCRIPT[SCRIPT.index("function response"):]
 
 _SPECTRUM_LINE = re.compile(r"^\s*([\d.]+)\s+([\d.]+)\s+(\d+)\s+(?:[\d.]+|inf)\s*$")
 _STATUSES = re.compile(r"STATUSES ok=(\d+) refused=(\d+) unavailable=(\d+) other=(\d+)")
@@ -170,18 +202,24 @@ def run(
     connections: int,
     threads: int = 2,
     count: tuple[float, float] | None = None,
+    *,
+    script: str = "",
+    variant: str = "",
+    model: str = "",
 ) -> Run:
     """``rate`` req/s of unique churn rows at ``url`` for ``seconds`` measured seconds.
 
     ``count``: the span (ms from the start) whose replies are counted by status, if not the
-    measured window (the latencies are always the window's)."""
+    measured window (the latencies are always the window's). ``script``: another workload's
+    Lua (the same counting, e.g. `SENTIMENT`); ``variant``: pinned with X-Variant;
+    ``model``: another model's path."""
     threads = max(1, min(threads, connections))
     calibration_ms = calibration_s(connections, threads) * 1000
     duration = math.ceil(calibration_ms / 1000 + seconds)
     seconds = duration - calibration_ms / 1000  # what is measured, whole seconds of run
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "churn.lua"
-        script.write_text(SCRIPT)
+        lua = Path(tmp) / "workload.lua"
+        lua.write_text(script or SCRIPT)
         command = [
             binary(),
             f"-t{threads}",
@@ -192,10 +230,12 @@ def run(
             "--timeout",
             "10s",
             "-s",
-            str(script),
+            str(lua),
             url,
             "--",
             *(str(round(t)) for t in (count or (calibration_ms, 1e12))),
+            variant,
+            model,
         ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -239,14 +279,16 @@ def parse(output: str, rate: float, seconds: float) -> Run:
     )
 
 
-def slo_capacity(url: str, seconds: float, slo_ms: float, start_rps: float = 3000.0) -> float:
-    """The highest rate whose p99 stays within ``slo_ms`` with no errors (churn, 64
-    connections), searched run by run; each run printed."""
+def slo_capacity(
+    url: str, seconds: float, slo_ms: float, start_rps: float = 3000.0, **workload: str
+) -> float:
+    """The highest rate whose p99 stays within ``slo_ms`` with no errors (churn, or
+    ``workload``'s `run` arguments; 64 connections), searched run by run; each run printed."""
     from tailserve.loadgen.capacity import CapacitySearch, Step
 
     search = CapacitySearch(slo_ms, start_rps=start_rps, precision=0.1)
     while (rate := search.next_rate()) is not None:
-        found = run(url, rate, seconds, connections=64)
+        found = run(url, rate, seconds, connections=64, **workload)
         achieved = found.answered / found.seconds if found.seconds else 0.0
         print(f"  {rate:8.0f} req/s: p99 {found.quantile(0.99):8.2f} ms, errors {found.errors}")
         search.record(Step(rate, achieved, found.quantile(0.99), found.errors))

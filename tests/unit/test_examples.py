@@ -212,3 +212,31 @@ def test_the_sentiment_model_learnt_and_padding_changes_nothing(
     assert 18 <= np.median(lengths) <= 30 and np.percentile(lengths, 99) > 150  # skewed
 
     runtime.unload()
+
+
+def test_sentiment_comes_with_measured_variants_that_serve_alike(
+    example_repository: Path,
+) -> None:
+    from tailserve.examples.sentiment import INPUT, OUTPUT, SEED, draw_reviews, pad, train
+
+    config = load_model_config(example_repository / "sentiment")
+    choices = config.variants.choices
+    assert [v.name for v in choices] == ["fp32", "int8", "small"]
+    accuracy = [v.accuracy for v in choices]
+    assert all(a is not None and a > 0.75 for a in accuracy)  # AUC on labelled held-out reviews
+    assert all(v.latency_ms and v.size_bytes for v in choices)
+    # The cheaper forms are cheaper where batches are large, and lose little.
+    assert choices[1].latency_ms[64] < choices[0].latency_ms[64]
+    assert choices[2].latency_ms[64] < choices[0].latency_ms[64]
+    weights, _ = train()
+    reviews, _ = draw_reviews(np.random.default_rng(SEED + 7), 200, weights["sentiment"])
+    scores = {}
+    for variant in choices:
+        context = RuntimeContext(config, 1, example_repository / "sentiment" / "1", variant)
+        runtime = create_runtime(context)
+        runtime.load()
+        scores[variant.name] = runtime.predict({INPUT: pad(reviews)})[OUTPUT][:, 0]
+        runtime.unload()
+    assert np.abs(scores["int8"] - scores["fp32"]).max() < 0.1
+    agree = ((scores["small"] > 0.5) == (scores["fp32"] > 0.5)).mean()
+    assert 0.6 < agree < 1.0  # another model, as accurate: often other decisions, not all
