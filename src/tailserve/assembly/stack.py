@@ -43,6 +43,7 @@ from tailserve.assembly.commands import (
 )
 from tailserve.assembly.scaling import Scaler, ScalingPlan
 from tailserve.errors import ConfigError, UpstreamError
+from tailserve.fleet import gpus
 from tailserve.fleet.admin import AdminLane, Slot
 from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.processes import (
@@ -109,6 +110,8 @@ class FleetConfig:
     classify_interval_s: float = 5.0
     # Autoscaling between bounds, with a warm pool (None: `workers` serve, always).
     scaling: ScalingPlan | None = None
+    # The GPUs the workers are spread over, one each (CUDA_VISIBLE_DEVICES; empty: the CPU).
+    gpus: tuple[str, ...] = ()
 
     @property
     def lane(self) -> bool:
@@ -258,8 +261,10 @@ class Supervisor:
             for i in range(count)
         ]
         standby = self.config.workers + (0 if plan is None else plan.warm_pool)
+        log.info("%s", gpus.describe(self.config.gpus, count))
         for i, worker in enumerate(self.workers):
             worker.command = worker_command(self.config, worker)
+            worker.env = gpus.worker_env(i, self.config.gpus)
             serving = i < self.config.workers
             worker.role = Role.SERVING if serving else Role.STANDBY if i < standby else Role.OFF
         if self.config.lane:
@@ -448,7 +453,7 @@ class Supervisor:
 
     async def _spawn(self, worker: ManagedWorker) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            *worker.command, env=self._worker_env(), start_new_session=True
+            *worker.command, env=self._worker_env(worker), start_new_session=True
         )
         worker.process = process
         worker.started_at, worker.ready_at = asyncio.get_running_loop().time(), None
@@ -548,8 +553,9 @@ class Supervisor:
         finally:
             await asyncio.gather(*(pool.close() for pool in pools.values()))
 
-    def _worker_env(self) -> dict[str, str] | None:
+    def _worker_env(self, worker: ManagedWorker) -> dict[str, str] | None:
+        extra = dict(worker.env)
         # The token travels in the environment, where `ps` does not show it to other users.
-        if self.config.admin_token is None:
-            return None
-        return {**os.environ, "TAILSERVE_ADMIN_TOKEN": self.config.admin_token}
+        if self.config.admin_token is not None:
+            extra["TAILSERVE_ADMIN_TOKEN"] = self.config.admin_token
+        return {**os.environ, **extra} if extra else None

@@ -1,10 +1,12 @@
 """tailserve up: the whole stack on one machine.
 
-tailserve up [--repository DIR] [--port 8080] [--grpc-port 8081] [--workers N] [--redis-url URL]
+tailserve up [--repository DIR] [--port 8080] [--grpc-port 8081] [--workers N] [--gpus auto]
+             [--redis-url URL]
 
-Starts N workers (default: one per core) on loopback ports and the front door (HAProxy) on the
-public ports, HTTP and gRPC; restarts a worker that dies, and on SIGTERM or Ctrl-C drains the
-front door, then the workers. It listens on 127.0.0.1 unless --host says otherwise.
+Starts N workers (default: one per GPU, else one per core) on loopback ports and the front door
+(HAProxy) on the public ports, HTTP and gRPC; restarts a worker that dies, and on SIGTERM or
+Ctrl-C drains the front door, then the workers. With GPUs, each worker sees one of them
+(CUDA_VISIBLE_DEVICES), in turn. It listens on 127.0.0.1 unless --host says otherwise.
 With no --repository it serves the example repository, building it in var/repository first.
 """
 
@@ -23,6 +25,7 @@ from tailserve.assembly.scaling import ScalingPlan
 from tailserve.cache.redis import parse_url
 from tailserve.errors import ConfigError
 from tailserve.fleet.autoscaler import ScalingConfig
+from tailserve.fleet.gpus import detect_gpus, parse_gpus
 from tailserve.router.config import parse_model_balance
 from tailserve.router.frontdoor import BALANCE, FrontDoorPolicy
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS
@@ -52,8 +55,13 @@ def add_parser(commands: Any) -> None:
     up.add_argument(
         "--workers",
         type=int,
-        default=usable_cores(),
-        help="worker processes (default: one per core)",
+        help="worker processes (default: one per GPU, else one per core)",
+    )
+    up.add_argument(
+        "--gpus",
+        default="auto",
+        help="GPUs to spread the workers over, one each (auto: those visible; none; a count; "
+        "ids: 0,2)",
     )
     up.add_argument(
         "--redis-url",
@@ -163,14 +171,17 @@ def add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def scaling_plan(args: argparse.Namespace, repository: str) -> tuple[int, ScalingPlan | None]:
-    """The workers to start with, and the autoscaler's plan (None: a fixed count)."""
+def scaling_plan(
+    args: argparse.Namespace, repository: str, workers: int
+) -> tuple[int, ScalingPlan | None]:
+    """The workers to start with (``workers`` for a fixed count), and the autoscaler's plan
+    (None: a fixed count)."""
     if args.min_workers is None and args.max_workers is None:
         if args.warm_pool:
             raise ConfigError("--warm-pool needs --max-workers (it is part of autoscaling)")
-        return args.workers, None
+        return workers, None
     lowest = args.min_workers if args.min_workers is not None else 1
-    highest = args.max_workers if args.max_workers is not None else max(lowest, args.workers)
+    highest = args.max_workers if args.max_workers is not None else max(lowest, workers)
     if args.warm_pool < 0:
         raise ConfigError(f"--warm-pool must be at least 0, not {args.warm_pool}")
     slos = repository_models(Path(repository)).values()
@@ -230,7 +241,11 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         raise ConfigError(f"no model repository at {repository}")
     # A token set as TAILSERVE_ADMIN_TOKEN reaches the workers; the router needs it as well.
     admin_token = args.admin_token or env.get("TAILSERVE_ADMIN_TOKEN") or None
-    workers, plan = scaling_plan(args, repository)
+    devices = gpus(args.gpus, env)
+    default = len(devices) or usable_cores()
+    workers, plan = scaling_plan(
+        args, repository, default if args.workers is None else args.workers
+    )
     return FleetConfig(
         repository=repository,
         host=args.host,
@@ -238,6 +253,7 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         grpc_port=args.grpc_port,
         workers=workers,
         scaling=plan,
+        gpus=devices,
         policy=FrontDoorPolicy(
             balance=args.balance,
             model_balance=parse_model_balance(args.model_balance),
@@ -253,6 +269,12 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         hedge_lane_ms=args.hedge_lane_ms,
         hedge_models=tuple(args.hedge_model),
     )
+
+
+def gpus(value: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The GPUs ``--gpus`` names (``auto``: those visible here, detected)."""
+    named = parse_gpus(value, env)
+    return detect_gpus() if named is None else named
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:

@@ -43,6 +43,8 @@ class ManagedWorker:
     # Its command line (set by the supervisor): `tailserve serve`, or `tailserve route` for
     # the hedging lane.
     command: list[str] = field(default_factory=list)
+    # What its process adds to the supervisor's environment (its GPU: fleet/gpus.py).
+    env: dict[str, str] = field(default_factory=dict)
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
     ready: bool = False
