@@ -2,9 +2,11 @@
 model's capacity served by the dial against the full model alone, side by side.
 
 The stack is `tailserve up --workers 2` on the example repository (as `make run` starts it),
-whose models come with variants (model.yaml's `variants`: the full model `fp32`, its dynamic
-INT8 quantisation `int8`, and for sentiment a smaller model `small`). Load: wrk2 (open loop,
-C), unique inputs (churn rows; sentiment reviews of skewed lengths), 64 connections.
+whose `sentiment` comes with variants (model.yaml's `variants`: the full model `fp32`, its
+dynamic INT8 quantisation `int8`, a smaller model `small`). `churn` ships without: INT8 buys it
+nothing (`tailserve optimize` keeps only fp32), so here its INT8 variant is made and kept by
+`tailserve optimize --keep fp32,int8-dynamic` to measure that. Load: wrk2 (open loop, C),
+unique inputs (churn rows; sentiment reviews of skewed lengths), 64 connections.
 
 For each model (``--models``):
 
@@ -45,6 +47,7 @@ from _harness import examples, up_stack
 RAMP = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 SCRIPTS = {"churn": _wrk2.SCRIPT, "sentiment": _wrk2.SENTIMENT}
 START_RPS = {"churn": 3000.0, "sentiment": 100.0}
+KEEP_CHURN = ("fp32", "int8-dynamic")
 
 
 @dataclass
@@ -234,6 +237,11 @@ def main() -> None:
     results: list[ModelResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         repository = examples(Path(tmp) / "repository")
+        if "churn" in args.models.split(","):
+            from tailserve.optimize import Options, optimize
+
+            print("making churn's INT8 variant (tailserve optimize)")
+            optimize(repository / "churn", Options(kinds=("dynamic",), keep=KEEP_CHURN))
         with up_stack(repository, "--workers", str(args.workers)) as url:
             for model in args.models.split(","):
                 results.append(measure(url, repository, model, args))
