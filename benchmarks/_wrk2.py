@@ -100,7 +100,9 @@ end
 
 # Sentiment reviews: token ids 1..1999, lengths lognormal (median ~24, capped at 512), as
 # `tailserve.examples.sentiment` draws them; the same counting as SCRIPT.
-SENTIMENT = SCRIPT.split("local contracts")[0] + r"""
+SENTIMENT = (
+    SCRIPT.split("local contracts")[0]
+    + r"""
 local path = "/v2/models/sentiment/infer"
 local headers = {["Content-Type"] = "application/json"}
 
@@ -125,7 +127,9 @@ function request()
     .. '],"data":[' .. table.concat(tokens, ",") .. ']}]}'
   return wrk.format("POST", path, headers, body)
 end
-""" + SCRIPT[SCRIPT.index("function response"):]
+"""
+    + SCRIPT[SCRIPT.index("function response") :]
+)
 
 _SPECTRUM_LINE = re.compile(r"^\s*([\d.]+)\s+([\d.]+)\s+(\d+)\s+(?:[\d.]+|inf)\s*$")
 _STATUSES = re.compile(r"STATUSES ok=(\d+) refused=(\d+) unavailable=(\d+) other=(\d+)")
