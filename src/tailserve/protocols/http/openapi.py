@@ -80,7 +80,8 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "object",
                 "description": "How it was served: model_version, queue_us, compute_us, "
                 "batch_size, cost_class; cache (l1, l2, stale, coalesced, precomputed, miss, "
-                "bypass, refresh) with cache_computed_at and cache_computed_by on a hit.",
+                "bypass, refresh) with cache_computed_at and cache_computed_by on a hit; "
+                "variant (models with variants).",
             },
             "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Tensor"}},
         },
