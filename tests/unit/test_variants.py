@@ -12,7 +12,7 @@ import pytest
 from tailserve.engine.buckets import Bucket
 from tailserve.engine.deadline import DeadlineBatcher
 from tailserve.engine.scheduler import Scheduler
-from tailserve.engine.variants import VariantChooser
+from tailserve.engine.variants import VariantChooser, loop_pressure
 from tailserve.errors import DeadlineUnmeetable
 from tailserve.runtimes import Arrays, Signature
 
@@ -158,3 +158,18 @@ async def test_what_even_the_cheapest_cannot_meet_is_refused_once() -> None:
         await s.infer(x(1), 1, ALL, deadline=time.monotonic() + 0.001)
     await s.close()
     assert s.stats.rejected == {"deadline": 1}
+
+
+def test_a_saturated_event_loop_takes_the_capacity_the_model_would_use() -> None:
+    # The instances have room for the demand (0.5 of 0.8), but the loop that shares their
+    # cores is saturated: a cheaper variant gives it CPU back.
+    assert loop_pressure(lag_s=0.0005, busy=0.3) == 0.0
+    assert loop_pressure(lag_s=0.010, busy=0.3) == 1.0
+    assert loop_pressure(lag_s=0.0005, busy=0.65) == pytest.approx(0.5)
+    quiet = VariantChooser(["fp32", "int8"], instances=1, target_utilization=0.8)
+    pressed = VariantChooser(["fp32", "int8"], instances=1, target_utilization=0.8)
+    costs = [0.001, 0.0004]
+    calm = [quiet.order(i / 500, costs, 0.0)[0][0] for i in range(1000)]
+    late = [pressed.order(i / 500, costs, 1.0)[0][0] for i in range(1000)]
+    assert set(calm[500:]) == {0}
+    assert set(late[500:]) == {1}

@@ -30,7 +30,7 @@ from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
 from tailserve.engine.stats import ModelStats
-from tailserve.engine.variants import VariantChooser
+from tailserve.engine.variants import VariantChooser, loop_pressure
 from tailserve.errors import (
     DeadlineExceeded,
     DeadlineUnmeetable,
@@ -310,7 +310,9 @@ class Scheduler:
         size = max(1, round(chooser.batch_rows))
         predict = self._batcher.predict
         costs = [predict(bucket, size) / size * item.rows for bucket in buckets]
-        order = chooser.order(now, costs)
+        loop = self._loop
+        pressure = loop_pressure(loop.lag_s, loop.busy) if loop is not None else 0.0
+        order = chooser.order(now, costs, pressure)
         rejection = None
         for position, (index, headroom) in enumerate(order):
             item.bucket = buckets[index]

@@ -7,11 +7,15 @@ the load allows and that meets its deadline given the queue now:
 1. *The load.* Every request the model must compute adds what it would cost on the most
    accurate variant (its rows at the batch size the model now runs, seconds) to a decayed
    rate: the demand, in seconds of the instances' time a second. While the demand fits the
-   instances' ``target_utilization``, every request gets the first variant. Past it, requests
-   are split between the two neighbouring variants whose mix fits, in the proportion that fits
-   exactly (the mix of the most accuracy the instances can afford); past what the cheapest can
-   do, all get the cheapest, and admission refuses what even it cannot serve in time. The
-   split is a running credit, not a coin: at a share of 0.3, three requests in every ten.
+   instances' ``target_utilization`` of the time the event loop leaves them, every request
+   gets the first variant. The loop and the instances share the worker's cores: where the
+   loop is the bottleneck (late, or its thread busy), the model's instances are not idle
+   capacity but CPU the loop needs, and a cheaper variant gives it back. So the capacity
+   shrinks as the loop's pressure grows (`loop_pressure`), to nothing at saturation. Past the
+   capacity, requests are split between the two neighbouring variants whose mix fits, in the
+   proportion that fits exactly (the most accuracy the instances can afford); past what the
+   cheapest can do, all get the cheapest, and admission refuses what even it cannot serve in
+   time. The split is a running credit, not a coin: at a share of 0.3, three in every ten.
 2. *The queue now.* The chosen variant is offered to the batcher, which admits it only while
    the work queued ahead leaves it a share of its time: of the n variants worth choosing, the
    k-th most accurate may take k/n of what admission allows (with two, the full model only
@@ -37,6 +41,20 @@ from tailserve.engine.queues import ArrivalRate
 _MIN_ROWS = 1.0
 # How fast the average batch size follows the batches run (per batch).
 _ROWS_ALPHA = 0.05
+# The event loop's pressure: none below the first figure, whole at the second. Its lag (how
+# late it runs what is ready, seconds) and how busy its thread is (CPU over wall time, which
+# reads low when the thread waits for a core it shares).
+_LAG_S = (0.001, 0.004)
+_BUSY = (0.5, 0.8)
+
+
+def loop_pressure(lag_s: float, busy: float) -> float:
+    """How saturated the event loop is, 0..1 (the larger of its lag's and its busyness's)."""
+
+    def scaled(value: float, span: tuple[float, float]) -> float:
+        return min(1.0, max(0.0, (value - span[0]) / (span[1] - span[0])))
+
+    return max(scaled(lag_s, _LAG_S), scaled(busy, _BUSY))
 
 
 @dataclass(slots=True)
@@ -65,10 +83,13 @@ class VariantChooser:
         """A batch of ``rows`` ran (any variant)."""
         self.batch_rows += _ROWS_ALPHA * (rows - self.batch_rows)
 
-    def order(self, now: float, costs: Sequence[float]) -> list[tuple[int, float]]:
+    def order(
+        self, now: float, costs: Sequence[float], pressure: float = 0.0
+    ) -> list[tuple[int, float]]:
         """The variants to offer a request to, in turn, each with the share of admission's
         allowance it may take of the queue (see above). ``costs``: what the request would cost
-        on each variant (seconds, per row at the current batch size times its rows)."""
+        on each variant (seconds, per row at the current batch size times its rows);
+        ``pressure``: the event loop's (`loop_pressure`)."""
         frontier = _frontier(costs)
         tiers = len(frontier)
         offers = [(index, (rank + 1) / tiers) for rank, index in enumerate(frontier)]
@@ -77,7 +98,7 @@ class VariantChooser:
         first = costs[0]
         self.demand.add(now, first)  # (a float count: seconds, not rows)
         demand = self.demand.value(now)
-        capacity = self.target_utilization * self.instances
+        capacity = self.target_utilization * self.instances * (1.0 - pressure)
         if demand <= capacity or first <= 0:
             return offers
         # The cost a request may have on average, in units of the first variant's.
