@@ -7,6 +7,7 @@ knows a status code, a header or an encoded reply.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -174,7 +175,7 @@ class DataPlane:
                 inputs = await served.features.resolve(inputs)
             plan = checked if checked is not None else served.plan.check(inputs)
             bucket = served.buckets.classify(plan)
-            return await served.scheduler.infer(
+            outputs, stats = await served.scheduler.infer(
                 plan.arrays,
                 plan.rows,
                 bucket,
@@ -184,6 +185,9 @@ class DataPlane:
                 screened=screened,
                 variant=pinned,
             )
+            if served.variants and not stats.variant:  # (one variant: no choice to make)
+                stats = dataclasses.replace(stats, variant=served.variants[0])
+            return outputs, stats
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}
         if view is None or self.cache is None:
@@ -210,8 +214,8 @@ class DataPlane:
                     parameters["variant"] = lineage.variant
         if stats is None:  # answered from the cache: no queue, no batch
             stats = _CACHED
-        elif served.variants:
-            parameters["variant"] = stats.variant or served.variants[0]
+        elif stats.variant:
+            parameters["variant"] = stats.variant
         parameters.update(
             queue_us=int(stats.queue_s * 1e6),
             compute_us=int(stats.compute_s * 1e6),
