@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -135,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     examples = _add_command(commands, "examples", "write the example model repository")
     examples.add_argument("directory", type=Path, help="the folder to write it to")
     examples.add_argument(
+        "--torch",
+        action="store_true",
+        help="also write churn_torch: a TorchScript MLP with an INT8 variant (the torch extra)",
+    )
+    examples.add_argument(
         "--sklearn",
         action="store_true",
         help="also write churn_sklearn: the pipeline pickled with joblib (trust: true)",
@@ -228,7 +234,10 @@ def _examples(args: argparse.Namespace) -> int:
             print(missing, file=sys.stderr)
             return 2
     else:
-        names = write_examples(args.directory, sklearn=args.sklearn)
+        if args.torch and importlib.util.find_spec("torch") is None:
+            print("--torch needs torch: pip install 'tailserve[torch]'", file=sys.stderr)
+            return 2
+        names = write_examples(args.directory, sklearn=args.sklearn, torch=args.torch)
         print(f"wrote {', '.join(names)} to {args.directory}")
     if args.redis_url is not None:
         from tailserve.examples import load_features

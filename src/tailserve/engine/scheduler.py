@@ -311,7 +311,9 @@ class Scheduler:
         predict = self._batcher.predict
         costs = [predict(bucket, size) / size * item.rows for bucket in buckets]
         loop = self._loop
-        pressure = loop_pressure(loop.lag_s, loop.busy) if loop is not None else 0.0
+        pressure = 0.0
+        if loop is not None:
+            pressure = loop_pressure(loop.lag_s, loop.busy, getattr(loop, "host_idle", 1.0))
         order = chooser.order(now, costs, pressure)
         rejection = None
         for position, (index, headroom) in enumerate(order):

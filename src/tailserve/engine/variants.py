@@ -41,20 +41,24 @@ from tailserve.engine.queues import ArrivalRate
 _MIN_ROWS = 1.0
 # How fast the average batch size follows the batches run (per batch).
 _ROWS_ALPHA = 0.05
-# The event loop's pressure: none below the first figure, whole at the second. Its lag (how
-# late it runs what is ready, seconds) and how busy its thread is (CPU over wall time, which
-# reads low when the thread waits for a core it shares).
+# The worker's pressure: none below the first figure, whole at the second. The event loop's lag
+# (how late it runs what is ready, seconds), how busy its thread is (CPU over wall time), and
+# how little of the machine's CPU is idle: where the worker's threads share the cores with each
+# other and with other processes, each waits its turn and reads neither late nor busy while
+# requests queue in front of the worker; no idle CPU is what shows it.
 _LAG_S = (0.001, 0.004)
 _BUSY = (0.5, 0.8)
+_IDLE = (0.15, 0.02)
 
 
-def loop_pressure(lag_s: float, busy: float) -> float:
-    """How saturated the event loop is, 0..1 (the larger of its lag's and its busyness's)."""
+def loop_pressure(lag_s: float, busy: float, host_idle: float = 1.0) -> float:
+    """How saturated the worker is, 0..1: the largest of its event loop's lag's, its loop
+    thread's busyness's and the machine's want of idle CPU's."""
 
     def scaled(value: float, span: tuple[float, float]) -> float:
         return min(1.0, max(0.0, (value - span[0]) / (span[1] - span[0])))
 
-    return max(scaled(lag_s, _LAG_S), scaled(busy, _BUSY))
+    return max(scaled(lag_s, _LAG_S), scaled(busy, _BUSY), scaled(host_idle, _IDLE))
 
 
 @dataclass(slots=True)

@@ -31,11 +31,14 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from tailserve.observability.host_cpu import HostCpu
+
 # What a request refused at once costs the loop, in requests answered.
 REFUSAL_WEIGHT = 0.25
 # The most of the loop's time refusals are taken to hold (the backlog is stretched by at most
 # 1 / (1 - this)).
 _MAX_REFUSING = 0.9
+_HOST_EVERY_S = 0.25
 
 
 class LoopLag:
@@ -68,6 +71,14 @@ class LoopLag:
         self._wall = 0.0
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
+        # The machine's idle CPU (observability/host_cpu.py), read every _HOST_EVERY_S.
+        self.host = HostCpu()
+        self._host_due = 0.0
+
+    @property
+    def host_idle(self) -> float:
+        """The machine's CPUs' idle share, 0..1 (moving average)."""
+        return self.host.idle
 
     @property
     def backlog_s(self) -> float:
@@ -107,6 +118,9 @@ class LoopLag:
     def _tick(self) -> None:
         now = time.monotonic()
         self.sample(now, time.thread_time(), late=max(0.0, now - self._due))
+        if now >= self._host_due:
+            self._host_due = now + _HOST_EVERY_S
+            self.host.sample()
         self._schedule()
 
     def sample(self, now: float, cpu: float, *, late: float) -> None:
