@@ -90,6 +90,45 @@ def computed(url: str, model: str) -> dict[str, float]:
     return counts
 
 
+def wait_served(url: str, model: str, timeout_s: float = 60.0) -> None:
+    """Until the front door sends ``model``'s requests on, 20 in a row (its checks of the
+    workers' model may come a moment after the stack reports ready: the first run would count
+    503s)."""
+    deadline, in_a_row = time.monotonic() + timeout_s, 0
+    while in_a_row < 20:
+        request = urllib.request.Request(
+            f"{url}/v2/models/{model}/infer",
+            data=PROBES[model],
+            headers={"Content-Type": "application/json", "X-Cache-Mode": "bypass"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                in_a_row = in_a_row + 1 if reply.status == 200 else 0
+        except OSError:
+            in_a_row = 0
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{model} is not served through {url}") from None
+            time.sleep(0.2)
+
+
+def _churn_probe() -> bytes:
+    from tailserve.examples.churn import FIELDS, sample_rows
+
+    row = sample_rows(1, seed=1)
+    inputs = [
+        {"name": f.name, "datatype": f.datatype, "shape": [1, 1], "data": row[f.name]}
+        for f in FIELDS
+    ]
+    return orjson.dumps({"inputs": inputs})
+
+
+PROBES = {
+    "sentiment": b'{"inputs":[{"name":"token_ids","datatype":"INT64","shape":[1,3],'
+    b'"data":[5,6,7]}]}',
+    "churn": _churn_probe(),
+}
+
+
 def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     done = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     total = sum(done.values())
@@ -142,6 +181,7 @@ def measure(url: str, repository: Path, model: str, args: argparse.Namespace) ->
     names = [choice["name"] for choice in variants.get("choices", [])]
     result.accuracy = {c["name"]: c.get("accuracy") for c in variants.get("choices", [])}
     print(f"\n== {model}: variants {names}, SLO p99 {slo:.0f} ms")
+    wait_served(url, model)
     given = dict(item.split("=", 1) for item in args.capacity)
     for name in names:
         if f"{model}.{name}" in given:
