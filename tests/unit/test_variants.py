@@ -173,3 +173,9 @@ def test_a_saturated_event_loop_takes_the_capacity_the_model_would_use() -> None
     late = [pressed.order(i / 500, costs, 1.0)[0][0] for i in range(1000)]
     assert set(calm[500:]) == {0}
     assert set(late[500:]) == {1}
+
+
+def test_a_variant_only_a_little_cheaper_is_not_worth_its_accuracy() -> None:
+    chooser = VariantChooser(["fp32", "int8"], instances=1, target_utilization=0.8)
+    assert chooser.order(0.0, [0.001, 0.00095], 1.0) == [(0, 1.0)]
+    assert [v for v, _ in chooser.order(0.0, [0.001, 0.0008], 1.0)] == [1]
