@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tailserve.engine.scheduler import BatchRecord
+from tailserve.engine.accounts import BatchRecord
 from tailserve.observability.metrics import CostRow, Metrics
 
 

@@ -16,10 +16,10 @@ import numpy as np
 
 from tailserve.cache import ModelView, ResultCache, keys
 from tailserve.cache.entry import Outputs
+from tailserve.engine.accounts import BatchStats
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.options import cache_mode, deadline_and_priority
-from tailserve.engine.scheduler import BatchStats
 from tailserve.engine.served import ServedVersion
 from tailserve.engine.validation import Checked
 from tailserve.errors import InvalidInput, ModelNotFound, TailserveError

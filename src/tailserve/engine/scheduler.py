@@ -21,11 +21,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import numpy as np
 
+from tailserve.engine.accounts import BatchObserver, BatchRecord, BatchStats, LoopState
 from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
@@ -42,38 +42,6 @@ from tailserve.errors import (
 from tailserve.runtimes import Arrays, Runtime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchStats:
-    """How one request was served: its wait in the queue, its batch's run time and size."""
-
-    queue_s: float
-    compute_s: float
-    batch_size: int
-    cost_class: str = "all"
-    variant: str = ""  # the variant that ran it (models with variants only)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
-    """One batch run, for the metrics."""
-
-    model: str
-    bucket: str
-    rows: int
-    compute_s: float  # in the runtime (merge, predict, split)
-    wall_s: float  # from dispatch until the results were back on the loop
-    predicted_s: float
-    queue_s: Sequence[float]
-    missed: int  # members answered after their deadline
-    variant: str = ""  # the variant that ran it (models with variants only)
-
-
-class BatchObserver(Protocol):
-    def on_batch(self, record: BatchRecord) -> None: ...
-
-    def on_reject(self, model: str, reason: str) -> None: ...
 
 
 # Batches an instance may hold: the one running and the next, queued in its thread so that
@@ -107,17 +75,6 @@ class _Pending:
     def __init__(self, inputs: Arrays, future: asyncio.Future[tuple[Arrays, BatchStats]]):
         self.inputs = inputs
         self.future = future
-
-
-class LoopState(Protocol):
-    """The event loop as the worker measures it (observability.loop_lag.LoopLag)."""
-
-    lag_s: float  # how late it runs what is ready, seconds
-    busy: float  # how busy its thread is, 0..1
-
-    @property
-    def backlog_s(self) -> float:
-        """The loop's time the requests it holds now still need, seconds."""
 
 
 class Scheduler:

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tailserve.cache import ModelView, ResultCache, model_view
+from tailserve.engine.accounts import BatchObserver, LoopState
 from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
-from tailserve.engine.scheduler import BatchObserver, LoopState, Scheduler
+from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.validation import InputPlan
 from tailserve.engine.variants import VariantChooser
 from tailserve.engine.warmup import load_and_warm

@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from tailserve.engine.scheduler import BatchRecord
+from tailserve.engine.accounts import BatchRecord
 
 if TYPE_CHECKING:
     from tailserve.cache.replies import ReplyMemo
