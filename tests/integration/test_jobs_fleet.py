@@ -25,7 +25,8 @@ def x_request(value: float) -> dict[str, Any]:
 @pytest.fixture
 def slow_repository(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
-    # Each batch takes 0.3 s: a worker holds its jobs for a while.
+    # Each batch takes 0.3 s: a job seen running on a worker is still there when the test, a
+    # few milliseconds later, kills it.
     write_model(repo, "crawl", doubler_config(parameters={"delay": 0.3}, warmup={"repeat": 0}))
     return repo
 
@@ -50,16 +51,17 @@ def test_jobs_a_killed_worker_held_finish_on_another_each_with_one_result(
             assert reply.status_code == 202, reply.text
             locations.append(reply.headers["location"])
 
+        running_on_a: list[str] = []
+
         def held_by_a() -> bool:
-            documents = [httpx.get(b.url + location).json() for location in locations]
-            return any(d["status"] == "running" and d["worker"] == "a" for d in documents)
+            for location in locations:
+                document = httpx.get(b.url + location).json()
+                if document["status"] == "running" and document["worker"] == "a":
+                    running_on_a.append(location)
+                    return True
+            return False
 
         wait_for(held_by_a, what="worker a to hold a job")
-        running_on_a = [
-            location
-            for location in locations
-            if httpx.get(b.url + location).json()["worker"] == "a"
-        ]
         os.kill(a.process.pid, signal.SIGKILL)
         a.process.wait(timeout=10)
 
