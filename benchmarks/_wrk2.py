@@ -23,9 +23,10 @@ from pathlib import Path
 
 CALIBRATION_MS = 10_000
 
-# Unique churn rows (the monthly spend a random double), OIP v2 JSON; statuses counted per
-# thread once the thread's calibration is over, summed in done().
-SCRIPT = r"""
+# What every workload shares: a clock, the threads' counts of statuses once their calibration is
+# over (summed in done()), and the optional arguments: the model's variant to pin (X-Variant)
+# and another model's name. {workload} is the request's own part: `path` and `request()`.
+_FRAME = r"""
 local ffi = require("ffi")
 ffi.cdef[[
 typedef struct { long tv_sec; long tv_nsec; } timespec_t;
@@ -43,21 +44,8 @@ function setup(thread)
   table.insert(threads, thread)
 end
 
-local contracts = {"monthly", "annual", "multi-year"}
-local tiers = {"starter", "growth", "enterprise"}
-local path = "/v2/models/churn/infer"
 local headers = {["Content-Type"] = "application/json"}
-local fmt = '{"inputs":['
-  .. '{"name":"tenure_months","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"monthly_spend","datatype":"FP32","shape":[1,1],"data":[%.6f]},'
-  .. '{"name":"support_tickets","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"feature_usage_pct","datatype":"FP32","shape":[1,1],"data":[%.4f]},'
-  .. '{"name":"last_login_days_ago","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"num_integrations","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"contract_type","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
-  .. '{"name":"plan_tier","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
-  .. '{"name":"is_enterprise","datatype":"INT64","shape":[1,1],"data":[%d]}]}'
-
+{workload}
 function init(args)
   math.randomseed(tonumber(id) * 7919 + os.time())
   local started = now_ms()
@@ -67,13 +55,6 @@ function init(args)
   -- (optional) the model's variant to pin, and another model's name
   if args[3] and args[3] ~= "" then headers["X-Variant"] = args[3] end
   if args[4] and args[4] ~= "" then path = "/v2/models/" .. args[4] .. "/infer" end
-end
-
-function request()
-  local body = string.format(fmt, math.random(1, 120), math.random() * 400,
-    math.random(0, 50), math.random(), math.random(0, 365), math.random(0, 50),
-    contracts[math.random(1, 3)], tiers[math.random(1, 3)], math.random(0, 1))
-  return wrk.format("POST", path, headers, body)
 end
 
 function response(status, headers, body)
@@ -98,23 +79,43 @@ function done(summary, latency, requests)
 end
 """
 
-# Sentiment reviews: token ids 1..1999, lengths lognormal (median ~24, capped at 512), as
-# `tailserve.examples.sentiment` draws them; the same counting as SCRIPT.
-SENTIMENT = (
-    SCRIPT.split("local contracts")[0]
-    + r"""
-local path = "/v2/models/sentiment/infer"
-local headers = {["Content-Type"] = "application/json"}
 
-function init(args)
-  math.randomseed(tonumber(id) * 7919 + os.time())
-  local started = now_ms()
-  counting_from = started + tonumber(args[1])
-  counting_until = started + tonumber(args[2])
-  ok, refused, unavailable, other = 0, 0, 0, 0
-  if args[3] and args[3] ~= "" then headers["X-Variant"] = args[3] end
-  if args[4] and args[4] ~= "" then path = "/v2/models/" .. args[4] .. "/infer" end
+def _script(workload: str) -> str:
+    return _FRAME.replace("{workload}", workload)
+
+
+# Unique churn rows (the monthly spend a random double), OIP v2 JSON.
+SCRIPT = _script(
+    r"""
+local path = "/v2/models/churn/infer"
+local contracts = {"monthly", "annual", "multi-year"}
+local tiers = {"starter", "growth", "enterprise"}
+local fmt = '{"inputs":['
+  .. '{"name":"tenure_months","datatype":"INT64","shape":[1,1],"data":[%d]},'
+  .. '{"name":"monthly_spend","datatype":"FP32","shape":[1,1],"data":[%.6f]},'
+  .. '{"name":"support_tickets","datatype":"INT64","shape":[1,1],"data":[%d]},'
+  .. '{"name":"feature_usage_pct","datatype":"FP32","shape":[1,1],"data":[%.4f]},'
+  .. '{"name":"last_login_days_ago","datatype":"INT64","shape":[1,1],"data":[%d]},'
+  .. '{"name":"num_integrations","datatype":"INT64","shape":[1,1],"data":[%d]},'
+  .. '{"name":"contract_type","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
+  .. '{"name":"plan_tier","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
+  .. '{"name":"is_enterprise","datatype":"INT64","shape":[1,1],"data":[%d]}]}'
+
+function request()
+  local body = string.format(fmt, math.random(1, 120), math.random() * 400,
+    math.random(0, 50), math.random(), math.random(0, 365), math.random(0, 50),
+    contracts[math.random(1, 3)], tiers[math.random(1, 3)], math.random(0, 1))
+  return wrk.format("POST", path, headers, body)
 end
+
+"""
+)
+
+# Sentiment reviews: token ids 1..1999, lengths lognormal (median ~24, capped at 512), as
+# `tailserve.examples.sentiment` draws them.
+SENTIMENT = _script(
+    r"""
+local path = "/v2/models/sentiment/infer"
 
 function request()
   local u1, u2 = math.random(), math.random()
@@ -128,7 +129,6 @@ function request()
   return wrk.format("POST", path, headers, body)
 end
 """
-    + SCRIPT[SCRIPT.index("function response") :]
 )
 
 _SPECTRUM_LINE = re.compile(r"^\s*([\d.]+)\s+([\d.]+)\s+(\d+)\s+(?:[\d.]+|inf)\s*$")

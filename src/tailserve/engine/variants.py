@@ -81,12 +81,6 @@ class VariantChooser:
     def __len__(self) -> int:
         return len(self.names)
 
-    def index(self, name: str) -> int | None:
-        try:
-            return list(self.names).index(name)
-        except ValueError:
-            return None
-
     def batched(self, rows: int) -> None:
         """A batch of ``rows`` ran (any variant)."""
         self.batch_rows += _ROWS_ALPHA * (rows - self.batch_rows)

@@ -81,15 +81,8 @@ def load_and_warm(
     Returns the instance and, to seed the cost models, each warm-up shape's time by cost class
     once that shape is warm (`settled`)."""
     config = context.config
-    where = f"model {config.name!r} version {context.version}"
-    runtime = create_runtime(context)
-    try:
-        runtime.load()
-    except TailserveError:
-        raise
-    except Exception as exc:
-        # Third-party loaders raise anything; it becomes a load error at this boundary.
-        raise ModelLoadError(f"{where}: load failed: {type(exc).__name__}: {exc}") from exc
+    where = context.where
+    runtime = load_runtime(context)
     # Per input shape: a batch of it and the times of its runs.
     runs: dict[tuple[tuple[int, ...], ...], tuple[Arrays, list[float]]] = {}
     try:
@@ -124,6 +117,20 @@ def load_and_warm(
         for batch, times in runs.values()
     ]
     return runtime, timings
+
+
+def load_runtime(context: RuntimeContext) -> Runtime:
+    """One instance of the model (or of ``context.variant``), loaded: any failure is a load
+    error naming the model, version and variant."""
+    runtime = create_runtime(context)
+    try:
+        runtime.load()
+    except TailserveError:
+        raise
+    except Exception as exc:
+        # Third-party loaders raise anything; it becomes a load error at this boundary.
+        raise ModelLoadError(f"{context.where}: load failed: {type(exc).__name__}: {exc}") from exc
+    return runtime
 
 
 # A shape's warm-up time is taken once two runs in a row agree within this share, after at

@@ -16,26 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.errors import ModelLoadError, TailserveError
+from tailserve.engine.warmup import load_runtime
+from tailserve.errors import ModelLoadError
 from tailserve.modelconfig import ModelConfig, Variant
 from tailserve.optimize.datasets import Array, Arrays, Dataset
-from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
+from tailserve.runtimes import Runtime, RuntimeContext
 
 WARM_RUNS = 3
 
 
 def load(config: ModelConfig, version: int, version_dir: Path, variant: Variant | None) -> Runtime:
     """One instance of the variant (None: the model as it is), loaded as a worker loads it."""
-    context = RuntimeContext(config, version, version_dir, variant=variant)
-    runtime = create_runtime(context)
-    try:
-        runtime.load()
-    except TailserveError:
-        raise
-    except Exception as exc:
-        # Third-party loaders raise anything; it becomes a load error at this boundary.
-        raise ModelLoadError(f"{context.where}: load failed: {type(exc).__name__}: {exc}") from exc
-    return runtime
+    return load_runtime(RuntimeContext(config, version, version_dir, variant=variant))
 
 
 def score(runtime: Runtime, config: ModelConfig, held_out: Dataset) -> dict[str, Array]:
