@@ -29,9 +29,10 @@ import msgspec
 import yaml
 
 from tailserve.errors import ConfigError, field_message
+from tailserve.pipelineconfig import PipelineConfig, check_pipeline
 from tailserve.tensors import DATATYPES
 
-RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python", "torch"]
+RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python", "torch", "pipeline"]
 # How a variant's accuracy was measured against the full model on held-out inputs: area under
 # the ROC curve, the share of labels right (classifiers), or the largest absolute error of a
 # score (lower is better).
@@ -236,6 +237,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     features: FeaturesConfig | None = None
     jobs: JobsConfig = JobsConfig()
     variants: Variants = Variants()
+    # runtime: pipeline: the steps it runs (pipelineconfig.py).
+    pipeline: PipelineConfig | None = None
     # Runtimes that execute code from the artifact on load (pickles) refuse unless trusted.
     trust: bool = False
     # Runtime-specific settings, e.g. {method: predict_proba, column: 1} for sklearn.
@@ -350,6 +353,10 @@ def _check(config: ModelConfig, source: str) -> None:
         raise fail("slo.p99_ms", "must be > 0")
     _check_cache(config, fail)
     _check_variants(config, fail)
+    if (config.runtime == "pipeline") != (config.pipeline is not None):
+        raise fail("pipeline", "a model has 'pipeline:' steps exactly when its runtime is pipeline")
+    if config.pipeline is not None:
+        check_pipeline(config.pipeline, [spec.name for spec in config.inputs], fail)
 
 
 def _check_variants(config: ModelConfig, fail: Any) -> None:

@@ -26,7 +26,8 @@ from tailserve.cache.tiered import ResultCache
 from tailserve.collector import FullCollections, freeze_held
 from tailserve.engine import traffic
 from tailserve.engine.dataplane import DataPlane
-from tailserve.engine.served import VersionBuilder
+from tailserve.engine.pipeline_host import DataPlaneHost
+from tailserve.engine.served import ServedPipeline, VersionBuilder
 from tailserve.errors import ConfigError
 from tailserve.jobs.desk import JobDesk
 from tailserve.jobs.records import id_prefix
@@ -89,6 +90,8 @@ class Worker:
         self.dataplane = DataPlane(
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
         )
+        builder.pipeline_host = DataPlaneHost(self.dataplane)
+        builder.pipeline_observer = self.metrics
         self.metrics.watch_costs(self._cost_rows)
         memo = (
             ReplyMemo(int(settings.reply_memo_mb * 2**20)) if settings.reply_memo_mb > 0 else None
@@ -211,6 +214,8 @@ class Worker:
         rows = []
         for state in self.manager.states():
             for version, served in list(state.versions.items()):
+                if isinstance(served, ServedPipeline):
+                    continue
                 for label, cost in served.scheduler.batcher.costs().items():
                     rows.append(
                         CostRow(state.name, str(version), label, cost.fixed_s, cost.per_row_s)

@@ -20,7 +20,7 @@ from tailserve.engine.accounts import BatchStats
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.options import cache_mode, deadline_and_priority
-from tailserve.engine.served import ServedVersion
+from tailserve.engine.served import Served, ServedPipeline, ServedVersion
 from tailserve.engine.validation import Checked
 from tailserve.errors import InvalidInput, ModelNotFound, TailserveError
 from tailserve.modelconfig import ModelConfig
@@ -45,7 +45,7 @@ class Hit(NamedTuple):
 class DataPlane:
     def __init__(
         self,
-        manager: ModelManager[ServedVersion],
+        manager: ModelManager[Served],
         *,
         strict_readiness: bool = False,
         cache: ResultCache | None = None,
@@ -135,6 +135,8 @@ class DataPlane:
         """
         self.online_requests += 1
         served = self.manager.get(name, version)
+        if isinstance(served, ServedPipeline):
+            return  # its steps' models decide, each within its share of the deadline
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
         cached = served.cache is not None and self.cache is not None
@@ -143,7 +145,7 @@ class DataPlane:
     def refused(self, name: str, version: str | None) -> None:
         """Count a request refused on an earlier shed's word (`DeadlineUnmeetable.
         reusable_until`) against the model that refused it."""
-        self.manager.get(name, version).scheduler.refused()
+        self.model(name, version).scheduler.refused()
 
     async def infer(
         self,
@@ -159,6 +161,8 @@ class DataPlane:
         config = served.config
         wanted = _wanted_outputs(config, request)
         deadline, hard, priority = deadline_and_priority(config, request)
+        if isinstance(served, ServedPipeline):
+            return await self._run_pipeline(served, request, wanted, deadline)
         pinned = _pinned_variant(served, request)
 
         checked = None
@@ -224,11 +228,38 @@ class DataPlane:
         )
         return _response(served, request, wanted, outputs, parameters)
 
+    async def _run_pipeline(
+        self,
+        served: ServedPipeline,
+        request: InferRequest,
+        wanted: list[tuple[str, str, dict[str, Any]]],
+        deadline: float,
+    ) -> InferResponse:
+        outputs, stages = await served.pipeline.run(request.inputs, deadline)
+        parameters: dict[str, Any] = {
+            "model_version": str(served.version),
+            "stages": [stage.document() for stage in stages],
+        }
+        degraded = sorted({f"{s.name}:{how}" for s in stages for how in s.degraded})
+        if degraded:
+            parameters["degraded"] = ",".join(degraded)
+        return _response(served, request, wanted, outputs, parameters)
+
+    def model(self, name: str, version: str | None = None) -> ServedVersion:
+        """A served model that runs a runtime of its own (a pipeline has none: 400)."""
+        served = self.manager.get(name, version)
+        if isinstance(served, ServedPipeline):
+            raise InvalidInput(
+                f"model {name!r} is a pipeline: it has no batches, jobs or statistics of its "
+                "own (its steps' models do)"
+            )
+        return served
+
     async def infer_job(self, request: InferRequest) -> InferResponse:
         """A job's request, run in its model's background lane (engine/background.py): not
         through the cache, with no deadline, only in the time online requests leave free; one
         of many rows in pieces that each fit the lane's budget."""
-        served = self.manager.get(request.model, request.version)
+        served = self.model(request.model, request.version)
         wanted = _wanted_outputs(served.config, request)
         inputs = request.inputs
         if served.features is not None:
@@ -305,6 +336,9 @@ class DataPlane:
             chosen = [state.versions[v] for v in sorted(state.versions)]
         documents = []
         for served in chosen:
+            if isinstance(served, ServedPipeline):
+                documents.append({"name": name, "version": str(served.version)})
+                continue
             scheduler = served.scheduler
             document = scheduler.stats.document(name, str(served.version))
             document["batching"] = {
@@ -378,7 +412,7 @@ class DataPlane:
 
 
 def _response(
-    served: ServedVersion,
+    served: Served,
     request: InferRequest,
     wanted: list[tuple[str, str, dict[str, Any]]],
     outputs: Outputs,
@@ -469,6 +503,7 @@ def _platform(config: ModelConfig) -> str:
         "sklearn": "sklearn",
         "python": "python",
         "torch": "pytorch_libtorch",
+        "pipeline": "ensemble",
     }[config.runtime]
 
 

@@ -151,6 +151,11 @@ class DeadlineBatcher:
         lowest = max(1, max((q.lowest for q in self._queues.by_key.values()), default=1))
         return admission.wait_s(now, free_at, lowest) > budget_s * admission.admission_target
 
+    def wait_s(self, now: float, free_at: Sequence[float]) -> float:
+        """How long a request of the lowest priority offered now would wait to start."""
+        lowest = max(1, max((q.lowest for q in self._queues.by_key.values()), default=1))
+        return float(self._admission.wait_s(now, free_at, lowest))
+
     def completed(self, item: Item, done: float) -> None:
         if item.estimate:
             self._delays.learn_answer(item.estimate, done)

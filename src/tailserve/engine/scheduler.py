@@ -173,6 +173,15 @@ class Scheduler:
         bound = getattr(self._batcher, "max_queue", 0)
         return bool(bound) and len(self._batcher) * 2 >= bound
 
+    def wait_s(self) -> float:
+        """How long a request offered now would wait before its batch starts (the deadline
+        policy's estimate; 0 for the others)."""
+        wait = getattr(self._batcher, "wait_s", None)
+        if wait is None:
+            return 0.0
+        now = self._clock()
+        return float(wait(now, self._free_times(now)))
+
     def refused(self) -> None:
         """Count a request refused on the word of an earlier shed (`DeadlineUnmeetable.
         reusable_until`): in the statistics, the metrics and the batcher's share of refusals."""

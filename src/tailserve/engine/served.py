@@ -16,18 +16,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tailserve.cache import ModelView, ResultCache, model_view
 from tailserve.engine.accounts import BatchObserver, LoopState
 from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.pipeline import Pipeline, PipelineHost, PipelineObserver
+from tailserve.engine.retrieval import RetrievalIndex
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.validation import InputPlan
 from tailserve.engine.variants import VariantChooser
 from tailserve.engine.warmup import load_and_warm
 from tailserve.errors import ModelNotServed
-from tailserve.modelconfig import FeaturesConfig, ModelConfig, served_variants
+from tailserve.modelconfig import FeatureInput, FeaturesConfig, ModelConfig, served_variants
+from tailserve.pipelineconfig import PipelineStep, fallback_fields
 from tailserve.runtimes import Runtime, RuntimeContext
 
 if TYPE_CHECKING:
@@ -51,6 +56,22 @@ class ServedVersion:
     variants: tuple[str, ...] = ()
 
 
+@dataclass(slots=True)
+class ServedPipeline:
+    """A served version of a pipeline model: no runtime of its own, its steps call the
+    others (`engine.pipeline`)."""
+
+    config: ModelConfig
+    version: int
+    pipeline: Pipeline
+
+
+Served = ServedVersion | ServedPipeline
+
+# Items read from the store a round trip at a time when a retrieval index loads.
+_INDEX_CHUNK = 5000
+
+
 class VersionBuilder:
     """Builds served versions for the catalogue (`repository.manager.Builder`)."""
 
@@ -68,10 +89,15 @@ class VersionBuilder:
         self._loop = loop
         self._feature_resolver = feature_resolver
         self._drain_timeout_s = drain_timeout_s
+        # What pipeline models call (the worker's data plane, set once it exists).
+        self.pipeline_host: PipelineHost | None = None
+        self.pipeline_observer: PipelineObserver | None = None
         # Loads read files and build sessions: off the event loop, one at a time (2 cores).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tailserve-loader")
 
-    async def build(self, config: ModelConfig, version: int, version_dir: Path) -> ServedVersion:
+    async def build(self, config: ModelConfig, version: int, version_dir: Path) -> Served:
+        if config.pipeline is not None:
+            return await self._pipeline(config, version)
         if config.features is not None:
             from tailserve.cache.features import check_features
 
@@ -140,7 +166,63 @@ class VersionBuilder:
             served.features = self._feature_resolver(config.features)
         return served
 
-    async def retire(self, served: ServedVersion) -> None:
+    async def _pipeline(self, config: ModelConfig, version: int) -> ServedPipeline:
+        assert config.pipeline is not None
+        if self.pipeline_host is None:
+            raise ModelNotServed(f"model {config.name!r} is a pipeline: this worker runs none")
+        indexes: dict[str, RetrievalIndex] = {}
+        queries: dict[str, FeatureResolver] = {}
+        for step in config.pipeline.steps:
+            if step.kind == "retrieve":
+                queries[step.name], indexes[step.name] = await self._retrieval(config, step)
+        pipeline = Pipeline(
+            config,
+            self.pipeline_host,
+            indexes=indexes,
+            queries=queries,
+            observer=self.pipeline_observer,
+        )
+        return ServedPipeline(config, version, pipeline)
+
+    async def _retrieval(
+        self, config: ModelConfig, step: PipelineStep
+    ) -> tuple[FeatureResolver, RetrievalIndex]:
+        """A retrieve step's query lookup, and its index read whole from the feature store."""
+        index = step.index
+        assert index is not None
+        if self._feature_resolver is None:
+            raise ModelNotServed(
+                f"model {config.name!r} is not served: its step {step.name!r} searches vectors "
+                "kept in the feature store, which needs Redis (start the worker with --redis-url)"
+            )
+        query = FeatureInput(
+            input="query_vector",
+            key="query",
+            entity=index.query_entity,
+            fields=index.fields,
+            datatype="INT64",
+            shape=[1],
+        )
+        resolver = self._feature_resolver(FeaturesConfig(version=index.version, inputs=[query]))
+        store = resolver.store
+        parts = [
+            await store.read(
+                index.item_entity,
+                index.version,
+                range(start, min(start + _INDEX_CHUNK, index.items)),
+                index.fields,
+            )
+            for start in range(0, index.items, _INDEX_CHUNK)
+        ]
+        fallback = None
+        if index.fallback_entity:
+            ranks = fallback_fields(step.top)
+            fallback = (await store.read(index.fallback_entity, index.version, [0], ranks))[0]
+        return resolver, RetrievalIndex(np.concatenate(parts), fallback)
+
+    async def retire(self, served: Served) -> None:
+        if isinstance(served, ServedPipeline):
+            return
         await served.scheduler.close(drain_s=self._drain_timeout_s)
         for runtime in served.runtimes:
             runtime.unload()

@@ -79,7 +79,7 @@ class JobDesk:
         header_length: int | None = None,
         webhook: str | None = None,
     ) -> dict[str, Any]:
-        served = self._dataplane.manager.get(model, version)
+        served = self._dataplane.model(model, version)
         config = served.config
         if not config.jobs.enabled:
             raise InvalidInput(f"model {model!r} takes no jobs (jobs.enabled is false)")

@@ -272,6 +272,8 @@ async def precompute(job: Job, *, progress: TextIO | None = sys.stderr) -> Repor
     try:
         await manager.load(job.model)
         served = manager.get(job.model, None if job.version is None else str(job.version))
+        if not isinstance(served, ServedVersion):
+            raise InvalidInput(f"model {job.model!r} is a pipeline: precompute its steps' models")
         view = _cache_view(served)
         tier = await _open_redis(job)
         checkpoint = None

@@ -355,7 +355,22 @@ class Metrics:
             ["model"],
             JOB_BUCKETS,
         )
+        self.stage_time = LoopHistogram(
+            "tailserve_pipeline_stage_seconds",
+            "The time each step of a pipeline took, by pipeline and stage.",
+            ["pipeline", "stage"],
+            LATENCY_BUCKETS,
+        )
+        self.stage_degradations = LoopCounter(
+            "tailserve_pipeline_degradations",
+            "Pipeline steps that ran late and degraded as declared, by pipeline, stage and how "
+            "(fewer: fewer rows passed on; variant: a cheaper variant; fallback: the declared "
+            "fallback instead of the step's answer).",
+            ["pipeline", "stage", "how"],
+        )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
+            self.stage_time,
+            self.stage_degradations,
             self.request_latency,
             self.requests,
             self.queue_time,
@@ -456,6 +471,11 @@ class Metrics:
         self.jobs_finished.inc(model, outcome)
         if seconds is not None:
             self.job_duration.child(model).observe(seconds)
+
+    def on_stage(self, pipeline: str, stage: str, seconds: float, degradations: list[str]) -> None:
+        self.stage_time.child(pipeline, stage).observe(seconds)
+        for how in degradations:
+            self.stage_degradations.inc(pipeline, stage, how)
 
     def set_model_ready(self, model: str, ready: bool) -> None:
         self.model_ready.labels(model).set(1 if ready else 0)

@@ -49,7 +49,7 @@ class Replayer:
             served = self._dataplane.manager.get(model, version)
         except TailserveError:
             return None
-        view = served.cache
+        view = getattr(served, "cache", None)  # (a pipeline has no result cache)
         if view is None or not view.l1.enabled:
             return None
         key = request.memo_key = digest(

@@ -1,0 +1,60 @@
+"""A pipeline's time: each step's share of the request's deadline, and how many rows fit it.
+
+Pure: times are seconds on the caller's clock, costs come as a function of rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Allotment:
+    """The time one step may take."""
+
+    deadline: float
+    # The step's share over its declared budget (1: on schedule; below: the steps before it
+    # ran late, or the request came with less time than the budgets add up to).
+    ratio: float
+
+    @property
+    def behind(self) -> bool:
+        return self.ratio < _ON_SCHEDULE
+
+
+# A step whose share is this close to its budget is on schedule (clock noise is not lateness).
+_ON_SCHEDULE = 0.98
+
+
+def allot(budgets: Sequence[float], index: int, now: float, deadline: float) -> Allotment:
+    """Step ``index``'s share of the time left: its budget, shrunk in proportion when the
+    budgets of the steps still to run add up to more than is left. A step with no budget
+    (0) may use whatever is left."""
+    budget = budgets[index]
+    if budget <= 0:
+        return Allotment(deadline, 1.0)
+    planned = sum(budgets[index:])
+    left = max(0.0, deadline - now)
+    scale = min(1.0, left / planned)
+    return Allotment(min(deadline, now + budget * scale), scale)
+
+
+def rows_that_fit(rows: int, least: int, seconds: float, cost: Callable[[int], float]) -> int:
+    """The most rows, at least ``least`` and at most ``rows``, whose ``cost`` fits in
+    ``seconds`` (``least`` when none does). Costs grow with rows, so a bisection finds it."""
+    if rows <= least or cost(rows) <= seconds:
+        return rows
+    low, high = least, rows  # cost(high) does not fit; low fits or is the floor
+    while high - low > 1:
+        middle = (low + high) // 2
+        if cost(middle) <= seconds:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def proportional_rows(rows: int, least: int, ratio: float) -> int:
+    """Rows in proportion to a step's share of its budget (for a step with no cost model)."""
+    return max(min(least, rows), min(rows, int(rows * ratio)))

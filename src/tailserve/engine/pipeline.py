@@ -1,0 +1,307 @@
+"""A pipeline model's run: its steps in order, each within its share of the deadline.
+
+Each step gets the time its budget allows (`budgets.allot`); one that would run late does what
+its ``on_late`` declares rather than fail the request:
+
+- ``fewer``: before it runs, cut the candidate rows (best first) to what fits its time, by the
+  called model's cost model and queue when it has them, else in proportion to its share;
+- ``variant``: call the model's cheapest variant when the first would not fit;
+- ``fallback``: when it runs out of time or its model refuses, copy the declared state (or,
+  for a retrieval, the precomputed list) and go on.
+
+A step with no fallback that runs past its budget takes the time from the steps after it; only
+the request's own deadline stops it. Every step's time and degradations go in the response
+(``parameters.stages``) and to the observer (metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from tailserve.engine.budgets import Allotment, allot, proportional_rows, rows_that_fit
+from tailserve.engine.messages import InferRequest, InferResponse
+from tailserve.engine.retrieval import RetrievalIndex
+from tailserve.engine.validation import InputPlan
+from tailserve.errors import DeadlineExceeded, InvalidInput, Unavailable
+from tailserve.modelconfig import ModelConfig
+from tailserve.pipelineconfig import PipelineConfig, PipelineStep
+from tailserve.tensors import Tensor, datatype_of
+
+if TYPE_CHECKING:
+    from tailserve.cache.features import FeatureResolver
+
+Array = np.ndarray[Any, Any]
+
+
+class ModelPort(Protocol):
+    """What a step needs to know of a model it calls, beside calling it."""
+
+    @property
+    def variants(self) -> tuple[str, ...]: ...
+
+    def wait_s(self) -> float:
+        """How long a request offered now would queue."""
+
+    def cost(self, inputs: list[Tensor]) -> Callable[[int], float] | None:
+        """The predicted time of the first ``n`` rows of ``inputs`` (None: not known)."""
+
+
+class PipelineHost(Protocol):
+    """The worker as the pipeline sees it (`engine.pipeline_host`)."""
+
+    async def call(self, request: InferRequest) -> InferResponse: ...
+
+    def port(self, model: str) -> ModelPort: ...
+
+    def resolver(self, model: str) -> FeatureResolver: ...
+
+
+class PipelineObserver(Protocol):
+    def on_stage(
+        self, pipeline: str, stage: str, seconds: float, degradations: list[str]
+    ) -> None: ...
+
+
+@dataclass(slots=True)
+class Stage:
+    """One step's account in the response."""
+
+    name: str
+    budget_s: float
+    seconds: float = 0.0
+    rows: int | None = None
+    degraded: list[str] = field(default_factory=list)
+    variant: str | None = None
+
+    def document(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "us": int(self.seconds * 1e6),
+            "budget_us": int(self.budget_s * 1e6),
+            "degraded": self.degraded,
+        }
+        if self.rows is not None:
+            out["rows"] = self.rows
+        if self.variant is not None:
+            out["variant"] = self.variant
+        return out
+
+
+class _Late(Exception):
+    """A step ran out of its time."""
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: ModelConfig,
+        host: PipelineHost,
+        *,
+        indexes: dict[str, RetrievalIndex] | None = None,
+        queries: dict[str, FeatureResolver] | None = None,
+        observer: PipelineObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert config.pipeline is not None
+        self.name = config.name
+        self.spec: PipelineConfig = config.pipeline
+        self.plan = InputPlan(config)
+        self.outputs = [(spec.name, spec.shape) for spec in config.outputs]
+        self._host = host
+        self._indexes = indexes or {}
+        self._queries = queries or {}
+        self._observer = observer
+        self._clock = clock
+        self._budgets = [step.budget_ms / 1e3 for step in self.spec.steps]
+
+    async def run(
+        self, inputs: list[Tensor], deadline: float
+    ) -> tuple[dict[str, Array], list[Stage]]:
+        """The pipeline's outputs for one request, and each step's account."""
+        checked = self.plan.check(inputs)
+        state = {
+            name: Tensor(name, datatype_of(array), array) for name, array in checked.arrays.items()
+        }
+        stages: list[Stage] = []
+        for index, step in enumerate(self.spec.steps):
+            start = self._clock()
+            if self.spec.budgets:
+                share = allot(self._budgets, index, start, deadline)
+            else:
+                share = Allotment(deadline, 1.0)
+            stage = Stage(step.name, max(0.0, share.deadline - start))
+            stages.append(stage)
+            try:
+                await self._step(step, state, share, deadline, stage)
+            except (_Late, Unavailable) as exc:
+                if not (self.spec.budgets and "fallback" in step.on_late):
+                    if isinstance(exc, _Late):
+                        raise DeadlineExceeded(
+                            f"pipeline {self.name!r}: step {step.name!r} ran past the "
+                            "request's deadline"
+                        ) from None
+                    raise
+                self._fall_back(step, state)
+                stage.degraded.append("fallback")
+            finally:
+                stage.seconds = self._clock() - start
+                if self._observer is not None:
+                    self._observer.on_stage(self.name, step.name, stage.seconds, stage.degraded)
+        missing = [name for name, _ in self.outputs if name not in state]
+        if missing:
+            raise InvalidInput(f"pipeline {self.name!r} made no {missing[0]!r}")
+        return {name: _shaped(state[name].data, spec) for name, spec in self.outputs}, stages
+
+    # --- steps ------------------------------------------------------------------------------
+
+    async def _step(
+        self,
+        step: PipelineStep,
+        state: dict[str, Tensor],
+        share: Allotment,
+        deadline: float,
+        stage: Stage,
+    ) -> None:
+        # Only a step that can fall back is cut off at its own time; the others may take
+        # what the steps after them would have had, up to the request's deadline.
+        can_stop = self.spec.budgets and "fallback" in step.on_late
+        cutoff = share.deadline if can_stop else deadline
+        if step.kind == "topk":
+            self._top(step, state, stage)
+            return
+        if step.kind == "retrieve":
+            work = self._retrieve(step, state, share, stage)
+        elif step.kind == "features":
+            work = self._features(step, state, share, stage)
+        else:
+            work = self._model(step, state, share, cutoff, stage)
+        left = cutoff - self._clock()
+        if left <= 0:
+            raise _Late
+        try:
+            await asyncio.wait_for(work, timeout=left)
+        except TimeoutError:
+            raise _Late from None
+
+    async def _retrieve(
+        self, step: PipelineStep, state: dict[str, Tensor], share: Allotment, stage: Stage
+    ) -> None:
+        index = self._indexes[step.name]
+        query_id = state[step.query]
+        resolved = await self._queries[step.name].resolve([Tensor("query", "INT64", query_id.data)])
+        vector = resolved[0].data.reshape(-1)
+        top = step.top
+        if self._degrading(step, "fewer") and share.behind:
+            top = proportional_rows(top, step.min_rows, share.ratio)
+            stage.degraded.append("fewer")
+        ids, scores = index.search(vector, top)
+        stage.rows = len(ids)
+        self._write(step, state, {"ids": ids, "scores": scores})
+
+    async def _features(
+        self, step: PipelineStep, state: dict[str, Tensor], share: Allotment, stage: Stage
+    ) -> None:
+        if self._degrading(step, "fewer") and share.behind:
+            rows = len(state[step.rows[0]].data)
+            kept = proportional_rows(rows, step.min_rows, share.ratio)
+            if kept < rows:
+                _cut(state, step.rows, slice(0, kept))
+                stage.degraded.append("fewer")
+        ids = [self._input(state, name, source) for name, source in step.inputs.items()]
+        resolved = await self._host.resolver(step.model).resolve(ids)
+        stage.rows = len(state[step.rows[0]].data) if step.rows else None
+        self._write(step, state, {tensor.name: tensor.data for tensor in resolved})
+
+    async def _model(
+        self,
+        step: PipelineStep,
+        state: dict[str, Tensor],
+        share: Allotment,
+        cutoff: float,
+        stage: Stage,
+    ) -> None:
+        port = self._host.port(step.model)
+        inputs = [self._input(state, name, source) for name, source in step.inputs.items()]
+        parameters: dict[str, Any] = {}
+        if self.spec.budgets and (
+            self._degrading(step, "fewer") or self._degrading(step, "variant")
+        ):
+            cost = port.cost(inputs)
+            room = share.deadline - self._clock() - port.wait_s()
+            rows = len(inputs[0].data) if inputs and inputs[0].data.ndim else 1
+            kept = rows
+            if self._degrading(step, "fewer"):
+                if cost is not None:
+                    kept = rows_that_fit(rows, step.min_rows, room, cost)
+                elif share.behind:
+                    kept = proportional_rows(rows, step.min_rows, share.ratio)
+                if kept < rows:
+                    _cut(state, step.rows, slice(0, kept))
+                    inputs = [self._input(state, n, s) for n, s in step.inputs.items()]
+                    stage.degraded.append("fewer")
+            late = share.behind or (cost is not None and cost(kept) > room)
+            if self._degrading(step, "variant") and len(port.variants) > 1 and late:
+                parameters["variant"] = port.variants[-1]
+        now = self._clock()
+        parameters["timeout"] = max(1, int((cutoff - now) * 1e6))
+        request = InferRequest(step.model, inputs, parameters=parameters, received_at=now)
+        response = await self._host.call(request)
+        variant = response.parameters.get("variant")
+        if variant is not None and port.variants and variant != port.variants[0]:
+            stage.variant = variant
+            stage.degraded.append("variant")
+        stage.rows = len(inputs[0].data) if inputs and inputs[0].data.ndim else None
+        self._write(step, state, {tensor.name: tensor.data for tensor in response.outputs})
+
+    def _top(self, step: PipelineStep, state: dict[str, Tensor], stage: Stage) -> None:
+        scores = np.asarray(state[step.by].data).reshape(-1)
+        keep = min(step.k, len(scores))
+        order = np.argsort(-scores, kind="stable")[:keep]
+        _cut(state, step.rows, order)
+        stage.rows = keep
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _degrading(self, step: PipelineStep, how: str) -> bool:
+        return self.spec.budgets and how in step.on_late
+
+    def _fall_back(self, step: PipelineStep, state: dict[str, Tensor]) -> None:
+        if step.kind == "retrieve":
+            ids, scores = self._indexes[step.name].precomputed(step.top)
+            self._write(step, state, {"ids": ids, "scores": scores})
+        for source, target in step.fallback.items():
+            tensor = state[source]
+            state[target] = Tensor(target, tensor.datatype, tensor.data)
+
+    @staticmethod
+    def _input(state: dict[str, Tensor], name: str, source: str) -> Tensor:
+        tensor = state[source]
+        return Tensor(name, tensor.datatype, tensor.data)
+
+    @staticmethod
+    def _write(step: PipelineStep, state: dict[str, Tensor], made: dict[str, Array]) -> None:
+        for name, target in step.outputs.items():
+            array = made.get(name)
+            if array is not None:
+                data = np.asarray(array)
+                state[target] = Tensor(target, datatype_of(data), data)
+
+
+def _cut(state: dict[str, Tensor], names: list[str], rows: slice | Array) -> None:
+    """Keep ``rows`` of every candidate-aligned tensor (they are cut together)."""
+    for name in names:
+        tensor = state.get(name)
+        if tensor is not None:
+            state[name] = Tensor(name, tensor.datatype, tensor.data[rows])
+
+
+def _shaped(array: Array, shape: list[int]) -> Array:
+    """A candidate list as the output declares it: ``[-1]`` is one flat row of values (a
+    model step answers a column, ``[n, 1]``)."""
+    return array.reshape(-1) if shape == [-1] else array
