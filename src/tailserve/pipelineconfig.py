@@ -97,7 +97,7 @@ def check_pipeline(config: PipelineConfig, inputs: list[str], fail: Any) -> None
         if step.min_rows < 1:
             raise fail(f"{where}.min_rows", "must be >= 1")
         for j, degradation in enumerate(step.on_late):
-            if degradation == "fewer" and not step.rows:
+            if degradation == "fewer" and not step.rows and step.kind != "retrieve":
                 raise fail(f"{where}.on_late[{j}]", "'fewer' needs 'rows': the tensors to cut")
             if degradation == "variant" and step.kind != "model":
                 raise fail(f"{where}.on_late[{j}]", "'variant' applies to model steps only")

@@ -238,6 +238,11 @@ class DataPlane:
         outputs, stages = await served.pipeline.run(request.inputs, deadline)
         parameters: dict[str, Any] = {
             "model_version": str(served.version),
+            # (its steps' models queue and batch; the pipeline is one request of its own)
+            "queue_us": 0,
+            "compute_us": int(sum(stage.seconds for stage in stages) * 1e6),
+            "batch_size": 1,
+            "cost_class": "pipeline",
             "stages": [stage.document() for stage in stages],
         }
         degraded = sorted({f"{s.name}:{how}" for s in stages for how in s.degraded})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,6 +50,15 @@ class ModelPort(Protocol):
 
     def cost(self, inputs: list[Tensor]) -> Callable[[int], float] | None:
         """The predicted time of the first ``n`` rows of ``inputs`` (None: not known)."""
+
+
+class IndexSource(Protocol):
+    """A retrieve step's index: read from the store when first needed."""
+
+    @property
+    def loaded(self) -> RetrievalIndex | None: ...
+
+    async def get(self) -> RetrievalIndex: ...
 
 
 class PipelineHost(Protocol):
@@ -103,7 +112,7 @@ class Pipeline:
         config: ModelConfig,
         host: PipelineHost,
         *,
-        indexes: dict[str, RetrievalIndex] | None = None,
+        indexes: Mapping[str, IndexSource] | None = None,
         queries: dict[str, FeatureResolver] | None = None,
         observer: PipelineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -192,7 +201,7 @@ class Pipeline:
     async def _retrieve(
         self, step: PipelineStep, state: dict[str, Tensor], share: Allotment, stage: Stage
     ) -> None:
-        index = self._indexes[step.name]
+        index = await self._indexes[step.name].get()
         query_id = state[step.query]
         resolved = await self._queries[step.name].resolve([Tensor("query", "INT64", query_id.data)])
         vector = resolved[0].data.reshape(-1)
@@ -273,7 +282,14 @@ class Pipeline:
 
     def _fall_back(self, step: PipelineStep, state: dict[str, Tensor]) -> None:
         if step.kind == "retrieve":
-            ids, scores = self._indexes[step.name].precomputed(step.top)
+            index = self._indexes[step.name].loaded
+            if index is None or not len(index.fallback):
+                raise Unavailable(
+                    f"pipeline {self.name!r}: step {step.name!r} could not run and has no "
+                    "precomputed list to stand in",
+                    retry_after_s=1.0,
+                )
+            ids, scores = index.precomputed(step.top)
             self._write(step, state, {"ids": ids, "scores": scores})
         for source, target in step.fallback.items():
             tensor = state[source]
@@ -290,6 +306,8 @@ class Pipeline:
             array = made.get(name)
             if array is not None:
                 data = np.asarray(array)
+                if data.ndim == 2 and data.shape[1] == 1:
+                    data = data.reshape(-1)  # a column: one value a candidate
                 state[target] = Tensor(target, datatype_of(data), data)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,13 +32,16 @@ from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.validation import InputPlan
 from tailserve.engine.variants import VariantChooser
 from tailserve.engine.warmup import load_and_warm
-from tailserve.errors import ModelNotServed
+from tailserve.errors import ModelNotServed, TailserveError, Unavailable
 from tailserve.modelconfig import FeatureInput, FeaturesConfig, ModelConfig, served_variants
 from tailserve.pipelineconfig import PipelineStep, fallback_fields
 from tailserve.runtimes import Runtime, RuntimeContext
 
 if TYPE_CHECKING:
+    from tailserve.cache.feature_store import FeatureSource
     from tailserve.cache.features import FeatureResolver
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -70,6 +75,64 @@ Served = ServedVersion | ServedPipeline
 
 # Items read from the store a round trip at a time when a retrieval index loads.
 _INDEX_CHUNK = 5000
+
+
+class StoredIndex:
+    """A retrieve step's index, read whole from the feature store when first needed (and read
+    again, at most every few seconds, while the store does not hold it)."""
+
+    RETRY_S = 5.0
+
+    def __init__(self, step: PipelineStep, store: FeatureSource) -> None:
+        assert step.index is not None
+        self._spec = step.index
+        self._top = step.top
+        self._store = store
+        self._index: RetrievalIndex | None = None
+        self._failed: tuple[float, TailserveError] | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def loaded(self) -> RetrievalIndex | None:
+        return self._index
+
+    async def get(self) -> RetrievalIndex:
+        if self._index is not None:
+            return self._index
+        async with self._lock:
+            if self._index is not None:
+                return self._index
+            if self._failed is not None and time.monotonic() < self._failed[0] + self.RETRY_S:
+                raise self._failed[1]
+            try:
+                self._index = await self._read()
+            except TailserveError as exc:
+                spec = self._spec
+                failed = Unavailable(
+                    f"the retrieval index ({spec.item_entity} vectors, version {spec.version}) "
+                    f"could not be read from the feature store: {exc.message}",
+                    retry_after_s=self.RETRY_S,
+                )
+                self._failed = (time.monotonic(), failed)
+                raise failed from None
+            return self._index
+
+    async def _read(self) -> RetrievalIndex:
+        spec, store = self._spec, self._store
+        parts = [
+            await store.read(
+                spec.item_entity,
+                spec.version,
+                range(start, min(start + _INDEX_CHUNK, spec.items)),
+                spec.fields,
+            )
+            for start in range(0, spec.items, _INDEX_CHUNK)
+        ]
+        fallback = None
+        if spec.fallback_entity:
+            ranks = fallback_fields(self._top)
+            fallback = (await store.read(spec.fallback_entity, spec.version, [0], ranks))[0]
+        return RetrievalIndex(np.concatenate(parts), fallback)
 
 
 class VersionBuilder:
@@ -170,11 +233,37 @@ class VersionBuilder:
         assert config.pipeline is not None
         if self.pipeline_host is None:
             raise ModelNotServed(f"model {config.name!r} is a pipeline: this worker runs none")
-        indexes: dict[str, RetrievalIndex] = {}
+        indexes: dict[str, StoredIndex] = {}
         queries: dict[str, FeatureResolver] = {}
         for step in config.pipeline.steps:
-            if step.kind == "retrieve":
-                queries[step.name], indexes[step.name] = await self._retrieval(config, step)
+            if step.kind != "retrieve":
+                continue
+            if self._feature_resolver is None:
+                raise ModelNotServed(
+                    f"model {config.name!r} is not served: its step {step.name!r} searches "
+                    "vectors kept in the feature store, which needs Redis (start the worker "
+                    "with --redis-url)"
+                )
+            assert step.index is not None
+            query = FeatureInput(
+                input="query_vector",
+                key="query",
+                entity=step.index.query_entity,
+                fields=step.index.fields,
+                datatype="INT64",
+                shape=[1],
+            )
+            resolver = self._feature_resolver(
+                FeaturesConfig(version=step.index.version, inputs=[query])
+            )
+            queries[step.name] = resolver
+            indexes[step.name] = stored = StoredIndex(step, resolver.store)
+            try:
+                await stored.get()
+            except TailserveError as exc:
+                # As a feature lookup would: served, and each request says what is missing
+                # until the vectors are in the store (the index is read again then).
+                log.warning("model %r: step %r has no index yet: %s", config.name, step.name, exc)
         pipeline = Pipeline(
             config,
             self.pipeline_host,
@@ -183,42 +272,6 @@ class VersionBuilder:
             observer=self.pipeline_observer,
         )
         return ServedPipeline(config, version, pipeline)
-
-    async def _retrieval(
-        self, config: ModelConfig, step: PipelineStep
-    ) -> tuple[FeatureResolver, RetrievalIndex]:
-        """A retrieve step's query lookup, and its index read whole from the feature store."""
-        index = step.index
-        assert index is not None
-        if self._feature_resolver is None:
-            raise ModelNotServed(
-                f"model {config.name!r} is not served: its step {step.name!r} searches vectors "
-                "kept in the feature store, which needs Redis (start the worker with --redis-url)"
-            )
-        query = FeatureInput(
-            input="query_vector",
-            key="query",
-            entity=index.query_entity,
-            fields=index.fields,
-            datatype="INT64",
-            shape=[1],
-        )
-        resolver = self._feature_resolver(FeaturesConfig(version=index.version, inputs=[query]))
-        store = resolver.store
-        parts = [
-            await store.read(
-                index.item_entity,
-                index.version,
-                range(start, min(start + _INDEX_CHUNK, index.items)),
-                index.fields,
-            )
-            for start in range(0, index.items, _INDEX_CHUNK)
-        ]
-        fallback = None
-        if index.fallback_entity:
-            ranks = fallback_fields(step.top)
-            fallback = (await store.read(index.fallback_entity, index.version, [0], ranks))[0]
-        return resolver, RetrievalIndex(np.concatenate(parts), fallback)
 
     async def retire(self, served: Served) -> None:
         if isinstance(served, ServedPipeline):

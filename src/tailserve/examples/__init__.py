@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from tailserve.examples.churn import write_churn
+from tailserve.examples.funnel import write_funnel
 from tailserve.examples.ranker import load_features, write_ranker
 from tailserve.examples.sentiment import write_sentiment
 
@@ -23,7 +24,7 @@ def write_examples(
     ``sklearn`` also writes ``churn_sklearn``, a pickled scikit-learn pipeline (trusted);
     ``torch`` also writes ``churn_torch`` where torch is installed (the `torch` extra).
     ``ranker`` reads its inputs from the feature store: ``load_features(DIR / "ranker", url)``
-    puts its synthetic catalog into Redis.
+    puts its synthetic catalog into Redis, and the vectors the ``funnel`` pipeline searches.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -32,6 +33,7 @@ def write_examples(
         write_sentiment(directory),
         write_ranker(directory),
     ]
+    names += write_funnel(directory)
     if torch and importlib.util.find_spec("torch") is not None:
         from tailserve.examples.churn_torch import write_churn_torch
 

@@ -264,7 +264,8 @@ def load_features(
     model_dir: Path | str, redis_url: str, *, cluster: bool = False
 ) -> dict[str, int]:
     """Load the ranker's synthetic features into the Redis at ``redis_url`` (~150,000 rows,
-    pipelined); how many rows of each entity. Raises ``Unavailable`` when Redis fails."""
+    pipelined), and the funnel's retrieval vectors made from them (as many again); how many
+    rows of each entity. Raises ``Unavailable`` when Redis fails."""
     from tailserve.loops import run
 
     return run(_load(Path(model_dir), redis_url, cluster))
@@ -273,9 +274,13 @@ def load_features(
 async def _load(model_dir: Path, redis_url: str, cluster: bool) -> dict[str, int]:
     from tailserve.cache.feature_store import FeatureStore
     from tailserve.cache.redis import connect
+    from tailserve.examples.funnel import write_vectors
 
     client = connect(redis_url, cluster=cluster, timeout_s=2.0)
     try:
-        return await write_features(model_dir, FeatureStore(client))
+        store = FeatureStore(client)
+        counts = await write_features(model_dir, store)
+        counts.update(await write_vectors(model_dir, store))
+        return counts
     finally:
         await client.aclose()

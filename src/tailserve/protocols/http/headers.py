@@ -48,4 +48,5 @@ def served_headers(response: InferResponse) -> Headers:
         (b"x-cost-class", str(params["cost_class"]).encode()),
         *([(b"x-cache", params["cache"].encode())] if "cache" in params else []),
         *([(b"x-variant", params["variant"].encode())] if "variant" in params else []),
+        *([(b"x-degraded", params["degraded"].encode())] if "degraded" in params else []),
     ]
