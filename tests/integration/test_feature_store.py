@@ -32,7 +32,7 @@ from tailserve.cache.feature_store import FeatureStore, entity_key
 from tailserve.cache.features import FeatureResolver
 from tailserve.cache.redis import connect
 from tailserve.errors import InvalidInput, Unavailable
-from tailserve.examples import load_features, ranker
+from tailserve.examples import funnel, load_features, ranker
 from tailserve.modelconfig import FeatureInput, FeaturesConfig
 from tailserve.settings import Settings
 from tailserve.tensors import Tensor
@@ -226,7 +226,14 @@ def loaded(ranker_repository: Path, redis: RedisServer) -> dict[str, int]:
 async def test_load_features_fills_redis_with_the_catalog(
     loaded: dict[str, int], ranker_repository: Path, store: FeatureStore
 ) -> None:
-    assert loaded == {"user": ranker.USERS, "item": ranker.ITEMS}
+    # with the funnel's retrieval vectors, made from the same catalog
+    assert loaded == {
+        "user": ranker.USERS,
+        "item": ranker.ITEMS,
+        funnel.USER_VECTORS: ranker.USERS,
+        funnel.ITEM_VECTORS: ranker.ITEMS,
+        funnel.POPULAR: 1,
+    }
     with np.load(ranker_repository / "ranker" / ranker.CATALOG) as catalog:
         saved = dict(catalog)
     last = [ranker.ITEMS - 1, 0, 12_345]

@@ -168,7 +168,15 @@ def test_the_pickled_pipeline_is_the_one_the_onnx_graph_was_exported_from(tmp_pa
     from tailserve.examples import write_examples
 
     names = write_examples(tmp_path, sklearn=True)
-    assert names == ["churn", "churn_lgbm", "churn_sklearn", "sentiment", "ranker"]
+    assert names == [
+        "churn",
+        "churn_lgbm",
+        "churn_sklearn",
+        "sentiment",
+        "ranker",
+        "funnel",
+        "rerank",
+    ]
     config = load_model_config(tmp_path / "churn_sklearn")
     assert config.runtime == "sklearn" and config.trust
     loaded = {}

@@ -156,7 +156,7 @@ class Pipeline:
                             "request's deadline"
                         ) from None
                     raise
-                self._fall_back(step, state)
+                self._fall_back(step, state, exc)
                 stage.degraded.append("fallback")
             finally:
                 stage.seconds = self._clock() - start
@@ -280,13 +280,14 @@ class Pipeline:
     def _degrading(self, step: PipelineStep, how: str) -> bool:
         return self.spec.budgets and how in step.on_late
 
-    def _fall_back(self, step: PipelineStep, state: dict[str, Tensor]) -> None:
+    def _fall_back(self, step: PipelineStep, state: dict[str, Tensor], cause: Exception) -> None:
         if step.kind == "retrieve":
             index = self._indexes[step.name].loaded
             if index is None or not len(index.fallback):
+                why = cause.message if isinstance(cause, Unavailable) else "it ran out of time"
                 raise Unavailable(
-                    f"pipeline {self.name!r}: step {step.name!r} could not run and has no "
-                    "precomputed list to stand in",
+                    f"pipeline {self.name!r}: step {step.name!r} could not run ({why}) and has "
+                    "no precomputed list to stand in",
                     retry_after_s=1.0,
                 )
             ids, scores = index.precomputed(step.top)

@@ -1,0 +1,231 @@
+"""Pipelines as policy: budgets carved from the deadline, and each way a late step degrades,
+run against a fake worker (the host) so that the steps' timing is the test's to set."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tailserve.engine.budgets import allot, proportional_rows, rows_that_fit
+from tailserve.engine.messages import InferRequest, InferResponse
+from tailserve.engine.pipeline import Pipeline
+from tailserve.engine.retrieval import RetrievalIndex
+from tailserve.errors import ConfigError, DeadlineExceeded, DeadlineUnmeetable
+from tailserve.modelconfig import ModelConfig, parse_model_config
+from tailserve.tensors import Tensor
+
+# --- budgets ----------------------------------------------------------------------------------
+
+
+def test_each_step_gets_its_budget_when_the_request_has_time() -> None:
+    share = allot([0.004, 0.006, 0.020], 0, now=10.0, deadline=10.050)
+    assert share.deadline == pytest.approx(10.004) and not share.behind
+
+
+def test_budgets_shrink_in_proportion_when_the_steps_before_ran_late() -> None:
+    # 15 ms left for 26 ms of budgets: the step has 15/26 of its 6.
+    share = allot([0.004, 0.006, 0.020], 1, now=10.035, deadline=10.050)
+    assert share.ratio == pytest.approx(15 / 26)
+    assert share.deadline == pytest.approx(10.035 + 0.006 * 15 / 26) and share.behind
+
+
+def test_a_step_without_a_budget_may_use_what_is_left() -> None:
+    share = allot([0.004, 0.0], 1, now=10.0, deadline=10.030)
+    assert share.deadline == 10.030 and not share.behind
+
+
+def test_rows_that_fit_is_the_most_whose_cost_fits() -> None:
+    def cost(rows: int) -> float:
+        return 0.001 + rows * 0.0001  # 1 ms + 0.1 ms a row
+
+    assert rows_that_fit(400, 50, 0.050, cost) == 400
+    assert rows_that_fit(400, 50, 0.011, cost) == 100
+    assert rows_that_fit(400, 50, 0.001, cost) == 50  # none fits: the floor
+    assert proportional_rows(400, 50, 0.5) == 200
+    assert proportional_rows(400, 50, 0.01) == 50
+    assert proportional_rows(30, 50, 0.5) == 30
+
+
+def test_retrieval_finds_the_best_scoring_items_best_first() -> None:
+    rng = np.random.default_rng(1)
+    items = rng.normal(size=(1000, 8)).astype(np.float32)
+    query = rng.normal(size=8).astype(np.float32)
+    ids, scores = RetrievalIndex(items).search(query, 10)
+    expected = np.argsort(-(items @ query))[:10]
+    np.testing.assert_array_equal(ids, expected)
+    assert np.all(np.diff(scores) <= 0)
+    ids, _ = RetrievalIndex(items, fallback=np.array([5, 3, 9])).precomputed(2)
+    np.testing.assert_array_equal(ids, [5, 3])
+
+
+# --- the config -------------------------------------------------------------------------------
+
+
+def config(steps: list[dict[str, Any]], *, budgets: bool = True) -> ModelConfig:
+    raw = {
+        "name": "flow",
+        "runtime": "pipeline",
+        "inputs": [{"name": "ids", "datatype": "INT64", "shape": [-1]}],
+        "outputs": [{"name": "final", "datatype": "FP32", "shape": [-1]}],
+        "slo": {"p99_ms": 50},
+        "pipeline": {"budgets": budgets, "steps": steps},
+    }
+    return parse_model_config(raw, source="flow/model.yaml")
+
+
+SCORE = {
+    "name": "score",
+    "kind": "model",
+    "model": "scorer",
+    "budget_ms": 20,
+    "inputs": {"x": "ids"},
+    "outputs": {"y": "final"},
+}
+
+
+def test_a_step_reading_what_nothing_gave_is_refused_naming_it() -> None:
+    bad = {**SCORE, "inputs": {"x": "nowhere"}}
+    with pytest.raises(ConfigError, match=r"steps\[0\].*reads 'nowhere'"):
+        config([bad])
+
+
+def test_fewer_needs_rows_and_fallback_needs_what_to_copy() -> None:
+    with pytest.raises(ConfigError, match="'fewer' needs 'rows'"):
+        config([{**SCORE, "on_late": ["fewer"]}])
+    with pytest.raises(ConfigError, match="'fallback' needs 'fallback'"):
+        config([{**SCORE, "on_late": ["fallback"]}])
+
+
+def test_a_pipeline_section_goes_with_the_pipeline_runtime() -> None:
+    raw = {
+        "name": "m",
+        "runtime": "onnx",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+        "pipeline": {"steps": [SCORE]},
+    }
+    with pytest.raises(ConfigError, match="field 'pipeline'"):
+        parse_model_config(raw, source="m/model.yaml")
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+class Port:
+    def __init__(self, per_row_s: float, wait_s: float = 0.0, variants: tuple[str, ...] = ()):
+        self.per_row_s = per_row_s
+        self._wait_s = wait_s
+        self.variants = variants
+
+    def wait_s(self) -> float:
+        return self._wait_s
+
+    def cost(self, inputs: list[Tensor]) -> Callable[[int], float] | None:
+        return lambda rows: rows * self.per_row_s
+
+
+class Host:
+    """The worker, faked: the model doubles its input, or does what the test says."""
+
+    def __init__(self, port: Port, behaviour: str = "answer") -> None:
+        self._port = port
+        self.behaviour = behaviour
+        self.requests: list[InferRequest] = []
+        self.never = asyncio.Event()
+
+    async def call(self, request: InferRequest) -> InferResponse:
+        self.requests.append(request)
+        if self.behaviour == "refuse":
+            raise DeadlineUnmeetable("the scorer's queue is too long for this deadline")
+        if self.behaviour == "hang":
+            await self.never.wait()
+        x = request.inputs[0].data
+        variants = self._port.variants
+        variant = request.parameters.get("variant") or (variants[0] if variants else None)
+        parameters = {"variant": variant} if variant else {}
+        y = Tensor("y", "FP32", (x * 2).astype(np.float32))
+        return InferResponse(request.model, "1", [y], parameters=parameters)
+
+    def port(self, model: str) -> Port:
+        return self._port
+
+    def resolver(self, model: str) -> Any:
+        raise AssertionError("no feature steps here")
+
+
+IDS = [Tensor("ids", "INT64", np.arange(400, dtype=np.int64))]
+
+
+def deadline_in(seconds: float) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def test_on_schedule_no_step_degrades_and_each_is_accounted() -> None:
+    host = Host(Port(per_row_s=0.00001))
+    pipeline = Pipeline(config([{**SCORE, "on_late": ["fewer"], "rows": ["ids"]}]), host)
+    outputs, stages = await pipeline.run(IDS, deadline_in(0.05))
+    np.testing.assert_array_equal(outputs["final"], np.arange(400) * 2)
+    (stage,) = stages
+    assert stage.degraded == [] and stage.rows == 400 and stage.seconds > 0
+    assert stage.document()["budget_us"] > 19_000
+    # With no fallback to give, the step may run into the time of the steps after it: its
+    # model's deadline is the request's.
+    assert 40_000 < host.requests[0].parameters["timeout"] <= 50_000
+
+
+async def test_fewer_passes_on_as_many_rows_as_the_models_cost_fits() -> None:
+    # 0.1 ms a row and 5 ms of queue ahead: of the 20 ms, 15 are left for 150 rows.
+    host = Host(Port(per_row_s=0.0001, wait_s=0.005))
+    steps = [{**SCORE, "on_late": ["fewer"], "rows": ["ids"], "min_rows": 50}]
+    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.05))
+    assert 140 <= len(outputs["final"]) <= 150
+    np.testing.assert_array_equal(outputs["final"], np.arange(len(outputs["final"])) * 2)
+    assert stages[0].degraded == ["fewer"]
+
+
+async def test_a_refused_step_falls_back_to_what_it_declares() -> None:
+    host = Host(Port(per_row_s=0.0), behaviour="refuse")
+    steps = [
+        {"name": "prior", "kind": "topk", "by": "ids", "k": 400, "rows": ["ids"]},
+        {**SCORE, "on_late": ["fallback"], "fallback": {"ids": "final"}},
+    ]
+    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.05))
+    np.testing.assert_array_equal(np.sort(outputs["final"]), np.arange(400))
+    assert stages[1].degraded == ["fallback"]
+
+
+async def test_a_step_out_of_time_falls_back_at_its_share() -> None:
+    host = Host(Port(per_row_s=0.0), behaviour="hang")
+    steps = [{**SCORE, "budget_ms": 5, "on_late": ["fallback"], "fallback": {"ids": "final"}}]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(1.0))
+    # Stopped at its 5 ms share, far before the request's second; its model was told so.
+    assert loop.time() - started < 0.5
+    assert host.requests[0].parameters["timeout"] <= 5_000
+    assert stages[0].degraded == ["fallback"] and len(outputs["final"]) == 400
+
+
+async def test_without_budgets_no_step_degrades_and_a_late_one_fails_at_the_deadline() -> None:
+    host = Host(Port(per_row_s=0.0), behaviour="hang")
+    steps = [{**SCORE, "budget_ms": 5, "on_late": ["fallback"], "fallback": {"ids": "final"}}]
+    with pytest.raises(DeadlineExceeded, match="step 'score'"):
+        await Pipeline(config(steps, budgets=False), host).run(IDS, deadline_in(0.03))
+    host.behaviour = "refuse"
+    with pytest.raises(DeadlineUnmeetable):
+        await Pipeline(config(steps, budgets=False), host).run(IDS, deadline_in(0.03))
+
+
+async def test_a_step_behind_schedule_takes_the_cheapest_variant() -> None:
+    host = Host(Port(per_row_s=0.001, variants=("full", "small")))
+    steps = [{**SCORE, "on_late": ["variant"]}]
+    _, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.05))
+    assert host.requests[-1].parameters["variant"] == "small"  # 400 ms of rows in 20 ms
+    assert stages[0].degraded == ["variant"] and stages[0].variant == "small"
+    host = Host(Port(per_row_s=0.00001, variants=("full", "small")))
+    _, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.05))
+    assert "variant" not in host.requests[-1].parameters and stages[0].degraded == []
