@@ -3,7 +3,7 @@
 A model folder holds ``model.yaml`` and numbered version folders::
 
     name: churn
-    runtime: onnx                 # onnx | lightgbm | sklearn | python
+    runtime: onnx                 # onnx | lightgbm | sklearn | python | torch | pipeline
     max_batch_size: 256           # 0: the model takes no batch dimension
     inputs:
       - {name: tenure_months, datatype: INT64, shape: [1], range: [1, 120]}
