@@ -184,15 +184,15 @@ class Pipeline:
         if step.kind == "topk":
             self._top(step, state, stage)
             return
+        left = cutoff - self._clock()
+        if left <= 0:
+            raise _Late
         if step.kind == "retrieve":
             work = self._retrieve(step, state, share, stage)
         elif step.kind == "features":
             work = self._features(step, state, share, stage)
         else:
             work = self._model(step, state, share, cutoff, stage)
-        left = cutoff - self._clock()
-        if left <= 0:
-            raise _Late
         try:
             await asyncio.wait_for(work, timeout=left)
         except TimeoutError:
