@@ -11,18 +11,26 @@ checks; shedding when every replica is saturated) runs in the caller's event loo
 
 Requests go as OIP v2 JSON. A reply other than 200 raises `InferenceError` with the status and
 the worker's (or the dispatcher's) message.
+
+With ``edge_cache=EdgeCache(...)`` the answers of cached models are also kept in this process
+for a short TTL (``cache/edge.py``), dropped by the workers' invalidations heard on Redis
+(``cache/invalidations.py``); identical requests in flight at once go out once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
 
+from tailserve.cache.edge import EdgeCache, EdgeStore, Kept, prefix_for
+from tailserve.cache.invalidations import InvalidationFeed
+from tailserve.cache.redis import connect, parse_url
 from tailserve.errors import TailserveError
 from tailserve.router.config import RouterConfig, backend_url, parse_backend
 from tailserve.router.dispatch import Dispatcher
@@ -31,7 +39,11 @@ from tailserve.router.messages import Outcome, error_message, request_framer
 from tailserve.router.upstreams import ANY
 from tailserve.tensors import datatype_of, from_json, to_json_data
 
-__all__ = ["Client", "InferResult", "InferenceError"]
+__all__ = ["Client", "EdgeCache", "InferResult", "InferenceError"]
+
+# How the edge tier took part in an answer: ``hit`` (answered from it), ``coalesced`` (shared
+# the reply of an identical request in flight), ``miss`` / ``refresh`` (a worker's, now kept).
+EdgeSource = Literal["hit", "coalesced", "miss", "refresh"]
 
 
 class InferenceError(TailserveError):
@@ -49,6 +61,19 @@ class InferResult:
     hedged: bool
     parameters: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    # The edge tier's part (None: not a model it caches, or the request bypassed it).
+    edge: EdgeSource | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    model: str
+    inputs: Mapping[str, Any]
+    outputs: Sequence[str] | None
+    version: str | int | None
+    parameters: Mapping[str, Any] | None
+    deadline_ms: float | None
+    affinity_key: str | None
 
 
 class Client:
@@ -65,9 +90,12 @@ class Client:
         timeout_s: float = 30.0,
         health_interval_s: float = 1.0,
         admin_token: str | None = None,
+        edge_cache: EdgeCache | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a Client needs at least one backend URL")
+        if edge_cache is not None and edge_cache.redis_url is not None:
+            parse_url(edge_cache.redis_url)  # a bad URL fails here, not in the background
         self.config = RouterConfig(
             backends=tuple(backend_url(*parse_backend(url)) for url in backends),
             balance=balance,
@@ -82,6 +110,9 @@ class Client:
         )
         self._dispatcher: Dispatcher | None = None
         self._health: asyncio.Task[None] | None = None
+        self._edge = EdgeStore(edge_cache) if edge_cache is not None else None
+        self._feed: InvalidationFeed | None = None
+        self._flights: dict[tuple[str, str, str], asyncio.Future[Kept | InferenceError | None]] = {}
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -96,8 +127,21 @@ class Client:
         dispatcher.set_members(self.config.backends)
         await dispatcher.check_all()
         self._health = asyncio.get_running_loop().create_task(dispatcher.run_health())
+        edge = self._edge
+        if edge is not None and edge.config.redis_url is not None:
+            url, _ = parse_url(edge.config.redis_url)
+            # A plain connection even to a cluster: every node hears every PUBLISH. Each
+            # (re)subscription drops the edge, as a worker's does its L1: events were missed.
+            self._feed = InvalidationFeed(
+                lambda: connect(url, timeout_s=1.0, socket_timeout=None),
+                edge.invalidate,
+                edge.clear,
+            )
+            self._feed.start()
 
     async def close(self) -> None:
+        if self._feed is not None:
+            await self._feed.close()
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
@@ -123,12 +167,28 @@ class Client:
         affinity_key: str | None = None,
     ) -> InferResult:
         """Run ``model`` on named arrays; answers its outputs as arrays."""
-        body = encode_request(inputs, outputs, parameters)
+        request = _Request(model, inputs, outputs, version, parameters, deadline_ms, affinity_key)
+        edge = self._edge
+        mode = (parameters or {}).get("cache", "use")
+        if edge is None or mode not in ("use", "refresh"):
+            return await self._infer(request)
+        if not edge.caches(model):
+            return await self._learn(edge, request, "refresh" if mode == "refresh" else "miss")
+        digest = edge.digest(model, inputs, outputs, parameters)
+        if digest is None:
+            return await self._infer(request)
+        if mode == "refresh":
+            return await self._fetch(edge, request, digest, "refresh")
+        return await self._edge_infer(edge, request, digest)
+
+    async def _infer(self, request: _Request) -> InferResult:
+        body = encode_request(request.inputs, request.outputs, request.parameters)
+        model, version = request.model, request.version
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "")
         headers = [("content-type", "application/json")]
         key = None
         if self.dispatcher.wants_key(model):
-            key = affinity_key if affinity_key is not None else body_key(body)
+            key = request.affinity_key if request.affinity_key is not None else body_key(body)
         outcome = await self._send(
             model,
             "POST",
@@ -137,18 +197,128 @@ class Client:
             headers,
             key=key,
             cost=cost_class(len(body)),
-            deadline_ms=deadline_ms,
+            deadline_ms=request.deadline_ms,
             hedge=True,
         )
         if outcome.status != 200:
             raise InferenceError(outcome.status, error_message(outcome.body), outcome.backend)
         return decode_response(outcome)
 
+    # --- the edge tier ----------------------------------------------------------------------
+
+    async def _edge_infer(self, edge: EdgeStore, request: _Request, digest: str) -> InferResult:
+        """A cached model's request: the edge's answer, an identical request's in flight, or
+        a worker's (then kept)."""
+        loop = asyncio.get_running_loop()
+        until = None if request.deadline_ms is None else loop.time() + request.deadline_ms / 1e3
+        flight = (request.model, str(request.version), digest)
+        while True:
+            kept = edge.lookup(edge.key(request.model, request.version, digest))
+            if kept is not None:
+                return _answer(kept, "hit")
+            leader = self._flights.get(flight) if edge.config.coalesce else None
+            if leader is None:
+                break
+            try:
+                timeout = None if until is None else max(0.0, until - loop.time())
+                shared = await asyncio.wait_for(asyncio.shield(leader), timeout)
+            except TimeoutError:
+                raise InferenceError(
+                    504, "deadline passed waiting for an identical request in flight"
+                ) from None
+            if isinstance(shared, InferenceError):
+                raise InferenceError(shared.status, shared.message, shared.replica)
+            if shared is not None:
+                edge.coalesced += 1
+                return _answer(shared, "coalesced")
+            # The first gave up for reasons of its own (cancelled, its deadline): look again.
+        if not edge.config.coalesce:
+            return await self._fetch(edge, request, digest, "miss")
+        future: asyncio.Future[Kept | InferenceError | None] = loop.create_future()
+        self._flights[flight] = future
+        shared = None
+        try:
+            result = await self._fetch(edge, request, digest, "miss")
+            shared = _kept(result)
+            return result
+        except InferenceError as exc:
+            # Followers with a deadline of their own wait for it, not for the first's.
+            shared = None if exc.status == 504 else exc
+            raise
+        finally:
+            if self._flights.get(flight) is future:
+                del self._flights[flight]
+            future.set_result(shared)
+
+    async def _fetch(
+        self, edge: EdgeStore, request: _Request, digest: str, how: EdgeSource
+    ) -> InferResult:
+        stamp = edge.stamp(request.model)
+        result = await self._infer(request)
+        edge.learn(request.model, result.parameters, pinned=request.version is not None)
+        _freeze(result.outputs)
+        edge.keep(request.model, digest, _kept(result), stamp)
+        result.edge = how
+        return result
+
+    async def _learn(self, edge: EdgeStore, request: _Request, how: EdgeSource) -> InferResult:
+        """A model not (yet) cached here: its reply may say its workers cache it."""
+        stamp = edge.stamp(request.model)
+        result = await self._infer(request)
+        pinned = request.version is not None
+        if edge.learn(request.model, result.parameters, pinned=pinned):
+            inputs, outputs = request.inputs, request.outputs
+            digest = edge.digest(request.model, inputs, outputs, request.parameters)
+            if digest is not None:
+                _freeze(result.outputs)
+                edge.keep(request.model, digest, _kept(result), stamp)
+                result.edge = how
+        return result
+
+    @property
+    def edge(self) -> EdgeStore | None:
+        """The edge tier (its entries and counters), when the client has one."""
+        return self._edge
+
+    @property
+    def edge_subscribed(self) -> bool:
+        """Whether the edge tier hears the workers' invalidations now."""
+        return self._feed is not None and self._feed.subscribed.is_set()
+
+    def invalidate_edge(
+        self,
+        model: str | None = None,
+        version: str | int | None = None,
+        *,
+        prefix: str | None = None,
+    ) -> int:
+        """Drop this process's edge entries of a model, a version of it, a key prefix, or
+        (nothing named) all; how many. The workers' caches are untouched: for those, POST
+        ``/v2/cache/invalidate`` (through `request`, which applies its answer here too)."""
+        if self._edge is None:
+            return 0
+        if prefix is not None and (model is not None or version is not None):
+            raise ValueError("give either a key prefix or a model (and version)")
+        return self._edge.invalidate(prefix if prefix is not None else prefix_for(model, version))
+
     async def request(
         self, method: str, path: str, body: bytes = b"", *, model: str = ANY
     ) -> Outcome:
-        """Any other route (metadata, readiness, stats), to a replica of ``model``."""
-        return await self._send(model, method, path, body, [], idempotent=method == "GET")
+        """Any other route (metadata, readiness, stats), to a replica of ``model``. An
+        invalidation (``POST /v2/cache/invalidate``) a worker accepts drops the edge's entries
+        under its prefix at once, without waiting for the channel."""
+        outcome = await self._send(model, method, path, body, [], idempotent=method == "GET")
+        if (
+            self._edge is not None
+            and outcome.status == 200
+            and method == "POST"
+            and path.partition("?")[0] == "/v2/cache/invalidate"
+        ):
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                prefix = orjson.loads(outcome.body).get("prefix")
+                if isinstance(prefix, str):
+                    self._edge.invalidate(prefix)
+        return outcome
 
     async def _send(
         self,
@@ -200,3 +370,21 @@ def decode_response(outcome: Outcome) -> InferResult:
     return InferResult(
         arrays, outcome.backend, outcome.hedged, reply.get("parameters") or {}, headers
     )
+
+
+def _freeze(outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    # A kept answer's arrays go to every caller it answers: none may change them in place.
+    for array in outputs.values():
+        array.flags.writeable = False
+
+
+def _kept(result: InferResult) -> Kept:
+    return Kept(dict(result.outputs), result.replica, dict(result.parameters), dict(result.headers))
+
+
+def _answer(kept: Kept, how: EdgeSource) -> InferResult:
+    parameters = dict(kept.parameters)
+    parameters["cache"] = "edge"
+    headers = dict(kept.headers)
+    headers["x-cache"] = "edge"
+    return InferResult(dict(kept.outputs), kept.replica, False, parameters, headers, how)
