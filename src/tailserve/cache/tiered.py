@@ -34,6 +34,7 @@ import orjson
 
 from tailserve.cache import entry as codec
 from tailserve.cache.entry import CachedResult, Lineage, Outputs
+from tailserve.cache.invalidations import InvalidationFeed
 from tailserve.cache.keys import PREFIX, KeyBuilder
 from tailserve.cache.memory import Lookup, MemoryCache
 from tailserve.cache.redis import INVALIDATION_CHANNEL
@@ -156,9 +157,9 @@ class ResultCache:
         # away what the others are computing; the global one for what names none.
         self._generation = 0
         self._model_generations: dict[str, int] = {}
-        self._listener: asyncio.Task[None] | None = None
-        self.subscribed = asyncio.Event()
-        self.invalidations_received = 0
+        self._feed: InvalidationFeed | None = None
+        self._never = asyncio.Event()
+        self._heard = False  # subscribed once already: a later subscription follows a gap
 
     def l1_for(self, model: str, make: Callable[[], MemoryCache]) -> MemoryCache:
         """The model's L1 namespace, shared by its versions (their keys differ)."""
@@ -419,54 +420,31 @@ class ResultCache:
 
     def start_listening(self, client_factory: Callable[[], Any]) -> None:
         """Follow invalidations published by other workers (reconnecting on its own)."""
-        self._listener = asyncio.get_running_loop().create_task(
-            self._listen(client_factory), name="cache-invalidation"
+        self._feed = InvalidationFeed(
+            client_factory,
+            self.drop_local,
+            self._resubscribed,
+            ignore_origin=self.worker_id,
+            name="cache-invalidation",
         )
+        self._feed.start()
 
-    async def _listen(self, client_factory: Callable[[], Any]) -> None:
-        pause = 0.05
-        connected_before = False
-        while True:
-            client = client_factory()
-            try:
-                async with client.pubsub() as pubsub:
-                    await pubsub.subscribe(INVALIDATION_CHANNEL)
-                    if connected_before:
-                        # Invalidations sent while we were away are lost: start L1 afresh.
-                        dropped = sum(l1.clear() for l1 in self._l1s.values())
-                        self._generation += 1
-                        log.info("invalidation channel back; dropped %d L1 entries", dropped)
-                    connected_before = True
-                    pause = 0.05
-                    self.subscribed.set()
-                    while True:
-                        message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=1.0
-                        )
-                        if message is not None:
-                            self._on_message(message.get("data"))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.subscribed.clear()
-                log.debug("invalidation channel lost: %s; retrying in %.2fs", exc, pause)
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
+    @property
+    def subscribed(self) -> asyncio.Event:
+        """Set while this worker hears the others' invalidations."""
+        return self._feed.subscribed if self._feed is not None else self._never
 
-    def _on_message(self, data: Any) -> None:
-        try:
-            message = orjson.loads(data)
-            prefix = message["prefix"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            log.warning("ignoring a malformed invalidation message: %r", data)
-            return
-        if message.get("origin") == self.worker_id:
-            return
-        self.invalidations_received += 1
-        self.drop_local(str(prefix))
+    @property
+    def invalidations_received(self) -> int:
+        return self._feed.received if self._feed is not None else 0
+
+    def _resubscribed(self) -> None:
+        if self._heard:
+            # Invalidations sent while we were away are lost: start L1 afresh.
+            dropped = sum(l1.clear() for l1 in self._l1s.values())
+            self._generation += 1
+            log.info("invalidation channel back; dropped %d L1 entries", dropped)
+        self._heard = True
 
     # --- housekeeping -----------------------------------------------------------------------
 
@@ -484,9 +462,9 @@ class ResultCache:
             await self.redis.flush()
 
     async def close(self) -> None:
+        if self._feed is not None:
+            await self._feed.close()
         tasks = list(self._tasks)
-        if self._listener is not None:
-            tasks.append(self._listener)
         for task in tasks:
             task.cancel()
         for task in tasks:
