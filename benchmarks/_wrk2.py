@@ -25,7 +25,8 @@ CALIBRATION_MS = 10_000
 
 # What every workload shares: a clock, the threads' counts of statuses once their calibration is
 # over (summed in done()), and the optional arguments: the model's variant to pin (X-Variant)
-# and another model's name. {workload} is the request's own part: `path` and `request()`.
+# and another model's name. {workload} is the request's own part: `path` and `request()`. A 200
+# with an `x-degraded` header (a pipeline's step degraded: `FUNNEL`) is counted as degraded too.
 _FRAME = r"""
 local ffi = require("ffi")
 ffi.cdef[[
@@ -51,7 +52,7 @@ function init(args)
   local started = now_ms()
   counting_from = started + tonumber(args[1])
   counting_until = started + tonumber(args[2])
-  ok, refused, unavailable, other = 0, 0, 0, 0
+  ok, refused, unavailable, other, degraded = 0, 0, 0, 0, 0
   -- (optional) the model's variant to pin, and another model's name
   if args[3] and args[3] ~= "" then headers["X-Variant"] = args[3] end
   if args[4] and args[4] ~= "" then path = "/v2/models/" .. args[4] .. "/infer" end
@@ -60,22 +61,25 @@ end
 function response(status, headers, body)
   local t = now_ms()
   if t < counting_from or t >= counting_until then return end
-  if status == 200 then ok = ok + 1
+  if status == 200 then
+    ok = ok + 1
+    if headers["x-degraded"] or headers["X-Degraded"] then degraded = degraded + 1 end
   elseif status == 429 then refused = refused + 1
   elseif status == 503 then unavailable = unavailable + 1
   else other = other + 1 end
 end
 
 function done(summary, latency, requests)
-  local t = {0, 0, 0, 0}
+  local t = {0, 0, 0, 0, 0}
   for _, thread in ipairs(threads) do
     t[1] = t[1] + thread:get("ok")
     t[2] = t[2] + thread:get("refused")
     t[3] = t[3] + thread:get("unavailable")
     t[4] = t[4] + thread:get("other")
+    t[5] = t[5] + thread:get("degraded")
   end
-  io.write(string.format("STATUSES ok=%d refused=%d unavailable=%d other=%d\n",
-    t[1], t[2], t[3], t[4]))
+  io.write(string.format("STATUSES ok=%d refused=%d unavailable=%d other=%d degraded=%d\n",
+    t[1], t[2], t[3], t[4], t[5]))
 end
 """
 
@@ -131,8 +135,23 @@ end
 """
 )
 
+# The funnel pipeline (`tailserve.examples.funnel`): one user a request, drawn uniformly from
+# the 100,000 (a few hot users would be answered by the ranker's result cache).
+FUNNEL = _script(
+    r"""
+local path = "/v2/models/funnel/infer"
+local fmt = '{"inputs":[{"name":"user_id","datatype":"INT64","shape":[1],"data":[%d]}]}'
+
+function request()
+  return wrk.format("POST", path, headers, string.format(fmt, math.random(0, 99999)))
+end
+"""
+)
+
 _SPECTRUM_LINE = re.compile(r"^\s*([\d.]+)\s+([\d.]+)\s+(\d+)\s+(?:[\d.]+|inf)\s*$")
-_STATUSES = re.compile(r"STATUSES ok=(\d+) refused=(\d+) unavailable=(\d+) other=(\d+)")
+_STATUSES = re.compile(
+    r"STATUSES ok=(\d+) refused=(\d+) unavailable=(\d+) other=(\d+)(?: degraded=(\d+))?"
+)
 _ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
 
 
@@ -151,6 +170,7 @@ class Run:
     spectrum: tuple[tuple[float, float], ...]
     answered: int
     total: int  # requests completed over the whole run, calibration included
+    degraded: int = 0  # 200s with an x-degraded header (a pipeline's step degraded)
 
     def quantile(self, q: float) -> float:
         for value, fraction in self.spectrum:
@@ -267,7 +287,7 @@ def parse(output: str, rate: float, seconds: float) -> Run:
         raise RuntimeError(f"wrk2's output has no status counts:\n{output}")
     errors = _ERRORS.search(output)
     socket_errors = sum(int(g) for g in errors.groups()) if errors else 0
-    ok, refused, unavailable, other = (int(g) for g in statuses.groups())
+    ok, refused, unavailable, other = (int(g) for g in statuses.groups()[:4])
     total = re.search(r"(\d+) requests in", output)
     return Run(
         rate,
@@ -280,6 +300,7 @@ def parse(output: str, rate: float, seconds: float) -> Run:
         tuple(spectrum),
         answered,
         int(total[1]) if total else 0,
+        int(statuses[5] or 0),
     )
 
 
