@@ -203,18 +203,25 @@ async def test_a_step_out_of_time_falls_back_at_its_share() -> None:
     steps = [{**SCORE, "budget_ms": 5, "on_late": ["fallback"], "fallback": {"ids": "final"}}]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(1.0))
+    pipeline = Pipeline(config(steps), host)
+    outputs, stages = await pipeline.run(IDS, deadline_in(1.0))
     # Stopped at its 5 ms share, far before the request's second; its model was told so.
     assert loop.time() - started < 0.5
     assert host.requests[0].parameters["timeout"] <= 5_000
     assert stages[0].degraded == ["fallback"] and len(outputs["final"]) == 400
+    # What the call given up on makes is dropped; closing the pipeline ends it.
+    host.never.set()
+    await pipeline.close()
+    assert stages[0].rows is None and len(host.requests) == 1
 
 
 async def test_without_budgets_no_step_degrades_and_a_late_one_fails_at_the_deadline() -> None:
     host = Host(Port(per_row_s=0.0), behaviour="hang")
     steps = [{**SCORE, "budget_ms": 5, "on_late": ["fallback"], "fallback": {"ids": "final"}}]
+    pipeline = Pipeline(config(steps, budgets=False), host)
     with pytest.raises(DeadlineExceeded, match="step 'score'"):
-        await Pipeline(config(steps, budgets=False), host).run(IDS, deadline_in(0.03))
+        await pipeline.run(IDS, deadline_in(0.03))
+    await pipeline.close()
     host.behaviour = "refuse"
     with pytest.raises(DeadlineUnmeetable):
         await Pipeline(config(steps, budgets=False), host).run(IDS, deadline_in(0.03))

@@ -97,6 +97,8 @@ class Stage:
         }
         if self.rows is not None:
             out["rows"] = self.rows
+        if self.budget_s and self.seconds > self.budget_s:
+            out["over_budget"] = True  # ran past its share (a step with no fallback may)
         if self.variant is not None:
             out["variant"] = self.variant
         return out
@@ -104,6 +106,16 @@ class Stage:
 
 class _Late(Exception):
     """A step ran out of its time."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Made:
+    """What a step made: outputs by the step's (or its model's) names, the rows it worked
+    on, and the cheaper variant that served it (None: the first, or no model)."""
+
+    outputs: dict[str, Array]
+    rows: int | None = None
+    variant: str | None = None
 
 
 class Pipeline:
@@ -128,6 +140,7 @@ class Pipeline:
         self._observer = observer
         self._clock = clock
         self._budgets = [step.budget_ms / 1e3 for step in self.spec.steps]
+        self._abandoned: set[asyncio.Future[_Made]] = set()
 
     async def run(
         self, inputs: list[Tensor], deadline: float
@@ -193,14 +206,42 @@ class Pipeline:
             work = self._features(step, state, share, stage)
         else:
             work = self._model(step, state, share, cutoff, stage)
+        # Shielded: a step given up on runs to its end in the background rather than being
+        # cancelled mid-call (a Redis read cancelled halfway costs its connection, and the
+        # reconnect is paid by the next request); what it makes then is dropped.
+        task = asyncio.ensure_future(work)
         try:
-            await asyncio.wait_for(work, timeout=left)
+            made = await asyncio.wait_for(asyncio.shield(task), timeout=left)
         except TimeoutError:
+            self._abandon(task)
             raise _Late from None
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        stage.rows = made.rows
+        if made.variant is not None:
+            stage.variant = made.variant
+            stage.degraded.append("variant")
+        self._write(step, state, made.outputs)
+
+    def _abandon(self, task: asyncio.Future[_Made]) -> None:
+        self._abandoned.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Future[_Made]) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled():
+            task.exception()  # (seen: a late step's failure is no one's to report)
+
+    async def close(self) -> None:
+        """Cancel the steps still running after their requests gave up on them."""
+        for task in list(self._abandoned):
+            task.cancel()
+        await asyncio.gather(*self._abandoned, return_exceptions=True)
 
     async def _retrieve(
         self, step: PipelineStep, state: dict[str, Tensor], share: Allotment, stage: Stage
-    ) -> None:
+    ) -> _Made:
         index = await self._indexes[step.name].get()
         query_id = state[step.query]
         resolved = await self._queries[step.name].resolve([Tensor("query", "INT64", query_id.data)])
@@ -210,22 +251,21 @@ class Pipeline:
             top = proportional_rows(top, step.min_rows, share.ratio)
             stage.degraded.append("fewer")
         ids, scores = index.search(vector, top)
-        stage.rows = len(ids)
-        self._write(step, state, {"ids": ids, "scores": scores})
+        return _Made({"ids": ids, "scores": scores}, len(ids))
 
     async def _features(
         self, step: PipelineStep, state: dict[str, Tensor], share: Allotment, stage: Stage
-    ) -> None:
+    ) -> _Made:
         if self._degrading(step, "fewer") and share.behind:
-            rows = len(state[step.rows[0]].data)
-            kept = proportional_rows(rows, step.min_rows, share.ratio)
-            if kept < rows:
+            found = len(state[step.rows[0]].data)
+            kept = proportional_rows(found, step.min_rows, share.ratio)
+            if kept < found:
                 _cut(state, step.rows, slice(0, kept))
                 stage.degraded.append("fewer")
         ids = [self._input(state, name, source) for name, source in step.inputs.items()]
+        rows = len(state[step.rows[0]].data) if step.rows else None
         resolved = await self._host.resolver(step.model).resolve(ids)
-        stage.rows = len(state[step.rows[0]].data) if step.rows else None
-        self._write(step, state, {tensor.name: tensor.data for tensor in resolved})
+        return _Made({tensor.name: tensor.data for tensor in resolved}, rows)
 
     async def _model(
         self,
@@ -234,7 +274,7 @@ class Pipeline:
         share: Allotment,
         cutoff: float,
         stage: Stage,
-    ) -> None:
+    ) -> _Made:
         port = self._host.port(step.model)
         inputs = [self._input(state, name, source) for name, source in step.inputs.items()]
         parameters: dict[str, Any] = {}
@@ -260,13 +300,15 @@ class Pipeline:
         now = self._clock()
         parameters["timeout"] = max(1, int((cutoff - now) * 1e6))
         request = InferRequest(step.model, inputs, parameters=parameters, received_at=now)
+        sent = len(inputs[0].data) if inputs and inputs[0].data.ndim else None
         response = await self._host.call(request)
         variant = response.parameters.get("variant")
-        if variant is not None and port.variants and variant != port.variants[0]:
-            stage.variant = variant
-            stage.degraded.append("variant")
-        stage.rows = len(inputs[0].data) if inputs and inputs[0].data.ndim else None
-        self._write(step, state, {tensor.name: tensor.data for tensor in response.outputs})
+        cheaper = (
+            variant
+            if variant is not None and port.variants and variant != port.variants[0]
+            else None
+        )
+        return _Made({t.name: t.data for t in response.outputs}, sent, cheaper)
 
     def _top(self, step: PipelineStep, state: dict[str, Tensor], stage: Stage) -> None:
         scores = np.asarray(state[step.by].data).reshape(-1)

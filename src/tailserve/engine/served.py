@@ -275,6 +275,7 @@ class VersionBuilder:
 
     async def retire(self, served: Served) -> None:
         if isinstance(served, ServedPipeline):
+            await served.pipeline.close()
             return
         await served.scheduler.close(drain_s=self._drain_timeout_s)
         for runtime in served.runtimes:
