@@ -23,6 +23,7 @@ from tailserve.cli import main
 from tailserve.loadgen.bench import run_bench
 from tailserve.loadgen.plan import build_plan
 from tailserve.loadgen.runner import Runner
+from tailserve.loadgen.sending import Link
 from tailserve.loadgen.workload import parse_workload
 from tailserve.loops import run
 from tailserve.observability.trace_log import read_trace
@@ -67,9 +68,8 @@ def _clumps(url: str, timer: str) -> tuple[int, int]:
     target = url.removeprefix("http://")
     host, port = target.split(":")
     plan = build_plan(spec, CONFIG, target)
-    runner = Runner(
-        plan, host, int(port), connections=64, timeout_s=10.0, fine_timer=timer == "fine"
-    )
+    link = Link(protocol="http", host=host, port=int(port), timeout_s=10.0, connections=64)
+    runner = Runner(plan, link, fine_timer=timer == "fine")
     samples = run(runner.run())
     assert not np.isnan(samples.done).any()
     on_time = (samples.dispatched - samples.intended)[:-1] <= 0.2e-3

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tailserve.loadgen.plan import Plan
-from tailserve.loadgen.runner import CONNECT, TIMEOUT, Samples
+from tailserve.loadgen.runner import Samples
+from tailserve.loadgen.sending import CONNECT, TIMEOUT
 from tailserve.loadgen.stats import generator_account, summarize
 
 

@@ -34,6 +34,7 @@ from tailserve.loadgen.capacity import CapacitySearch, Step
 from tailserve.loadgen.plan import Plan, build_plan
 from tailserve.loadgen.progress import Progress
 from tailserve.loadgen.runner import Runner, Samples, Tick
+from tailserve.loadgen.sending import Link
 from tailserve.loadgen.stats import generator_account, summarize
 from tailserve.loadgen.timer import fine_timer_available
 from tailserve.loadgen.workload import Schedule, Workload, parse_workload
@@ -48,19 +49,46 @@ _STEP_SEED = 1000
 class Target:
     host: str
     port: int
+    grpc: bool = False
 
     @classmethod
-    def parse(cls, url: str) -> Target:
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme != "http":
-            raise ConfigError(f"target {url!r}: only http:// targets are supported")
-        if not parts.hostname:
-            raise ConfigError(f"target {url!r} names no host")
-        return cls(parts.hostname, parts.port or 80)
+    def of(cls, workload: Workload) -> Target:
+        return cls.parse(workload.target, grpc=workload.over_grpc)
+
+    @classmethod
+    def parse(cls, url: str, *, grpc: bool = False) -> Target:
+        """An HTTP target (``http://host:port``) or a gRPC one (``host:port``)."""
+        scheme = "grpc" if grpc else "http"
+        parts = urllib.parse.urlsplit(url if "://" in url else f"{scheme}://{url}")
+        if parts.scheme != scheme:
+            wanted = "host:port" if grpc else "an http:// URL"
+            over = "gRPC" if grpc else "HTTP"
+            raise ConfigError(f"target {url!r}: over {over}, a target is {wanted}")
+        if not parts.hostname or (grpc and parts.port is None):
+            raise ConfigError(f"target {url!r} names no host{' and port' if grpc else ''}")
+        return cls(parts.hostname, parts.port or 80, grpc)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'grpc' if self.grpc else 'http'}://{self.host}:{self.port}"
+
+
+def link_for(workload: Workload, target: Target) -> Link:
+    """How the workload's requests travel to ``target`` (`loadgen.sending`)."""
+    options = workload.options
+    unary = workload.protocol == "grpc"
+    return Link(
+        protocol="http" if not workload.over_grpc else "grpc" if unary else "grpc-stream",
+        host=target.host,
+        port=target.port,
+        timeout_s=options.timeout_s,
+        connections=workload.grpc.channels if workload.over_grpc else workload.connections,
+        streams=workload.grpc.streams,
+        metadata=tuple((name.lower(), value) for name, value in options.headers.items())
+        if workload.over_grpc
+        else (),
+        deadline_s=options.deadline_ms / 1000.0 if unary and options.deadline_ms else None,
+    )
 
 
 def run_bench(
@@ -73,7 +101,7 @@ def run_bench(
     progress: TextIO | None = sys.stderr,
 ) -> dict[str, Any]:
     """Run the workload (once, over ``rates``, or in a capacity search); the result document."""
-    target = Target.parse(workload.target)
+    target = Target.of(workload)
     model_config = None if workload.schedule.kind == "trace" else load_model_config(workload)
     document: dict[str, Any] = {
         "name": name or workload.name,
@@ -147,10 +175,7 @@ def run_step(
         printer = Progress(plan, slo, progress) if progress is not None else None
         runner = Runner(
             plan,
-            target.host,
-            target.port,
-            connections=workload.connections,
-            timeout_s=workload.options.timeout_s,
+            link_for(workload, target),
             on_tick=printer.add if printer else None,
             fine_timer=workload.timer == "fine",
         )
@@ -197,7 +222,7 @@ def _run_processes(
     raw = msgspec.to_builtins(workload)
     children = []
     for index in range(count):
-        args = (raw, model_config, target.host, target.port, index, count, messages, go, start_at)
+        args = (raw, model_config, target, index, count, messages, go, start_at)
         children.append(
             context.Process(target=_child, args=args, name=f"bench-{index}", daemon=True)
         )
@@ -266,8 +291,7 @@ def _gather(
 def _child(
     raw: dict[str, Any],
     model_config: dict[str, Any] | None,
-    host: str,
-    port: int,
+    target: Target,
     index: int,
     count: int,
     messages: Any,
@@ -276,17 +300,15 @@ def _child(
 ) -> None:
     try:
         workload = parse_workload(raw, source="workload")
-        plan = build_plan(workload, model_config, f"{host}:{port}").share(index, count)
+        plan = build_plan(workload, model_config, f"{target.host}:{target.port}")
+        plan = plan.share(index, count)
 
         def tick(report: Tick) -> None:
             messages.put(("tick", index, report))
 
         runner = Runner(
             plan,
-            host,
-            port,
-            connections=workload.connections,
-            timeout_s=workload.options.timeout_s,
+            link_for(workload, target),
             on_tick=tick,
             fine_timer=workload.timer == "fine",
         )
@@ -306,8 +328,13 @@ def load_model_config(workload: Workload) -> dict[str, Any]:
     """The model's configuration: the workload's ``model_config`` (file or URL), else the
     target's ``GET /v2/models/{model}/config``."""
     source = workload.model_config
+    if source is None and workload.over_grpc:
+        raise ConfigError(
+            "over gRPC, name the model's configuration in 'model_config' (or --model-config): "
+            "its model.yaml, or a worker's http://HOST:PORT/v2/models/MODEL/config"
+        )
     if source is None:
-        source = f"{Target.parse(workload.target).url}/v2/models/{workload.model}/config"
+        source = f"{Target.of(workload).url}/v2/models/{workload.model}/config"
     if source.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(source, timeout=10) as response:

@@ -1,7 +1,7 @@
 """tailserve bench: run a workload file, or compare saved results.
 
-tailserve bench WORKLOAD.yaml [--target URL] [--rate R] [--duration S] [--out result.json]
-                [--report report.html] [--find-capacity] [--rates R1,R2,...]
+tailserve bench WORKLOAD.yaml [--target URL] [--protocol P] [--rate R] [--duration S]
+                [--out result.json] [--report report.html] [--find-capacity] [--rates R1,R2,...]
 tailserve bench compare A.json B.json ... [--report compare.html]
 """
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 
 from tailserve.errors import ConfigError
@@ -25,7 +26,18 @@ def add_parser(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("paths", nargs="+", metavar="WORKLOAD", help="workload YAML")
-    bench.add_argument("--target", help="server URL (overrides the workload's)")
+    bench.add_argument(
+        "--target", help="server URL, or host:port over gRPC (overrides the workload's)"
+    )
+    bench.add_argument(
+        "--protocol",
+        choices=("v2-json", "v2-binary", "v1-records", "grpc", "grpc-stream"),
+        help="what the requests travel as (overrides the workload's)",
+    )
+    bench.add_argument("--streams", type=int, help="grpc-stream: streams per generator process")
+    bench.add_argument(
+        "--model-config", help="the model's model.yaml or config URL (needed over gRPC)"
+    )
     bench.add_argument("--rate", type=float, help="offered rate, req/s (overrides the schedule's)")
     bench.add_argument("--duration", type=float, help="measured seconds")
     bench.add_argument("--warmup", type=float, help="warm-up seconds, sent but not measured")
@@ -52,7 +64,7 @@ def handle(args: argparse.Namespace) -> int:
         raise ConfigError("bench takes one workload file (or: bench compare A.json B.json ...)")
     from tailserve.loadgen import report
     from tailserve.loadgen.bench import run_bench
-    from tailserve.loadgen.workload import Schedule, load_workload
+    from tailserve.loadgen.workload import Schedule, load_workload, parse_workload
 
     workload = load_workload(Path(args.paths[0]))
     schedule = workload.schedule
@@ -61,8 +73,14 @@ def handle(args: argparse.Namespace) -> int:
             schedule = Schedule(kind="poisson", rate=args.rate)
         else:
             schedule = Schedule(kind=schedule.kind, rate=args.rate)
+    grpc = workload.grpc
+    if args.streams is not None:
+        grpc = msgspec.structs.replace(grpc, streams=args.streams)
     workload = workload.with_overrides(
         target=args.target,
+        protocol=args.protocol,
+        model_config=args.model_config,
+        grpc=grpc,
         duration_s=args.duration,
         warmup_s=args.warmup,
         processes=args.processes,
@@ -70,6 +88,8 @@ def handle(args: argparse.Namespace) -> int:
         schedule=schedule,
         timer=args.timer,
     )
+    # (checked again: a flag may make a workload that no file could, gRPC with a trace)
+    workload = parse_workload(msgspec.to_builtins(workload), source=args.paths[0])
     rates = _rates(args.rates)
     progress = None if args.quiet else sys.stderr
     document = run_bench(

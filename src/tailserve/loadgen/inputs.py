@@ -121,7 +121,8 @@ def _generator(name: str, spec: dict[str, Any], rule: dict[str, Any]) -> Generat
         if clip is not None:
             values = np.clip(values, clip[0], clip[1])
         if dtype.kind in "iu":
-            values = np.rint(values)
+            # (a choice of numbers comes as an object array, which rint cannot round)
+            values = np.rint(values.astype(np.float64))
         return values.astype(dtype) if dtype.kind != "O" else values
 
     if "int" in rule:
@@ -266,6 +267,8 @@ def _encode(
         ]
         return orjson.dumps({"instances": instances}), None
     parameters = _parameters(workload)
+    if workload.over_grpc:
+        return _grpc_body(workload, fields, rows, parameters), None
     if workload.protocol == "v2-json":
         inputs = [
             {
@@ -296,6 +299,30 @@ def _encode(
     }
     head = orjson.dumps(header)
     return b"".join([head, *raws]), len(head)
+
+
+def _grpc_body(
+    workload: Workload, fields: Sequence[Field], rows: dict[str, Any], parameters: dict[str, Any]
+) -> bytes:
+    """A serialized ``ModelInferRequest``, the inputs raw as the binary extension has them."""
+    from tailserve.protocols.grpc import schema
+    from tailserve.protocols.grpc.common import set_parameter
+
+    message = schema.ModelInferRequest(
+        model_name=workload.model, model_version=workload.version or ""
+    )
+    for f in fields:
+        values = rows[f.name]
+        message.inputs.add(name=f.name, datatype=f.datatype, shape=list(values.shape))
+        message.raw_input_contents.append(to_binary(values))
+    deadline_ms = workload.options.deadline_ms
+    if workload.protocol == "grpc-stream" and deadline_ms is not None:
+        # A stream's requests have no gRPC deadline of their own: Triton's ``timeout`` (µs).
+        parameters = {**parameters, "timeout": round(deadline_ms * 1000)}
+    for key, value in parameters.items():
+        set_parameter(message.parameters[key], value)
+    data: bytes = message.SerializeToString()
+    return data
 
 
 def request_path(workload: Workload) -> str:

@@ -28,7 +28,7 @@ from tailserve.transport.http1 import frame_request
 @dataclass(frozen=True, slots=True)
 class Plan:
     offsets: Offsets  # intended send time of each request, seconds from the start, ascending
-    requests: list[bytes]  # each framed, ready to write
+    requests: list[bytes]  # each ready to send: a framed HTTP request, or a gRPC message
     classes: np.ndarray[Any, np.dtype[np.int32]]  # request class of each
     class_names: list[str]
     warmup_s: float  # requests due before this are sent but not measured
@@ -59,14 +59,17 @@ def build_plan(workload: Workload, model_config: dict[str, Any] | None, host: st
     offsets = schedule_offsets(workload)
     fields = fields_for(model_config, workload.fields)
     prepared = prepare(workload, fields, len(offsets))
-    framed: dict[tuple[int, int], bytes] = {}
-    requests = []
-    for item in prepared:
-        data = framed.get((item.cls, item.key))
-        if data is None:
-            data = frame_request("POST", item.path, host, item.body, item.headers)
-            framed[(item.cls, item.key)] = data
-        requests.append(data)
+    if workload.over_grpc:
+        requests = [item.body for item in prepared]
+    else:
+        framed: dict[tuple[int, int], bytes] = {}
+        requests = []
+        for item in prepared:
+            data = framed.get((item.cls, item.key))
+            if data is None:
+                data = frame_request("POST", item.path, host, item.body, item.headers)
+                framed[(item.cls, item.key)] = data
+            requests.append(data)
     classes = np.fromiter((item.cls for item in prepared), dtype=np.int32, count=len(prepared))
     return Plan(
         offsets=offsets,

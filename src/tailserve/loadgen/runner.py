@@ -1,8 +1,9 @@
 """The open-loop sender: each request goes at its intended time, whatever came back before.
 
-A timer fires at each due time and hands every request then due to the connection pool; no
-request waits for an earlier one's reply (a request may wait for a free connection only when
-all ``connections`` are busy, and that wait is the server's doing, so it counts). Latency is
+A timer fires at each due time and hands every request then due to the sender (HTTP or gRPC:
+`loadgen.sending`); no request waits for an earlier one's reply (a request may wait for a free
+connection only when all ``connections`` are busy, or behind a stream's flow control, and that
+wait is the server's doing, so it counts). Latency is
 measured from the *intended* send time, so a server that stalls cannot hide the stall in a
 handful of slow samples (coordinated omission).
 
@@ -20,24 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.errors import ConnectFailed, UpstreamError, UpstreamTimeout
 from tailserve.loadgen.plan import Plan
+from tailserve.loadgen.sending import LOST, Link, Sender, Served
 from tailserve.loadgen.timer import timer
-from tailserve.transport.http1 import Pool, Response
-
-# Negative status codes for requests that got no HTTP response.
-TIMEOUT, CONNECT, LOST = -1, -2, -3
-ERROR_KINDS = {TIMEOUT: "timeout", CONNECT: "connection", LOST: "connection"}
-
-# Response headers in which a tailserve server says how it served a request.
-SERVED_HEADERS = {
-    b"x-queue-us": "queue_us",
-    b"x-compute-us": "compute_us",
-    b"x-batch-size": "batch_size",
-}
-CACHE_HEADER = b"x-cache"
-CACHE_TIERS = ("", "miss", "l1", "l2", "stale", "coalesced", "precomputed")
-_CACHE_CODES = {tier.encode(): code for code, tier in enumerate(CACHE_TIERS) if tier}
 
 F64 = np.ndarray[Any, np.dtype[np.float64]]
 I32 = np.ndarray[Any, np.dtype[np.int32]]
@@ -48,9 +34,9 @@ class Samples:
     """One entry per request of the plan, times in seconds from the run's start."""
 
     intended: F64
-    dispatched: F64  # when the timer handed it to the pool (intended + generator lag)
+    dispatched: F64  # when the timer handed it to the sender (intended + generator lag)
     done: F64  # when the response (or the error) came; NaN if never
-    status: I32  # HTTP status, or TIMEOUT / CONNECT / LOST
+    status: I32  # the outcome: an HTTP status, a gRPC one, TIMEOUT... (`loadgen.sending`)
     classes: I32
     queue_us: I32  # the server's account, -1 where it gave none
     compute_us: I32
@@ -102,19 +88,15 @@ class Runner:
     def __init__(
         self,
         plan: Plan,
-        host: str,
-        port: int,
+        link: Link,
         *,
-        connections: int,
-        timeout_s: float,
         on_tick: Callable[[Tick], None] | None = None,
         tick_s: float = 1.0,
         fine_timer: bool = True,
     ) -> None:
         self.plan = plan
-        self.host, self.port = host, port
-        self.connections = connections
-        self.timeout_s = timeout_s
+        self.link = link
+        self.timeout_s = link.timeout_s
         self.on_tick = on_tick
         self.tick_s = tick_s
         self.fine_timer = fine_timer
@@ -129,23 +111,23 @@ class Runner:
         counts milliseconds), so sends are timed by `tailserve.loadgen.timer`.
         """
         loop = asyncio.get_running_loop()
-        pool = Pool(self.host, self.port, max_connections=self.connections, loop=loop)
         start = time.monotonic() if start_at is None else start_at
-        state = _State(self, pool, loop, start)
+        state = _State(self, loop, start)
+        state.sender = self.link.open(loop, state.complete)
         cpu_before = time.process_time()
         try:
             if len(self.plan):
                 state.schedule_fire()
                 state.ticker = loop.call_later(self.tick_s, state.tick)
                 # Every request ends by its timeout; past that (and a margin) something is
-                # stuck, and closing the pool ends what is left as lost.
+                # stuck, and what is left counts as lost.
                 limit = start + float(self.plan.offsets[-1]) + self.timeout_s + 5.0
                 await asyncio.wait([state.finished], timeout=max(0.0, limit - time.monotonic()))
                 state.ticker.cancel()
                 state.tick(final=True)
         finally:
             state.timer.close()
-            await pool.close()
+            await state.sender.close()
         lost = np.isnan(self.samples.done)
         self.samples.status[lost & (self.samples.status == 0)] = LOST
         self.cpu_s = time.process_time() - cpu_before
@@ -155,9 +137,10 @@ class Runner:
 class _State:
     """The run's moving parts: the next request to fire, counts, the completion future."""
 
-    def __init__(self, runner: Runner, pool: Pool, loop: asyncio.AbstractEventLoop, start: float):
+    sender: Sender
+
+    def __init__(self, runner: Runner, loop: asyncio.AbstractEventLoop, start: float):
         self.runner = runner
-        self.pool = pool
         self.loop = loop
         self.start = start
         self.due = (runner.plan.offsets + start).tolist()
@@ -178,14 +161,15 @@ class _State:
         due, n = self.due, len(self.due)
         i = self.next
         dispatched = self.samples.dispatched
-        timeout = self.runner.timeout_s
+        send = self.sender.send
+        requests = self.requests
         # A timer may fire a little early, and one wake-up per request costs more than it is
         # worth at high rates: what is due within the timer's resolution goes now. Those
         # requests leave early by less than that, and their latency counts from the send.
         horizon = now + self.timer.resolution
         while i < n and due[i] <= horizon:
             dispatched[i] = now - self.start
-            self.pool.submit(self.requests[i], self._callback(i), timeout)
+            send(i, requests[i])
             i += 1
         if i > self.next:
             self.lag_max = max(self.lag_max, now - due[self.next])
@@ -196,33 +180,18 @@ class _State:
     def schedule_fire(self) -> None:
         self.timer.at(self.due[self.next])
 
-    def _callback(self, i: int) -> Callable[[Response | UpstreamError], None]:
-        return lambda result: self.complete(i, result)
-
-    def complete(self, i: int, result: Response | UpstreamError) -> None:
+    def complete(self, i: int, status: int, served: Served | None) -> None:
         now = time.monotonic() - self.start
         samples = self.samples
         samples.done[i] = now
-        if isinstance(result, Response):
-            samples.status[i] = result.status
-            if result.status >= 400:
-                self.errors += 1
-            for name, value in result.headers:
-                name = name.lower()
-                field = SERVED_HEADERS.get(name)
-                if field is not None and value.isdigit():
-                    getattr(samples, field)[i] = min(int(value), 2**31 - 1)
-                elif name == CACHE_HEADER:
-                    samples.cache[i] = _CACHE_CODES.get(value.lower(), 0)
-        else:
+        samples.status[i] = status
+        if not 200 <= status < 400:
             self.errors += 1
-            samples.status[i] = (
-                TIMEOUT
-                if isinstance(result, UpstreamTimeout)
-                else CONNECT
-                if isinstance(result, ConnectFailed)
-                else LOST
-            )
+        if served is not None:
+            samples.queue_us[i] = served.queue_us
+            samples.compute_us[i] = served.compute_us
+            samples.batch_size[i] = served.batch_size
+            samples.cache[i] = served.cache
         if self.runner.on_tick is not None:
             self.recent.append(now - min(samples.intended[i], samples.dispatched[i]))
         self.completed += 1

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 from hdrh.histogram import HdrHistogram
 
-from tailserve.loadgen.runner import CACHE_TIERS, ERROR_KINDS, TIMEOUT, Samples
+from tailserve.loadgen.runner import Samples
+from tailserve.loadgen.sending import CACHE_TIERS, ERROR_KINDS, TIMEOUT
 
 Mask = np.ndarray[Any, np.dtype[np.bool_]]
 

@@ -2,8 +2,8 @@
 
 ```yaml
 name: churn-unique
-target: http://127.0.0.1:8080
-protocol: v2-json            # v2-json | v2-binary | v1-records
+target: http://127.0.0.1:8080  # gRPC: host:port
+protocol: v2-json            # v2-json | v2-binary | v1-records (HTTP) | grpc | grpc-stream
 model: churn
 keys: {space: unique}        # unique | uniform | zipf (size, s): how often inputs repeat
 fields:                      # per-field generators; fields not named are drawn from the
@@ -17,7 +17,9 @@ warmup_s: 3                  # sent first, not measured
 slo: {p99_ms: 50}
 options: {deadline_ms: 100, priority: 1, cache: use, headers: {x-tenant: a}}
 processes: 1                 # generator processes sharing the schedule
-connections: 1024            # keep-alive connections a process may open
+connections: 1024            # HTTP: keep-alive connections a process may open
+grpc: {channels: 1, streams: 1}  # gRPC: HTTP/2 connections a process opens; grpc-stream:
+                                 # bidirectional streams a process keeps (over the channels)
 timer: fine                  # fine (a timerfd, microseconds) | loop (the event loop's, 1 ms)
 model_config: churn/model.yaml   # where the inputs are described (default: the target's
                                  # GET /v2/models/{model}/config); a file or a URL
@@ -25,7 +27,11 @@ model_config: churn/model.yaml   # where the inputs are described (default: the 
 
 A trace replay (``schedule: {kind: trace, trace: requests.jsonl, speed: 1.0}``) sends the
 recorded requests, paths and bodies at the recorded times (divided by ``speed``); ``model`` and
-``fields`` are then not needed.
+``fields`` are then not needed. A trace replays over HTTP only.
+
+``grpc`` sends OIP ``ModelInfer`` calls, ``grpc-stream`` ``ModelStreamInfer`` streams with many
+requests in flight on each; both carry their inputs in ``raw_input_contents``, as ``v2-binary``
+carries them over HTTP (`loadgen.grpc_sender`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import yaml
 
 from tailserve.errors import ConfigError, field_message
 
-Protocol = Literal["v2-json", "v2-binary", "v1-records"]
+Protocol = Literal["v2-json", "v2-binary", "v1-records", "grpc", "grpc-stream"]
+GRPC_PROTOCOLS = ("grpc", "grpc-stream")
 TimerKind = Literal["fine", "loop"]
 DEFAULT_DURATION_S = 20.0
 
@@ -79,6 +86,15 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     headers: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class GrpcOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # HTTP/2 connections a generator process opens; unary calls go over them in turn. (A
+    # front door may cap the calls in flight on one: HAProxy's default is 100.)
+    channels: int = 1
+    # grpc-stream: streams a process keeps open, requests dealt to them in turn. Through a
+    # front door a stream goes to one worker: give it at least as many as there are workers.
+    streams: int = 1
+
+
 class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str = ""
     name: str = "workload"
@@ -102,11 +118,16 @@ class Workload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Enough that a server's overload reaches the server: with few, the excess would queue
     # for a connection in the generator, where no server policy can see it.
     connections: int = 1024
+    grpc: GrpcOptions = GrpcOptions()
     processes: int = 1
     # What times the sends (tailserve.loadgen.timer): "loop", the event loop's millisecond
     # timers, sends Poisson arrivals in clumps and counts its own lateness; kept to compare.
     timer: TimerKind = "fine"
     model_config: str | None = None
+
+    @property
+    def over_grpc(self) -> bool:
+        return self.protocol in GRPC_PROTOCOLS
 
     def with_overrides(self, **changes: Any) -> Workload:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -169,3 +190,7 @@ def _check(workload: Workload, source: str) -> None:
         raise fail("keys.size", "must be >= 1")
     if workload.processes < 1 or workload.connections < 1:
         raise fail("processes", "processes and connections must be >= 1")
+    if workload.grpc.channels < 1 or workload.grpc.streams < 1:
+        raise fail("grpc", "channels and streams must be >= 1")
+    if workload.over_grpc and schedule.kind == "trace":
+        raise fail("protocol", "a trace replays its recorded HTTP requests: not over gRPC")
