@@ -130,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds a job held by a worker that stopped renewing it waits for another (30)",
     )
+    serve.add_argument(
+        "--model-memory-mb",
+        type=float,
+        help="MiB the models may hold together: the least recently used unload and load "
+        "again when a request needs them (0: no budget, all load at start)",
+    )
+    serve.add_argument(
+        "--pinned-models",
+        metavar="NAME,...",
+        help="models that never unload for the memory budget",
+    )
     serve.add_argument("--config", type=Path, help="YAML file of settings")
     serve.set_defaults(handler=_serve)
 
@@ -207,6 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
             "gc_full_interval_s",
             "jobs_concurrency",
             "jobs_visibility_timeout_s",
+            "model_memory_mb",
+            "pinned_models",
         )
     }
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

@@ -75,6 +75,11 @@ class Settings:
     # long a job it holds and stops renewing waits before another worker may take it (Redis).
     jobs_concurrency: int = 4
     jobs_visibility_timeout_s: float = 30.0
+    # The memory the worker's models may hold together, in MiB (0: no budget, every model
+    # loads at start). Under it the least recently used models unload and load again on demand
+    # (repository/manager.py); the pinned ones (comma-separated names) never unload.
+    model_memory_mb: float = 0.0
+    pinned_models: str = ""
     # A test-only fault (the router benchmark's slow replica): this fraction of the inference
     # requests take fault_slow_factor times as long. 0: off.
     fault_slow_fraction: float = 0.0
@@ -82,6 +87,10 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    def pinned(self) -> tuple[str, ...]:
+        """The models named in ``pinned_models``."""
+        return tuple(name.strip() for name in self.pinned_models.split(",") if name.strip())
 
 
 FIELDS = {f.name for f in dataclasses.fields(Settings)}
@@ -106,6 +115,11 @@ def load_settings(
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid setting: {exc}") from None
+    if settings.model_memory_mb < 0:
+        raise ConfigError(
+            f"invalid setting: model_memory_mb must be at least 0 (0: no budget), not "
+            f"{settings.model_memory_mb}"
+        )
     level = settings.log_level.lower()
     if level not in LOG_LEVELS:
         raise ConfigError(

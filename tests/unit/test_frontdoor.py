@@ -9,7 +9,7 @@ import pytest
 
 from tailserve.errors import ConfigError
 from tailserve.fleet.haproxy import find_binary
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render, worker_backends
 
 MEMBERS = [Member("worker-0", "127.0.0.1", 9001, 9101), Member("worker-1", "127.0.0.1", 9002, 9102)]
 LISTEN = Listen(host="127.0.0.1", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201)
@@ -32,7 +32,26 @@ def test_each_model_has_a_backend_checked_by_its_own_readiness() -> None:
     front = backend(config, "frontend http")
     assert "acl is.churn path /v2/models/churn" in front
     assert "acl is.churn path_beg /v2/models/churn/ /v1/models/churn:" in front
-    assert "use_backend m.churn if is.churn" in front
+    assert "use_backend m.churn if { nbsrv(m.churn) gt 0 } is.churn" in front
+
+
+def test_a_model_ready_on_no_worker_goes_to_one_worker_by_its_name() -> None:
+    # Workers under a memory budget load models on demand: a model loaded nowhere must still
+    # reach one worker (one, not each in turn), and its refusal is not retried elsewhere.
+    config = render(LISTEN, MEMBERS, {"churn": 50.0, "sentiment": 200.0}, FrontDoorPolicy())
+    front = backend(config, "frontend http")
+    loaded = front.index("use_backend m.churn if { nbsrv(m.churn) gt 0 } is.churn")
+    assert front.index("use_backend cold if is.churn") == loaded + 1
+    assert "use_backend cold if is.sentiment" in front
+    cold = backend(config, "backend cold")
+    assert "balance hash path,field(4,/),field(1,:)" in cold
+    assert "hash-type consistent" in cold
+    assert "option httpchk GET /v2/health/ready" in cold
+    assert "retry-on conn-failure empty-response junk-response" in cold
+    (defaults,) = [line for line in cold if line.startswith("default-server")]
+    assert "observe" not in defaults  # a refusal must not eject the worker that is loading
+    assert "server worker-0 127.0.0.1:9001" in cold and "server worker-1 127.0.0.1:9002" in cold
+    assert "cold" in worker_backends(LISTEN, {"churn": 50.0})
 
 
 def test_admission_is_a_bounded_queue_timed_by_the_models_slo() -> None:
@@ -105,7 +124,7 @@ def test_an_unknown_policy_is_refused_by_name() -> None:
 def test_job_submissions_skip_the_models_admission_slots() -> None:
     front = backend(render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy()), "frontend http")
     submit = front.index("use_backend submit if { path_end /jobs } METH_POST")
-    assert submit < front.index("use_backend m.churn if is.churn")
+    assert submit < front.index("use_backend m.churn if { nbsrv(m.churn) gt 0 } is.churn")
     backend_lines = backend(
         render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy()), "backend submit"
     )

@@ -38,7 +38,7 @@ def test_a_slow_model_is_routed_to_the_lane_and_the_rest_direct() -> None:
     config = render(listen, members, models, FrontDoorPolicy(), frozenset({"ranker"}))
     # Through the lane while it is up; else (the next rule) straight to the workers.
     assert "    use_backend lane if { nbsrv(lane) gt 0 } is.ranker\n" in config
-    assert "    use_backend m.ranker if is.ranker\n" in config
+    assert "    use_backend m.ranker if { nbsrv(m.ranker) gt 0 } is.ranker\n" in config
     assert "    use_backend lane if { nbsrv(lane) gt 0 } is.churn" not in config
     assert "    server lane 127.0.0.1:9300 check" in config
     # Without a lane, a slow model goes direct.

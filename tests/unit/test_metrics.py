@@ -77,3 +77,23 @@ def test_requests_counted_by_status_and_outcome() -> None:
     latency = "tailserve_request_duration_seconds_count"
     assert got[(latency, (("model", "m"), ("outcome", "client_error"), ("protocol", "v2")))] == 1
     assert got[("tailserve_model_ready", (("model", "m"),))] == 1
+
+
+def test_loads_unloads_cold_requests_and_the_memory_budget() -> None:
+    metrics = Metrics()
+    metrics.on_model_load("m", 0.3)
+    metrics.on_model_unload("m", 0.01, "budget")
+    metrics.on_cold_request("m", "waited")
+    metrics.on_cold_request("m", "waited")
+    metrics.on_cold_request("m", "refused")
+    metrics.watch_residency(lambda: (100 * 2**20, {"a": 10 * 2**20, "b": 20 * 2**20}))
+    got = samples(metrics)
+    assert got[("tailserve_model_load_seconds_count", (("model", "m"),))] == 1
+    assert got[("tailserve_model_load_seconds_sum", (("model", "m"),))] == 0.3
+    unload = ("tailserve_model_unload_seconds_count", (("model", "m"), ("reason", "budget")))
+    assert got[unload] == 1
+    waited = ("tailserve_cold_requests_total", (("model", "m"), ("outcome", "waited")))
+    assert got[waited] == 2
+    assert got[("tailserve_models_loaded", ())] == 2
+    assert got[("tailserve_model_memory_bytes", (("model", "b"),))] == 20 * 2**20
+    assert got[("tailserve_model_memory_budget_bytes", ())] == 100 * 2**20

@@ -27,3 +27,14 @@ def test_log_levels_are_checked_and_read_in_any_case() -> None:
     assert load_settings(env={"TAILSERVE_LOG_LEVEL": "WARNING"}).log_level == "warning"
     with pytest.raises(ConfigError, match="log_level must be one of debug, info, warning"):
         load_settings(env={"TAILSERVE_LOG_LEVEL": "verbose"})
+
+
+def test_the_model_memory_budget_and_pinned_models() -> None:
+    assert load_settings().model_memory_mb == 0  # no budget: every model loads at start
+    settings = load_settings(
+        env={"TAILSERVE_MODEL_MEMORY_MB": "512", "TAILSERVE_PINNED_MODELS": "churn, ranker,"}
+    )
+    assert settings.model_memory_mb == 512
+    assert settings.pinned() == ("churn", "ranker")
+    with pytest.raises(ConfigError, match="model_memory_mb must be at least 0"):
+        load_settings(overrides={"model_memory_mb": -5})

@@ -133,3 +133,16 @@ def test_up_passes_a_cluster_url_to_its_workers_and_refuses_an_unknown_scheme(
     )
     with pytest.raises(ConfigError, match=r"'http://cache:6379': the scheme must be redis://"):
         fleet_config(up_args(tmp_path, "--redis-url", "http://cache:6379"), {})
+
+
+def test_up_passes_the_model_memory_budget_to_its_workers(tmp_path: Path) -> None:
+    args = up_args(tmp_path, "--model-memory-mb", "512", "--pinned-models", "churn")
+    assert fleet_config(args, {}).worker_args == (
+        "--model-memory-mb",
+        "512.0",
+        "--pinned-models",
+        "churn",
+    )
+    assert fleet_config(up_args(tmp_path), {}).worker_args == ()
+    with pytest.raises(ConfigError, match="--model-memory-mb must be at least 0"):
+        fleet_config(up_args(tmp_path, "--model-memory-mb", "-1"), {})

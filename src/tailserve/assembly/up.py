@@ -81,6 +81,15 @@ def add_parser(commands: Any) -> None:
         help="seconds before a job a dead worker held goes to another (30; with Redis)",
     )
     up.add_argument("--admin-token", help="bearer token the workers' admin routes require")
+    up.add_argument(
+        "--model-memory-mb",
+        type=float,
+        help="MiB each worker's models may hold together: the least recently used unload and "
+        "load again on demand (0: no budget)",
+    )
+    up.add_argument(
+        "--pinned-models", metavar="NAME,...", help="models that never unload for the budget"
+    )
     add_front_door_arguments(up)
     add_lane_arguments(up)
     add_scaling_arguments(up)
@@ -289,6 +298,12 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         out += ["--jobs-concurrency", str(args.jobs_concurrency)]
     if args.jobs_visibility_timeout_s is not None:
         out += ["--jobs-visibility-timeout", str(args.jobs_visibility_timeout_s)]
+    if args.model_memory_mb is not None:
+        if args.model_memory_mb < 0:
+            raise ConfigError(f"--model-memory-mb must be at least 0, not {args.model_memory_mb}")
+        out += ["--model-memory-mb", str(args.model_memory_mb)]
+    if args.pinned_models:
+        out += ["--pinned-models", args.pinned_models]
     return out
 
 

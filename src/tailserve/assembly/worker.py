@@ -85,8 +85,15 @@ class Worker:
             drain_timeout_s=settings.drain_timeout_s,
         )
         self.manager = ModelManager(
-            Path(settings.repository), builder, on_ready_change=self.metrics.set_model_ready
+            Path(settings.repository),
+            builder,
+            on_ready_change=self.metrics.set_model_ready,
+            budget_bytes=int(settings.model_memory_mb * 2**20),
+            pinned=settings.pinned(),
+            observer=self.metrics,
         )
+        residency = self.manager.residency
+        self.metrics.watch_residency(lambda: (residency.budget, residency.resident()))
         self.dataplane = DataPlane(
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
         )
@@ -368,7 +375,13 @@ class Worker:
         freeze_held()
         self.dataplane.initial_load_done = True
         self.loaded.set()
-        log.info("ready: %d model(s) serving", sum(s.ready for s in self.manager.states()))
+        states = self.manager.states()
+        cold = sum(state.cold for state in states)
+        log.info(
+            "ready: %d model(s) serving%s",
+            sum(state.ready for state in states),
+            f", {cold} loaded on demand (memory budget)" if cold else "",
+        )
 
 
 def _main_thread() -> bool:

@@ -60,6 +60,8 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A job waits and runs for seconds to hours.
 JOB_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+# A model loads (or unloads) in milliseconds to minutes.
+LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class _Buckets:
@@ -231,6 +233,33 @@ class _CacheStateCollector(Collector):
             )
 
 
+class _ResidencyCollector(Collector):
+    """The models loaded and what each holds, against the worker's memory budget."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], tuple[int, dict[str, int]]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        budget, resident = self.source() if self.source is not None else (0, {})
+        yield GaugeMetricFamily(
+            "tailserve_models_loaded", "Models loaded on this worker now.", value=len(resident)
+        )
+        held = GaugeMetricFamily(
+            "tailserve_model_memory_bytes",
+            "What each loaded model costs: the larger of its artifact bytes and what its last "
+            "build was measured to add to the process.",
+            labels=["model"],
+        )
+        for model, size in sorted(resident.items()):
+            held.add_metric([model], size)
+        yield held
+        yield GaugeMetricFamily(
+            "tailserve_model_memory_budget_bytes",
+            "The memory the worker's models may hold together (0: no budget).",
+            value=budget,
+        )
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -368,6 +397,27 @@ class Metrics:
             "fallback instead of the step's answer).",
             ["pipeline", "stage", "how"],
         )
+        self.model_load_time = LoopHistogram(
+            "tailserve_model_load_seconds",
+            "Time to load and warm a model (every chosen version), at start, on demand or by "
+            "request.",
+            ["model"],
+            LOAD_BUCKETS,
+        )
+        self.model_unload_time = LoopHistogram(
+            "tailserve_model_unload_seconds",
+            "Time to unload a model (its queued requests drained), by reason: budget (to make "
+            "room for another) or request (the repository API).",
+            ["model", "reason"],
+            LOAD_BUCKETS,
+        )
+        self.cold_requests = LoopCounter(
+            "tailserve_cold_requests",
+            "Requests that found their model unloaded for the memory budget, by outcome: waited "
+            "(for its load, then served), refused (the load would end past the deadline), late "
+            "(the load outlasted the deadline), failed (the load failed).",
+            ["model", "outcome"],
+        )
         loop_metrics: list[LoopHistogram | LoopCounter] = [
             self.stage_time,
             self.stage_degradations,
@@ -392,6 +442,9 @@ class Metrics:
             self.feature_lookups,
             self.jobs_finished,
             self.job_duration,
+            self.model_load_time,
+            self.model_unload_time,
+            self.cold_requests,
         ]
         self.registry.register(_LoopCollector(loop_metrics))
         # Read when scraped: the cost models, the cache's sizes and breaker, the reply memo
@@ -402,6 +455,8 @@ class Metrics:
         self.registry.register(self._cache_state)
         self._traffic = _TrafficCollector()
         self.registry.register(self._traffic)
+        self._residency = _ResidencyCollector()
+        self.registry.register(self._residency)
         self.model_ready = Gauge(
             "tailserve_model_ready",
             "1 when the model's served versions are loaded and warm.",
@@ -424,6 +479,11 @@ class Metrics:
         """Export the result cache's L1 sizes and L2 breaker, and the reply memo's counts."""
         self._cache_state.cache = cache
         self._cache_state.memo = memo
+
+    def watch_residency(self, source: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        """Export the memory budget and the loaded models' sizes: ``source`` gives (budget
+        bytes, {model: bytes})."""
+        self._residency.source = source
 
     def on_request(self, model: str, protocol: str, status: int, seconds: float) -> None:
         outcome = "success" if status < 400 else "client_error" if status < 500 else "error"
@@ -476,6 +536,17 @@ class Metrics:
         self.stage_time.child(pipeline, stage).observe(seconds)
         for how in degradations:
             self.stage_degradations.inc(pipeline, stage, how)
+
+    # --- the catalogue (tailserve.repository.manager.LoadObserver) ----------------------------
+
+    def on_model_load(self, model: str, seconds: float) -> None:
+        self.model_load_time.child(model).observe(seconds)
+
+    def on_model_unload(self, model: str, seconds: float, reason: str) -> None:
+        self.model_unload_time.child(model, reason).observe(seconds)
+
+    def on_cold_request(self, model: str, outcome: str) -> None:
+        self.cold_requests.inc(model, outcome)
 
     def set_model_ready(self, model: str, ready: bool) -> None:
         self.model_ready.labels(model).set(1 if ready else 0)

@@ -5,7 +5,12 @@ pure: it turns the fleet's members, its models and the policy into the text of a
 `fleet.haproxy` writes, checks and loads. The mapping:
 
 - one backend a model (``m.<model>``), holding every worker, each checked with the model's own
-  readiness route, so a model's requests go only to workers where it is ready;
+  readiness route, so a model's requests go only to workers where it is ready (loaded);
+- a model ready on no worker (a worker under a memory budget unloads models and loads them on
+  demand) goes to the ``cold`` backend: every ready worker, chosen by a consistent hash of the
+  model's name, so that one worker loads it, not each in turn; a refusal from there (the load
+  would not fit the request's deadline) is not retried elsewhere, where it would start a load
+  too;
 - the balancing policy: ``p2c`` is ``balance random(2)``, ``round-robin`` is ``roundrobin``,
   ``least-loaded`` is ``leastconn``, ``affinity`` is a consistent hash with bounded load
   (``hash-balance-factor``) on the ``X-Affinity-Key`` header, else on the request's body;
@@ -47,6 +52,10 @@ REPLICA_HEADER = "x-tailserve-replica"
 ADMIN_PATHS = ("/metrics", "/v2/fleet")
 ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/")
 JOBS_PATH = "/v2/jobs"
+# The backend of the models ready on no worker, and its choice of worker: a hash of the model's
+# name, the fourth field of /v2/models/NAME/... and /v1/models/NAME:predict.
+COLD_BACKEND = "cold"
+MODEL_HASH = "hash path,field(4,/),field(1,:)"
 # What HAProxy may put in a backend's name and a path's ACL without quoting.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ERRORS = {
@@ -174,6 +183,15 @@ def render(
         )
     fallback_slo = max(named.values(), default=1000.0)
     lines += _backend(
+        COLD_BACKEND,
+        members,
+        policy.balance,
+        policy,
+        "/v2/health/ready",
+        queue_ms=fallback_slo * policy.queue_share,
+        by_model=True,
+    )
+    lines += _backend(
         "workers",
         members,
         policy.balance,
@@ -298,7 +316,8 @@ def _frontend(
         lines.append(f"    acl is.{model} path_beg /v2/models/{model}/ /v1/models/{model}:")
         if model in laned:  # through the lane while it is up, else straight to the workers
             lines.append(f"    use_backend lane if {{ nbsrv(lane) gt 0 }} is.{model}")
-        lines.append(f"    use_backend m.{model} if is.{model}")
+        lines.append(f"    use_backend m.{model} if {{ nbsrv(m.{model}) gt 0 }} is.{model}")
+        lines.append(f"    use_backend {COLD_BACKEND} if is.{model}")
     return [*lines, "    default_backend workers", ""]
 
 
@@ -310,10 +329,13 @@ def _backend(
     check: str,
     *,
     queue_ms: float,
+    by_model: bool = False,
 ) -> list[str]:
+    """A backend of every worker; ``by_model``: each model's requests to one of them (a
+    consistent hash of its name), with no retry of a 503 on another."""
     lines = [
         f"backend {name}",
-        f"    balance {BALANCE[balance]}",
+        f"    balance {MODEL_HASH if by_model else BALANCE[balance]}",
         f"    timeout queue {_ms(queue_ms)}",
         # A server's full queue sends the request on to the backend's, which has no bound of
         # its own: refuse at once when the queues together are full.
@@ -321,15 +343,23 @@ def _backend(
         f"    option httpchk GET {check}",
         "    http-check expect status 200",
     ]
-    if balance == "affinity":
+    if by_model:
+        lines += [
+            "    hash-type consistent",
+            "    retry-on conn-failure empty-response junk-response",
+        ]
+    elif balance == "affinity":
         lines += [
             "    hash-type consistent",
             f"    hash-balance-factor {policy.hash_balance_factor}",
         ]
+    # (Not for the cold backend: its refusals, 503s, would eject the worker that is loading.)
+    observe = (
+        "" if by_model else f" observe layer7 error-limit {policy.error_limit} on-error mark-down"
+    )
     lines.append(
         f"    default-server {_checks(policy)} "
-        f"maxconn {policy.max_conn} maxqueue {policy.max_queue} "
-        f"observe layer7 error-limit {policy.error_limit} on-error mark-down"
+        f"maxconn {policy.max_conn} maxqueue {policy.max_queue}{observe}"
     )
     lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}{_weight(m)}" for m in members]
     return [*lines, ""]
@@ -384,7 +414,8 @@ def _weight(member: Member) -> str:
 
 def worker_backends(listen: Listen, models: dict[str, float]) -> list[str]:
     """The backends that hold every worker as a server (what a change of rotation touches)."""
-    names = [f"m.{model}" for model in sorted(models) if routable(model)] + ["workers", "submit"]
+    names = [f"m.{model}" for model in sorted(models) if routable(model)]
+    names += [COLD_BACKEND, "workers", "submit"]
     return names + (["grpc"] if listen.grpc_port else [])
 
 

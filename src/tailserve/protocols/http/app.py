@@ -333,7 +333,7 @@ class HttpApp:
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
-        config = self.dataplane.manager.get(name).config
+        config = self.dataplane.manager.config(name)  # (a cold one loads in infer)
         infer_request = await self._decode(
             request, lambda body: kserve_v1.decode_records(name, config, body)
         )
