@@ -72,8 +72,10 @@ def test_a_short_deadline_shrinks_every_budget_and_the_funnel_passes_on_fewer(
     if reply.status_code == 200:
         stages = {stage["name"]: stage for stage in reply.json()["parameters"]["stages"]}
         assert stages["retrieve"]["budget_us"] < 4_000 * 10 / 36 + 200
-        assert "fewer" in stages["retrieve"]["degraded"]
-        assert stages["retrieve"]["rows"] < CANDIDATES
+        retrieve = stages["retrieve"]
+        assert "fewer" in retrieve["degraded"]
+        # It searched for fewer, or (its Redis read slower than its share) gave the list.
+        assert retrieve["rows"] < CANDIDATES or "fallback" in retrieve["degraded"]
         assert "retrieve:fewer" in reply.headers["x-degraded"]
     else:  # a machine too busy for even the least of it: refused as late, never a failure
         assert reply.status_code in (429, 503, 504), reply.text

@@ -21,9 +21,12 @@ from tailserve.tensors import Tensor
 # --- budgets ----------------------------------------------------------------------------------
 
 
-def test_each_step_gets_its_budget_when_the_request_has_time() -> None:
-    share = allot([0.004, 0.006, 0.020], 0, now=10.0, deadline=10.050)
+def test_each_step_gets_its_budget_and_a_share_of_the_time_to_spare() -> None:
+    share = allot([0.004, 0.006, 0.020], 0, now=10.0, deadline=10.030)
     assert share.deadline == pytest.approx(10.004) and not share.behind
+    # 50 ms for 30 ms of budgets: each step's is stretched by 5/3.
+    share = allot([0.004, 0.006, 0.020], 0, now=10.0, deadline=10.050)
+    assert share.deadline == pytest.approx(10.0 + 0.004 * 5 / 3) and not share.behind
 
 
 def test_budgets_shrink_in_proportion_when_the_steps_before_ran_late() -> None:
@@ -178,10 +181,10 @@ async def test_on_schedule_no_step_degrades_and_each_is_accounted() -> None:
 
 
 async def test_fewer_passes_on_as_many_rows_as_the_models_cost_fits() -> None:
-    # 0.1 ms a row and 5 ms of queue ahead: of the 20 ms, 15 are left for 150 rows.
+    # 0.1 ms a row and 5 ms of queue ahead: of the step's 20 ms, 15 are left for 150 rows.
     host = Host(Port(per_row_s=0.0001, wait_s=0.005))
     steps = [{**SCORE, "on_late": ["fewer"], "rows": ["ids"], "min_rows": 50}]
-    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.05))
+    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.02))
     assert 140 <= len(outputs["final"]) <= 150
     np.testing.assert_array_equal(outputs["final"], np.arange(len(outputs["final"])) * 2)
     assert stages[0].degraded == ["fewer"]
@@ -200,15 +203,20 @@ async def test_a_refused_step_falls_back_to_what_it_declares() -> None:
 
 async def test_a_step_out_of_time_falls_back_at_its_share() -> None:
     host = Host(Port(per_row_s=0.0), behaviour="hang")
-    steps = [{**SCORE, "budget_ms": 5, "on_late": ["fallback"], "fallback": {"ids": "final"}}]
+    steps = [
+        {**SCORE, "budget_ms": 5, "on_late": ["fallback"], "fallback": {"ids": "final"}},
+        {"name": "after", "kind": "topk", "by": "final", "k": 10, "rows": ["final"]},
+    ]
+    steps[1]["budget_ms"] = 195
     loop = asyncio.get_running_loop()
     started = loop.time()
     pipeline = Pipeline(config(steps), host)
     outputs, stages = await pipeline.run(IDS, deadline_in(1.0))
-    # Stopped at its 5 ms share, far before the request's second; its model was told so.
+    # Stopped at its share (5 of the 200 ms of budgets: 25 ms of the second), far before the
+    # request's deadline; its model was told so.
     assert loop.time() - started < 0.5
-    assert host.requests[0].parameters["timeout"] <= 5_000
-    assert stages[0].degraded == ["fallback"] and len(outputs["final"]) == 400
+    assert host.requests[0].parameters["timeout"] <= 25_000
+    assert stages[0].degraded == ["fallback"] and len(outputs["final"]) == 10
     # What the call given up on makes is dropped; closing the pipeline ends it.
     host.never.set()
     await pipeline.close()

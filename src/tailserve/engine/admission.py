@@ -96,7 +96,7 @@ class Admission:
         # Its own rows are taken off the time left, not counted against the share: a lone
         # large request would be refused once the share fell, and keep it down.
         work, own_work = self.queues.work_ahead(item.priority, item.rows, queue)
-        ahead = self._ahead(work, now, free_at)
+        ahead = self._ahead(work, now, free_at, loop=not item.inner)
         own = own_work / (len(free_at) or 1)
         waits = learnt[1] + delays.loop_delay_s
         share = (1.0 if item.screened else self._share) * headroom
@@ -145,9 +145,12 @@ class Admission:
         """A request was refused on the word of an earlier shed."""
         self._count(refused=True)
 
-    def _ahead(self, work: float, now: float, free_at: Sequence[float]) -> float:
+    def _ahead(
+        self, work: float, now: float, free_at: Sequence[float], *, loop: bool = True
+    ) -> float:
         """The wait for what is ahead: the instances' remaining busy time and the ``work``
-        queued, shared between the instances, or the event loop's backlog where longer."""
+        queued, shared between the instances, or (``loop``) the event loop's backlog where
+        longer."""
         busy = 0.0
         for at in free_at:
             if at > now:
@@ -155,7 +158,7 @@ class Admission:
         # The loop's backlog and the model's queue drain at the same time: the wait is the
         # longer of them (their sum would count a request queued for the model twice).
         ahead = (busy + work) / (len(free_at) or 1)
-        backlog = self.delays.loop_backlog_s
+        backlog = self.delays.loop_backlog_s if loop else 0.0
         return ahead if ahead > backlog else backlog
 
     def _refused_unread(self, budget: float, queueing: float, waits: float) -> Rejection | None:

@@ -43,6 +43,9 @@ class Item:
     # The shed let it in before it was read (`Batcher.shed`, at the highest priority): its
     # offer may let it queue for all of its time left (engine/admission.py).
     screened: bool = False
+    # A pipeline's step (engine/pipeline.py): its request is already running on the event
+    # loop, so the loop's backlog is not ahead of it; its step's budget bounds its wait.
+    inner: bool = False
 
 
 @dataclass(slots=True)

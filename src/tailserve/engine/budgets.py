@@ -14,8 +14,9 @@ class Allotment:
     """The time one step may take."""
 
     deadline: float
-    # The step's share over its declared budget (1: on schedule; below: the steps before it
-    # ran late, or the request came with less time than the budgets add up to).
+    # The step's share over its declared budget (1 or more: on schedule, the request's spare
+    # time shared out too; below: the steps before it ran late, or the request came with less
+    # time than the budgets add up to).
     ratio: float
 
     @property
@@ -28,15 +29,17 @@ _ON_SCHEDULE = 0.98
 
 
 def allot(budgets: Sequence[float], index: int, now: float, deadline: float) -> Allotment:
-    """Step ``index``'s share of the time left: its budget, shrunk in proportion when the
-    budgets of the steps still to run add up to more than is left. A step with no budget
-    (0) may use whatever is left."""
+    """Step ``index``'s share of the time left: the budgets of the steps still to run are
+    weights, and the time left is shared out by them. A request with time to spare gives each
+    step more than its budget (a step cut off at its budget while the request had time would
+    degrade for nothing); one behind schedule, less. A step with no budget (0) may use
+    whatever is left."""
     budget = budgets[index]
     if budget <= 0:
         return Allotment(deadline, 1.0)
     planned = sum(budgets[index:])
     left = max(0.0, deadline - now)
-    scale = min(1.0, left / planned)
+    scale = left / planned
     return Allotment(min(deadline, now + budget * scale), scale)
 
 

@@ -83,7 +83,7 @@ class DataPlane:
         """
         if self.draining or not self.initial_load_done:
             return False
-        states = self.manager.states()
+        states = [state for state in self.manager.states() if not state.cold]
         if self._strict:
             return all(state.ready or state.not_served for state in states)
         return all(state.ready or state.status is not ModelStatus.LOADING for state in states)
@@ -134,13 +134,32 @@ class DataPlane:
         hit waits for as a miss does; a miss meets the model's test when it is offered.
         """
         self.online_requests += 1
-        served = self.manager.get(name, version)
+        served = self.manager.peek(name, version)
+        if served is None:  # unloaded for the memory budget: `infer` loads it, or refuses
+            return
         if isinstance(served, ServedPipeline):
-            return  # its steps' models decide, each within its share of the deadline
+            self._shed_pipeline(served, received_at, deadline_ms)
+            return
         config = served.config
         budget = deadline_ms / 1e3 if deadline_ms is not None else config.slo.p99_ms / 1e3
         cached = served.cache is not None and self.cache is not None
         served.scheduler.shed(deadline=received_at + budget, priority=1, queue=not cached)
+
+    def _shed_pipeline(
+        self, served: ServedPipeline, received_at: float, deadline_ms: float | None
+    ) -> None:
+        """A pipeline's request is refused before it is read only when the event loop's
+        backlog leaves it too little of its deadline (its steps' models judge their queues,
+        each within its share); the loop's state is read through its first model."""
+        first = served.pipeline.first_model
+        try:
+            gate = self.manager.peek(first) if first else None
+        except TailserveError:  # not ready: the step falls back, or says so
+            return
+        if not isinstance(gate, ServedVersion):
+            return
+        budget = deadline_ms / 1e3 if deadline_ms is not None else served.config.slo.p99_ms / 1e3
+        gate.scheduler.shed(deadline=received_at + budget, priority=1, queue=False)
 
     def refused(self, name: str, version: str | None) -> None:
         """Count a request refused on an earlier shed's word (`DeadlineUnmeetable.
@@ -157,7 +176,9 @@ class DataPlane:
         """The request's response. ``screened``: `shed` let it in before it was decoded.
         ``on_hit``: told when the answer came fresh from L1."""
         self.online_requests += 1
-        served = self.manager.get(request.model, request.version)
+        served = await self.manager.acquire(
+            request.model, request.version, lambda c: deadline_and_priority(c, request)[0]
+        )
         config = served.config
         wanted = _wanted_outputs(config, request)
         deadline, hard, priority = deadline_and_priority(config, request)
@@ -187,6 +208,7 @@ class DataPlane:
                 priority=priority,
                 hard_deadline=hard,
                 screened=screened,
+                inner=request.inner,
                 variant=pinned,
             )
             if served.variants and not stats.variant:  # (one variant: no choice to make)

@@ -30,6 +30,8 @@ class InferRequest:
     priority: int | None = None
     cache_mode: str | None = None
     variant: str | None = None  # the model's variant asked for by name (X-Variant)
+    # Sent by a pipeline's step from inside the worker (engine/pipeline.py), not a client.
+    inner: bool = False
 
 
 @dataclass(slots=True)

@@ -140,6 +140,8 @@ class Pipeline:
         self._observer = observer
         self._clock = clock
         self._budgets = [step.budget_ms / 1e3 for step in self.spec.steps]
+        # The first model a step calls ("": none).
+        self.first_model = next((s.model for s in self.spec.steps if s.kind == "model"), "")
         self._abandoned: set[asyncio.Future[_Made]] = set()
 
     async def run(
@@ -169,7 +171,7 @@ class Pipeline:
                             "request's deadline"
                         ) from None
                     raise
-                self._fall_back(step, state, exc)
+                self._fall_back(step, state, stage, exc)
                 stage.degraded.append("fallback")
             finally:
                 stage.seconds = self._clock() - start
@@ -299,7 +301,9 @@ class Pipeline:
                 parameters["variant"] = port.variants[-1]
         now = self._clock()
         parameters["timeout"] = max(1, int((cutoff - now) * 1e6))
-        request = InferRequest(step.model, inputs, parameters=parameters, received_at=now)
+        request = InferRequest(
+            step.model, inputs, parameters=parameters, received_at=now, inner=True
+        )
         sent = len(inputs[0].data) if inputs and inputs[0].data.ndim else None
         response = await self._host.call(request)
         variant = response.parameters.get("variant")
@@ -322,7 +326,9 @@ class Pipeline:
     def _degrading(self, step: PipelineStep, how: str) -> bool:
         return self.spec.budgets and how in step.on_late
 
-    def _fall_back(self, step: PipelineStep, state: dict[str, Tensor], cause: Exception) -> None:
+    def _fall_back(
+        self, step: PipelineStep, state: dict[str, Tensor], stage: Stage, cause: Exception
+    ) -> None:
         if step.kind == "retrieve":
             index = self._indexes[step.name].loaded
             if index is None or not len(index.fallback):
@@ -334,6 +340,7 @@ class Pipeline:
                 )
             ids, scores = index.precomputed(step.top)
             self._write(step, state, {"ids": ids, "scores": scores})
+            stage.rows = len(ids)
         for source, target in step.fallback.items():
             tensor = state[source]
             state[target] = Tensor(target, tensor.datatype, tensor.data)

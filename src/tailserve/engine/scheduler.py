@@ -225,6 +225,7 @@ class Scheduler:
         priority: int = 1,
         hard_deadline: bool = False,
         screened: bool = False,
+        inner: bool = False,
         variant: int | None = None,
     ) -> tuple[Arrays, BatchStats]:
         """Queue a request and wait for its answer. A model with variants chooses the one to
@@ -243,7 +244,8 @@ class Scheduler:
             priority,
             _Pending(inputs, future),
             hard=hard_deadline,
-            screened=screened,
+            screened=screened or inner,
+            inner=inner,
         )
         self._read_loop()
         if self.variants is None:
