@@ -27,6 +27,8 @@ def test_each_step_gets_its_budget_and_a_share_of_the_time_to_spare() -> None:
     # 50 ms for 30 ms of budgets: each step's is stretched by 5/3.
     share = allot([0.004, 0.006, 0.020], 0, now=10.0, deadline=10.050)
     assert share.deadline == pytest.approx(10.0 + 0.004 * 5 / 3) and not share.behind
+    # ... to run in before it is given up on; its work is still planned to its budget.
+    assert share.plan == pytest.approx(10.004)
 
 
 def test_budgets_shrink_in_proportion_when_the_steps_before_ran_late() -> None:
@@ -34,6 +36,7 @@ def test_budgets_shrink_in_proportion_when_the_steps_before_ran_late() -> None:
     share = allot([0.004, 0.006, 0.020], 1, now=10.035, deadline=10.050)
     assert share.ratio == pytest.approx(15 / 26)
     assert share.deadline == pytest.approx(10.035 + 0.006 * 15 / 26) and share.behind
+    assert share.plan == share.deadline
 
 
 def test_a_step_without_a_budget_may_use_what_is_left() -> None:
@@ -156,7 +159,7 @@ class Host:
     def port(self, model: str) -> Port:
         return self._port
 
-    def resolver(self, model: str) -> Any:
+    async def resolver(self, model: str, deadline: float) -> Any:
         raise AssertionError("no feature steps here")
 
 

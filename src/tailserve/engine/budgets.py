@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Allotment:
-    """The time one step may take."""
+    """The time one step may take: it plans its work to ``plan`` (its budget, or less when
+    behind schedule) and is given up on at ``deadline`` (its share of all the time left, more
+    than its budget when the request has time to spare)."""
 
     deadline: float
+    plan: float
     # The step's share over its declared budget (1 or more: on schedule, the request's spare
     # time shared out too; below: the steps before it ran late, or the request came with less
     # time than the budgets add up to).
@@ -30,17 +33,20 @@ _ON_SCHEDULE = 0.98
 
 def allot(budgets: Sequence[float], index: int, now: float, deadline: float) -> Allotment:
     """Step ``index``'s share of the time left: the budgets of the steps still to run are
-    weights, and the time left is shared out by them. A request with time to spare gives each
-    step more than its budget (a step cut off at its budget while the request had time would
-    degrade for nothing); one behind schedule, less. A step with no budget (0) may use
-    whatever is left."""
+    weights, and the time left is shared out by them. A request with time to spare lets each
+    step run past its budget before it is given up on (cut off at its budget while the request
+    had time, it would degrade for nothing); one behind schedule gives each less. A step with
+    no budget (0) may use whatever is left."""
     budget = budgets[index]
     if budget <= 0:
-        return Allotment(deadline, 1.0)
+        return Allotment(deadline, deadline, 1.0)
     planned = sum(budgets[index:])
     left = max(0.0, deadline - now)
     scale = left / planned
-    return Allotment(min(deadline, now + budget * scale), scale)
+    # Work is sized to the budget, never to the spare time: under load, spare time stretched
+    # into every step would let each do more and the worker serve fewer.
+    end = min(deadline, now + budget * scale)
+    return Allotment(end, min(end, now + budget), scale)
 
 
 def rows_that_fit(rows: int, least: int, seconds: float, cost: Callable[[int], float]) -> int:

@@ -68,7 +68,8 @@ class PipelineHost(Protocol):
 
     def port(self, model: str) -> ModelPort: ...
 
-    def resolver(self, model: str) -> FeatureResolver: ...
+    async def resolver(self, model: str, deadline: float) -> FeatureResolver:
+        """The feature lookups of ``model`` (loading it first if it is cold)."""
 
 
 class PipelineObserver(Protocol):
@@ -158,8 +159,8 @@ class Pipeline:
             if self.spec.budgets:
                 share = allot(self._budgets, index, start, deadline)
             else:
-                share = Allotment(deadline, 1.0)
-            stage = Stage(step.name, max(0.0, share.deadline - start))
+                share = Allotment(deadline, deadline, 1.0)
+            stage = Stage(step.name, max(0.0, share.plan - start))
             stages.append(stage)
             try:
                 await self._step(step, state, share, deadline, stage)
@@ -266,7 +267,8 @@ class Pipeline:
                 stage.degraded.append("fewer")
         ids = [self._input(state, name, source) for name, source in step.inputs.items()]
         rows = len(state[step.rows[0]].data) if step.rows else None
-        resolved = await self._host.resolver(step.model).resolve(ids)
+        resolver = await self._host.resolver(step.model, share.deadline)
+        resolved = await resolver.resolve(ids)
         return _Made({tensor.name: tensor.data for tensor in resolved}, rows)
 
     async def _model(
@@ -284,7 +286,7 @@ class Pipeline:
             self._degrading(step, "fewer") or self._degrading(step, "variant")
         ):
             cost = port.cost(inputs)
-            room = share.deadline - self._clock() - port.wait_s()
+            room = share.plan - self._clock() - port.wait_s()
             rows = len(inputs[0].data) if inputs and inputs[0].data.ndim else 1
             kept = rows
             if self._degrading(step, "fewer"):

@@ -55,11 +55,14 @@ class DataPlaneHost:
     def port(self, model: str) -> _Port:
         return _Port(self._served(model))
 
-    def resolver(self, model: str) -> FeatureResolver:
-        features = self._served(model).features
-        if features is None:
+    async def resolver(self, model: str, deadline: float) -> FeatureResolver:
+        # (a model unloaded for the memory budget loads first, if its load fits the deadline)
+        served = await self._dataplane.manager.acquire(model, None, lambda _: deadline)
+        if not isinstance(served, ServedVersion):
+            raise InvalidInput(f"a pipeline step looks up {model!r}, which is a pipeline itself")
+        if served.features is None:
             raise InvalidInput(f"model {model!r} reads no features from the store")
-        return features
+        return served.features
 
     def _served(self, model: str) -> ServedVersion:
         served = self._dataplane.manager.get(model)
