@@ -133,8 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model-memory-mb",
         type=float,
-        help="MiB the models may hold together: the least recently used unload and load "
-        "again when a request needs them (0: no budget, all load at start)",
+        help="MiB the models may hold together: the least wanted unload and load again when "
+        "a request needs them (0: no budget, all load at start)",
+    )
+    serve.add_argument(
+        "--model-eviction",
+        choices=("traffic", "lru"),
+        help="which model unloads to make room: the least recent traffic (default) or the "
+        "least recently used",
     )
     serve.add_argument(
         "--pinned-models",
@@ -220,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
             "jobs_visibility_timeout_s",
             "model_memory_mb",
             "pinned_models",
+            "model_eviction",
         )
     }
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)

@@ -80,6 +80,9 @@ class Settings:
     # (repository/manager.py); the pinned ones (comma-separated names) never unload.
     model_memory_mb: float = 0.0
     pinned_models: str = ""
+    # Which loaded model makes room under the budget: the least recent traffic, or the least
+    # recently used (repository/residency.py).
+    model_eviction: str = "traffic"
     # A test-only fault (the router benchmark's slow replica): this fraction of the inference
     # requests take fault_slow_factor times as long. 0: off.
     fault_slow_fraction: float = 0.0
@@ -119,6 +122,11 @@ def load_settings(
         raise ConfigError(
             f"invalid setting: model_memory_mb must be at least 0 (0: no budget), not "
             f"{settings.model_memory_mb}"
+        )
+    if settings.model_eviction not in ("traffic", "lru"):
+        raise ConfigError(
+            f"invalid setting: model_eviction must be traffic or lru, not "
+            f"{settings.model_eviction!r}"
         )
     level = settings.log_level.lower()
     if level not in LOG_LEVELS:

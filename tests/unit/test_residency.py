@@ -35,18 +35,19 @@ def test_at_start_the_models_that_fit_load_in_order_and_the_pinned_first() -> No
 
 def test_the_least_recently_used_model_unloads_when_another_needs_room() -> None:
     residency = budget_of(5)
+    residency.eviction = "lru"
     for at, name in enumerate("abcde"):
         load(residency, name, float(at))
     assert residency.fits("a") and not residency.fits("f")
     residency.used("a", 10.0)  # a is used again: b is now the least recently used
     residency.used("c", 11.0)
-    assert residency.victims("f") == ["b"]
+    assert residency.victims("f", 12.0) == ["b"]
     residency.unloaded("b")
     load(residency, "f", 12.0)
     assert set(residency.resident()) == {"a", "c", "d", "e", "f"}
     assert residency.held() <= residency.budget
     # The model just loaded counts as used: the next one out is d, not f.
-    assert residency.victims("g") == ["d"]
+    assert residency.victims("g", 13.0) == ["d"]
 
 
 def test_as_many_unload_as_a_larger_model_needs_and_pinned_ones_never() -> None:
@@ -57,9 +58,9 @@ def test_as_many_unload_as_a_larger_model_needs_and_pinned_ones_never() -> None:
     for at, name in enumerate("abcd"):
         load(residency, name, float(at))
     # 40 MiB held, 10 free: 25 more are needed, so b, c and d go (a is pinned).
-    assert residency.victims("big") == ["b", "c", "d"]
+    assert residency.victims("big", 5.0) == ["b", "c", "d"]
     residency.know("huge", 45 * MIB)  # with a pinned (10), 45 can never fit 50
-    assert residency.victims("huge") is None
+    assert residency.victims("huge", 5.0) is None
 
 
 def test_a_measured_size_replaces_the_estimate_when_larger() -> None:
@@ -70,13 +71,13 @@ def test_a_measured_size_replaces_the_estimate_when_larger() -> None:
     assert residency.cost("a") == 18 * MIB and residency.measured("a")
     load(residency, "b", 2.0)
     # 28 MiB held in a 25 MiB budget: a (least recently used) must go, keeping b.
-    assert residency.victims("b") == ["a"]
+    assert residency.victims("b", 3.0) == ["a"]
 
 
 def test_a_reload_of_a_loaded_model_asks_for_no_more_room() -> None:
     residency = budget_of(1)
     load(residency, "a", 0.0)
-    assert residency.fits("a") and residency.victims("a") == []
+    assert residency.fits("a") and residency.victims("a", 1.0) == []
 
 
 def test_the_expected_load_time_is_the_models_own_then_the_others_mean() -> None:
@@ -123,10 +124,34 @@ def test_no_budget_fits_everything_and_unloads_nothing() -> None:
     for name in "abc":
         residency.know(name, 10 * MIB)
         load(residency, name, 0.0)
-    assert residency.fits("d") and residency.victims("d") == []
+    assert residency.fits("d") and residency.victims("d", 1.0) == []
     assert residency.prefetch(0.0, ["d"]) is None
 
 
 def test_a_negative_budget_is_refused() -> None:
     with pytest.raises(ConfigError, match="at least 0"):
         Residency(-1)
+
+
+def test_by_traffic_the_hot_models_stay_and_a_cold_one_just_loaded_is_next_out() -> None:
+    residency = budget_of(3, names="abcdef")
+    for at, name in enumerate("abc"):
+        load(residency, name, float(at))
+    for second in range(10):  # a and b are hot, c is asked for once
+        for name in "ab":
+            residency.used(name, 3.0 + second)
+    residency.used("c", 4.0)
+    residency.used("d", 13.5)  # a cold request: c (least traffic) makes room, not a or b
+    assert residency.victims("d", 13.5) == ["c"]
+    residency.unloaded("c")
+    load(residency, "d", 13.6)
+    residency.used("e", 14.0)  # the next cold one takes d's place, though d was used last
+    assert residency.victims("e", 14.0) == ["d"]
+    # Least recently used would have pushed a hot model out instead.
+    residency.eviction = "lru"
+    assert residency.victims("e", 14.0) == ["a"]
+
+
+def test_an_unknown_eviction_policy_is_refused() -> None:
+    with pytest.raises(ConfigError, match="eviction policy"):
+        Residency(MIB, eviction="fifo")  # type: ignore[arg-type]

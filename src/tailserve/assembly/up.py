@@ -84,11 +84,17 @@ def add_parser(commands: Any) -> None:
     up.add_argument(
         "--model-memory-mb",
         type=float,
-        help="MiB each worker's models may hold together: the least recently used unload and "
-        "load again on demand (0: no budget)",
+        help="MiB each worker's models may hold together: the least wanted unload and load "
+        "again on demand (0: no budget)",
     )
     up.add_argument(
         "--pinned-models", metavar="NAME,...", help="models that never unload for the budget"
+    )
+    up.add_argument(
+        "--model-eviction",
+        choices=("traffic", "lru"),
+        help="which model unloads to make room: the least recent traffic (default) or the "
+        "least recently used",
     )
     add_front_door_arguments(up)
     add_lane_arguments(up)
@@ -304,6 +310,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         out += ["--model-memory-mb", str(args.model_memory_mb)]
     if args.pinned_models:
         out += ["--pinned-models", args.pinned_models]
+    if args.model_eviction:
+        out += ["--model-eviction", args.model_eviction]
     return out
 
 

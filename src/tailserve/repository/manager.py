@@ -41,7 +41,7 @@ from tailserve.errors import (
 from tailserve.modelconfig import ModelConfig, load_model_config
 from tailserve.repository.discovery import choose_versions, model_dirs, versions_on_disk
 from tailserve.repository.footprint import Memory, artifact_bytes, memory_now
-from tailserve.repository.residency import Residency
+from tailserve.repository.residency import Eviction, Residency
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class ModelManager(Generic[S]):
         on_ready_change: Callable[[str, bool], None] | None = None,
         budget_bytes: int = 0,
         pinned: Iterable[str] = (),
+        eviction: Eviction = "traffic",
         observer: LoadObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory: Callable[[], Memory] = memory_now,
@@ -127,7 +128,7 @@ class ModelManager(Generic[S]):
         self._builder = builder
         self._on_ready_change = on_ready_change
         self._models: dict[str, ModelState[S]] = {}
-        self.residency = Residency(budget_bytes, pinned=pinned)
+        self.residency = Residency(budget_bytes, pinned=pinned, eviction=eviction)
         self._observer = observer
         self._clock = clock
         self._memory = memory
@@ -401,11 +402,11 @@ class ModelManager(Generic[S]):
             await asyncio.gather(*(self._builder.retire(v) for v in old.values()))
 
     async def _within_budget(self, state: ModelState[S]) -> None:
-        """Unload the least recently used models until ``state``'s model fits, load it, and
+        """Unload the least wanted models until ``state``'s model fits, load it, and
         unload more if it turned out larger than estimated."""
         name = state.name
         for check in ("estimate", "measure"):
-            victims = self.residency.victims(name)
+            victims = self.residency.victims(name, self._clock())
             if victims is None:
                 if check == "measure":
                     await self.unload(name)

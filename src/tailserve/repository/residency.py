@@ -7,8 +7,12 @@ its time and measured size, an unload) and asks it what to do:
   loaded here) and what its last build was measured to add to the process;
 - which models to load at start: the pinned ones, then the rest in repository order while
   their estimates fit;
-- which loaded models to unload so that another fits: the least recently used by traffic first
-  (a load counts as a use, so a model just loaded is not the next one out); pinned ones never;
+- which loaded models to unload so that another fits (pinned ones never): by default
+  (``traffic``) those with the least recent traffic first (requests, each counting half after
+  `half_life_s`), so the hot models stay and a cold model loaded for one request is the next
+  out; or (``lru``) the least recently used first (a load counts as a use). Under skewed
+  traffic least-recently-used lets a run of cold requests push the hot models out one by one;
+  ``benchmarks/many_models.py`` measures both;
 - how long a model's load is expected to take: its last load here, else the mean of the other
   models' loads, else `DEFAULT_LOAD_S`;
 - which unloaded model to load ahead of its next request: the one with the most recent traffic
@@ -24,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from tailserve.errors import ConfigError
 
@@ -32,6 +37,9 @@ DEFAULT_LOAD_S = 1.0
 # Recent traffic below this (requests, decayed: one request within the last half-life) is no
 # reason to load a model ahead of demand.
 PREFETCH_MIN_RECENT = 0.5
+
+Eviction = Literal["traffic", "lru"]
+EVICTIONS: tuple[str, ...] = ("traffic", "lru")
 
 
 @dataclass(slots=True)
@@ -53,11 +61,17 @@ class Residency:
         pinned: Iterable[str] = (),
         half_life_s: float = 30.0,
         default_load_s: float = DEFAULT_LOAD_S,
+        eviction: Eviction = "traffic",
     ) -> None:
         if budget_bytes < 0:
             raise ConfigError(f"the model memory budget must be at least 0, not {budget_bytes}")
         if half_life_s <= 0:
             raise ConfigError(f"half_life_s must be over 0, not {half_life_s}")
+        if eviction not in EVICTIONS:
+            raise ConfigError(
+                f"the model eviction policy must be one of {', '.join(EVICTIONS)}, not {eviction!r}"
+            )
+        self.eviction = eviction
         self.budget = budget_bytes
         self.pinned = frozenset(pinned)
         self._half_life_s = half_life_s
@@ -135,20 +149,24 @@ class Residency:
                 held += self.cost(name)
         return chosen
 
-    def victims(self, keep: str) -> list[str] | None:
-        """The loaded models to unload, least recently used first, so that ``keep`` (loaded
-        or about to load) fits within the budget; never ``keep`` nor a pinned model. None: it
-        cannot fit even with every other unpinned model unloaded."""
+    def victims(self, keep: str, now: float) -> list[str] | None:
+        """The loaded models to unload, the least wanted first (see the module's docstring),
+        so that ``keep`` (loaded or about to load) fits within the budget; never ``keep`` nor
+        a pinned model. None: it cannot fit even with every other unpinned model unloaded."""
         if not self.limited:
             return []
         over = self.held() + self._extra(keep) - self.budget
         chosen: list[str] = []
         order = sorted(
-            (model.last_used, name)
+            (
+                self._decayed(model, now) if self.eviction == "traffic" else 0.0,
+                model.last_used,
+                name,
+            )
             for name, model in self._models.items()
             if model.loaded and name != keep and name not in self.pinned
         )
-        for _, name in order:
+        for _, _, name in order:
             if over <= 0:
                 break
             chosen.append(name)
