@@ -10,10 +10,10 @@ memory; their result caches are off (the inputs are unique).
    was measured to cost (`tailserve_model_memory_bytes`); the budget is the five largest costs
    plus half the median, which holds five models and not six.
 2. The worker "budget of 5": `--model-memory-mb` that budget. Five load at start, the others
-   when a request needs them, the model with the least recent traffic unloading to make room
-   (the default, `--model-eviction traffic`).
-3. The worker "budget, LRU": the same budget, the least recently used unloading instead
-   (`--model-eviction lru`).
+   when a request needs them, the least recently used unloading to make room (the default,
+   `--model-eviction lru`).
+3. The worker "budget, traffic": the same budget, the model with the least recent traffic
+   unloading instead (`--model-eviction traffic`).
 
 Each worker gets the same open-loop load from wrk2 (C), one run a rate of ``--rates`` over 64
 connections: churn rows with unique inputs, each request for the model of rank k with
@@ -271,16 +271,16 @@ def table(results: list[Result], rates: list[float]) -> str:
     lines = []
     for rate in rates:
         full, budget = by[("all 20", rate)], by[("budget of 5", rate)]
-        lru = by.get(("budget, LRU", rate))
+        other = by.get(("budget, traffic", rate))
         lines.append(f"\n{rate:,.0f} req/s")
         header = f"  {'':44} {'all 20':>12} {'budget of 5':>12} {'ratio':>7}"
-        lines.append(header + (f" {'budget, LRU':>12} {'ratio':>7}" if lru else ""))
+        lines.append(header + (f" {'by traffic':>12} {'ratio':>7}" if other else ""))
         for label, key, form in rows:
             a, b = getattr(full, key), getattr(budget, key)
             ratio = f"{b / a:.2f}x" if a else "-"
             line = f"  {label:44} {form.format(a):>12} {form.format(b):>12} {ratio:>7}"
-            if lru is not None:
-                c = getattr(lru, key)
+            if other is not None:
+                c = getattr(other, key)
                 line += f" {form.format(c):>12} {f'{c / a:.2f}x' if a else '-':>7}"
             lines.append(line)
     return "\n".join(lines)
@@ -312,9 +312,9 @@ def main() -> int:
         print(f"budget of {HOLDS}: --model-memory-mb {budget_mb:.1f}")
         with started(repo, "--model-memory-mb", f"{budget_mb:.1f}") as (url, pid):
             results += measure("budget of 5", url, pid, rates, args)
-        lru = ("--model-memory-mb", f"{budget_mb:.1f}", "--model-eviction", "lru")
-        with started(repo, *lru) as (url, pid):
-            results += measure("budget, LRU", url, pid, rates, args)
+        traffic = ("--model-memory-mb", f"{budget_mb:.1f}", "--model-eviction", "traffic")
+        with started(repo, *traffic) as (url, pid):
+            results += measure("budget, traffic", url, pid, rates, args)
     print(
         f"\n{MODELS} models of {args.pad_mb} MiB padding, Zipf s={args.zipf}, "
         f"X-Deadline-Ms {args.deadline_ms:.0f}, {CONNECTIONS} connections, "

@@ -138,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--model-eviction",
-        choices=("traffic", "lru"),
-        help="which model unloads to make room: the least recent traffic (default) or the "
-        "least recently used",
+        choices=("lru", "traffic"),
+        help="which model unloads to make room: the least recently used (default) or the "
+        "least recent traffic",
     )
     serve.add_argument(
         "--pinned-models",

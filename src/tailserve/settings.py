@@ -80,9 +80,9 @@ class Settings:
     # (repository/manager.py); the pinned ones (comma-separated names) never unload.
     model_memory_mb: float = 0.0
     pinned_models: str = ""
-    # Which loaded model makes room under the budget: the least recent traffic, or the least
-    # recently used (repository/residency.py).
-    model_eviction: str = "traffic"
+    # Which loaded model makes room under the budget: the least recently used, or the least
+    # recent traffic (repository/residency.py).
+    model_eviction: str = "lru"
     # A test-only fault (the router benchmark's slow replica): this fraction of the inference
     # requests take fault_slow_factor times as long. 0: off.
     fault_slow_fraction: float = 0.0

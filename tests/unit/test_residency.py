@@ -35,7 +35,6 @@ def test_at_start_the_models_that_fit_load_in_order_and_the_pinned_first() -> No
 
 def test_the_least_recently_used_model_unloads_when_another_needs_room() -> None:
     residency = budget_of(5)
-    residency.eviction = "lru"
     for at, name in enumerate("abcde"):
         load(residency, name, float(at))
     assert residency.fits("a") and not residency.fits("f")
@@ -135,6 +134,7 @@ def test_a_negative_budget_is_refused() -> None:
 
 def test_by_traffic_the_hot_models_stay_and_a_cold_one_just_loaded_is_next_out() -> None:
     residency = budget_of(3, names="abcdef")
+    residency.eviction = "traffic"
     for at, name in enumerate("abc"):
         load(residency, name, float(at))
     for second in range(10):  # a and b are hot, c is asked for once

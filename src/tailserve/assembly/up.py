@@ -92,9 +92,9 @@ def add_parser(commands: Any) -> None:
     )
     up.add_argument(
         "--model-eviction",
-        choices=("traffic", "lru"),
-        help="which model unloads to make room: the least recent traffic (default) or the "
-        "least recently used",
+        choices=("lru", "traffic"),
+        help="which model unloads to make room: the least recently used (default) or the "
+        "least recent traffic",
     )
     add_front_door_arguments(up)
     add_lane_arguments(up)

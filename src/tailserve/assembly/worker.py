@@ -90,7 +90,7 @@ class Worker:
             on_ready_change=self.metrics.set_model_ready,
             budget_bytes=int(settings.model_memory_mb * 2**20),
             pinned=settings.pinned(),
-            eviction="lru" if settings.model_eviction == "lru" else "traffic",
+            eviction="traffic" if settings.model_eviction == "traffic" else "lru",
             observer=self.metrics,
         )
         residency = self.manager.residency

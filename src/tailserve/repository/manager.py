@@ -119,7 +119,7 @@ class ModelManager(Generic[S]):
         on_ready_change: Callable[[str, bool], None] | None = None,
         budget_bytes: int = 0,
         pinned: Iterable[str] = (),
-        eviction: Eviction = "traffic",
+        eviction: Eviction = "lru",
         observer: LoadObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory: Callable[[], Memory] = memory_now,

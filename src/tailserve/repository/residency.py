@@ -8,11 +8,10 @@ its time and measured size, an unload) and asks it what to do:
 - which models to load at start: the pinned ones, then the rest in repository order while
   their estimates fit;
 - which loaded models to unload so that another fits (pinned ones never): by default
-  (``traffic``) those with the least recent traffic first (requests, each counting half after
-  `half_life_s`), so the hot models stay and a cold model loaded for one request is the next
-  out; or (``lru``) the least recently used first (a load counts as a use). Under skewed
-  traffic least-recently-used lets a run of cold requests push the hot models out one by one;
-  ``benchmarks/many_models.py`` measures both;
+  (``lru``) the least recently used first (a load counts as a use); or (``traffic``) those with
+  the least recent traffic (requests, each counting half after `half_life_s`), so that the hot
+  models stay and a cold model loaded for one request is the next out. Neither wins
+  everywhere: ``benchmarks/many_models.py`` measures both;
 - how long a model's load is expected to take: its last load here, else the mean of the other
   models' loads, else `DEFAULT_LOAD_S`;
 - which unloaded model to load ahead of its next request: the one with the most recent traffic
@@ -61,7 +60,7 @@ class Residency:
         pinned: Iterable[str] = (),
         half_life_s: float = 30.0,
         default_load_s: float = DEFAULT_LOAD_S,
-        eviction: Eviction = "traffic",
+        eviction: Eviction = "lru",
     ) -> None:
         if budget_bytes < 0:
             raise ConfigError(f"the model memory budget must be at least 0, not {budget_bytes}")
