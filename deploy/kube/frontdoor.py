@@ -88,7 +88,7 @@ def haproxy_config(values: Values) -> str:
             section = _global(values, rules)
         elif head == "frontend http":
             section = _frontend(section)
-        elif head == "backend grpc":
+        elif head in ("backend grpc", "backend grpc.affinity"):
             section = [
                 *section,
                 f"    server-template g 1-{slots} {workers}:{worker['grpcPort']} proto h2 "

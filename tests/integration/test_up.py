@@ -46,6 +46,13 @@ def assert_scored(reply: httpx.Response, rows: int = 2) -> None:
     assert all(0.0 <= p <= 1.0 for p in output["data"])
 
 
+def grpc_calls(worker_url: str) -> float:
+    """The churn gRPC calls a worker has answered (its own /metrics)."""
+    text = httpx.get(f"{worker_url}/metrics").text
+    prefix = 'tailserve_requests_total{model="churn",protocol="grpc",status="200"} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -96,6 +103,13 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
         with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
             assert client.is_server_ready() and client.is_model_ready("churn")
             scores = client.infer("churn", inputs).as_numpy("churn_probability")
+            # Calls with the same affinity key (as metadata) all go to one worker.
+            workers = [w["url"] for w in httpx.get(f"{up.url}/v2/fleet").json()["workers"]]
+            before = [grpc_calls(url) for url in workers]
+            for _ in range(8):
+                client.infer("churn", inputs, headers={"x-affinity-key": "customer-17"})
+            grew = [grpc_calls(url) - was for url, was in zip(workers, before, strict=True)]
+            assert sorted(grew) == [0, 8]
         http_scores = httpx.post(f"{up.url}/v2/models/churn/infer", json=churn_request()).json()
         assert scores.ravel().tolist() == pytest.approx(http_scores["outputs"][0]["data"])
         # Each worker serves gRPC itself, on loopback, behind the front door.

@@ -110,6 +110,16 @@ def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_to_the_workers_grpc_por
     assert "bind 127.0.0.1:8081 proto h2" in backend(config, "frontend grpc")
 
 
+def test_a_grpc_call_with_an_affinity_key_goes_by_it() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
+    front = backend(config, "frontend grpc")
+    assert "use_backend grpc.affinity if { req.hdr(x-affinity-key) -m found }" in front
+    affinity = backend(config, "backend grpc.affinity")
+    assert "balance hdr(x-affinity-key)" in affinity and "hash-type consistent" in affinity
+    assert any(line.startswith("server worker-1 127.0.0.1:9102 proto h2") for line in affinity)
+    assert "balance random(2)" in backend(config, "backend grpc")
+
+
 def test_a_model_name_haproxy_cannot_hold_goes_to_the_default_backend() -> None:
     config = render(LISTEN, MEMBERS, {"churn": 50.0, "odd name": 50.0}, FrontDoorPolicy())
     assert "backend m.odd name" not in config

@@ -416,33 +416,50 @@ def worker_backends(listen: Listen, models: dict[str, float]) -> list[str]:
     """The backends that hold every worker as a server (what a change of rotation touches)."""
     names = [f"m.{model}" for model in sorted(models) if routable(model)]
     names += [COLD_BACKEND, "workers", "submit"]
-    return names + (["grpc"] if listen.grpc_port else [])
+    return names + (["grpc", "grpc.affinity"] if listen.grpc_port else [])
 
 
 def _grpc(
     listen: Listen, members: list[Member], policy: FrontDoorPolicy, queue_ms: float
 ) -> list[str]:
+    # A call's model is inside its protobuf body, which HAProxy does not read: gRPC calls share
+    # one backend. A call with the affinity key as metadata goes by it, as over HTTP.
     lines = [
         "frontend grpc",
         f"    bind {_address(listen.host)}:{listen.grpc_port} proto h2",
         f"    maxconn {policy.max_connections}",
+        f"    use_backend grpc.affinity if {{ req.hdr({AFFINITY_HEADER}) -m found }}",
         "    default_backend grpc",
         "",
-        "backend grpc",
-        f"    balance {BALANCE['p2c']}",
-        f"    timeout queue {_ms(queue_ms)}",
-        "    option httpchk GET /v2/health/ready",
-        "    http-check expect status 200",
-        f"    default-server {_checks(policy)} "
-        f"maxconn {policy.max_conn} maxqueue {policy.max_queue}",
     ]
-    lines += [
-        f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 "
-        f"check port {m.http_port} check-proto h1{_weight(m)}"
-        for m in members
-        if m.grpc_port
-    ]
-    return [*lines, ""]
+    for name, balance in (
+        ("grpc", [f"    balance {BALANCE['p2c']}"]),
+        (
+            "grpc.affinity",
+            [
+                f"    balance hdr({AFFINITY_HEADER})",
+                "    hash-type consistent",
+                f"    hash-balance-factor {policy.hash_balance_factor}",
+            ],
+        ),
+    ):
+        lines += [
+            f"backend {name}",
+            *balance,
+            f"    timeout queue {_ms(queue_ms)}",
+            "    option httpchk GET /v2/health/ready",
+            "    http-check expect status 200",
+            f"    default-server {_checks(policy)} "
+            f"maxconn {policy.max_conn} maxqueue {policy.max_queue}",
+        ]
+        lines += [
+            f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 "
+            f"check port {m.http_port} check-proto h1{_weight(m)}"
+            for m in members
+            if m.grpc_port
+        ]
+        lines.append("")
+    return lines
 
 
 def _checks(policy: FrontDoorPolicy) -> str:
