@@ -291,3 +291,16 @@ def rounds_args(parser: argparse.ArgumentParser, rates: dict[str, float]) -> arg
     args.rate = args.rate or rates[args.model]
     args.out.mkdir(parents=True, exist_ok=True)
     return args
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (no display), or None, said, without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (matplotlib is not installed: no plot)")
+        return None
+    return plt

@@ -88,10 +88,9 @@ def _script(workload: str) -> str:
     return _FRAME.replace("{workload}", workload)
 
 
-# Unique churn rows (the monthly spend a random double), OIP v2 JSON.
-SCRIPT = _script(
-    r"""
-local path = "/v2/models/churn/infer"
+# A churn row as Lua: `churn_body()` is one customer drawn at random (the monthly spend a
+# random double, so every body is unique), OIP v2 JSON. Shared by the churn workloads.
+CHURN_BODY = r"""
 local contracts = {"monthly", "annual", "multi-year"}
 local tiers = {"starter", "growth", "enterprise"}
 local fmt = '{"inputs":['
@@ -105,11 +104,21 @@ local fmt = '{"inputs":['
   .. '{"name":"plan_tier","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
   .. '{"name":"is_enterprise","datatype":"INT64","shape":[1,1],"data":[%d]}]}'
 
-function request()
-  local body = string.format(fmt, math.random(1, 120), math.random() * 400,
+function churn_body()
+  return string.format(fmt, math.random(1, 120), math.random() * 400,
     math.random(0, 50), math.random(), math.random(0, 365), math.random(0, 50),
     contracts[math.random(1, 3)], tiers[math.random(1, 3)], math.random(0, 1))
-  return wrk.format("POST", path, headers, body)
+end
+"""
+
+# Unique churn rows.
+SCRIPT = _script(
+    CHURN_BODY
+    + r"""
+local path = "/v2/models/churn/infer"
+
+function request()
+  return wrk.format("POST", path, headers, churn_body())
 end
 
 """

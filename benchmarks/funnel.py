@@ -48,7 +48,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 import _wrk2
-from _harness import examples, histogram_quantile, redis, up_stack
+from _harness import examples, histogram_quantile, pyplot, redis, up_stack
 
 RAMP = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 BUDGETS, NO_BUDGETS = "funnel", "funnel_nobudget"
@@ -296,13 +296,8 @@ def measure(url: str, args: argparse.Namespace, result: Result) -> None:
 
 
 def plot(result: Result, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("  (matplotlib is not installed: no plot)")
+    plt = pyplot()
+    if plt is None:
         return
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for pipeline, style, label in ((NO_BUDGETS, "o--", "no budgets"), (BUDGETS, "o-", "budgets")):

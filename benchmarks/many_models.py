@@ -115,33 +115,20 @@ def zipf_script(zipf: float, deadline_ms: float) -> str:
     weights = [1 / (rank**zipf) for rank in range(1, MODELS + 1)]
     cumulative = np.cumsum(weights) / sum(weights)
     cdf = ", ".join(f"{p:.6f}" for p in cumulative[:-1]) + ", 1.0"
-    workload = r"""
+    workload = (
+        _wrk2.CHURN_BODY
+        + r"""
 local cdf = {{CDF}}
-local path = "/v2/models/churn00/infer"
 headers["X-Deadline-Ms"] = "{DEADLINE}"
-local contracts = {"monthly", "annual", "multi-year"}
-local tiers = {"starter", "growth", "enterprise"}
-local fmt = '{"inputs":['
-  .. '{"name":"tenure_months","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"monthly_spend","datatype":"FP32","shape":[1,1],"data":[%.6f]},'
-  .. '{"name":"support_tickets","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"feature_usage_pct","datatype":"FP32","shape":[1,1],"data":[%.4f]},'
-  .. '{"name":"last_login_days_ago","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"num_integrations","datatype":"INT64","shape":[1,1],"data":[%d]},'
-  .. '{"name":"contract_type","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
-  .. '{"name":"plan_tier","datatype":"BYTES","shape":[1,1],"data":["%s"]},'
-  .. '{"name":"is_enterprise","datatype":"INT64","shape":[1,1],"data":[%d]}]}'
 
 function request()
   local u, rank = math.random(), 1
   while cdf[rank] < u do rank = rank + 1 end
   local target = string.format("/v2/models/churn%02d/infer", rank - 1)
-  local body = string.format(fmt, math.random(1, 120), math.random() * 400,
-    math.random(0, 50), math.random(), math.random(0, 365), math.random(0, 50),
-    contracts[math.random(1, 3)], tiers[math.random(1, 3)], math.random(0, 1))
-  return wrk.format("POST", target, headers, body)
+  return wrk.format("POST", target, headers, churn_body())
 end
 """
+    )
     return _wrk2._script(
         workload.replace("{CDF}", cdf).replace("{DEADLINE}", str(round(deadline_ms)))
     )

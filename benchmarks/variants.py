@@ -42,7 +42,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import _wrk2
-from _harness import examples, up_stack
+from _harness import examples, pyplot, up_stack
 
 RAMP = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 SCRIPTS = {"churn": _wrk2.SCRIPT, "sentiment": _wrk2.SENTIMENT}
@@ -233,13 +233,8 @@ def measure(url: str, repository: Path, model: str, args: argparse.Namespace) ->
 
 
 def plot(result: ModelResult, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("  (matplotlib is not installed: no plot)")
+    plt = pyplot()
+    if plt is None:
         return
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for mode, style in (("fp32 alone", "o--"), ("dial", "o-")):

@@ -6,13 +6,12 @@ seconds and, once gone, down again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from support.fleet import started
 from support.models import doubler_config, write_model
 from support.servers import async_wait_for
 from tailserve.assembly.scaling import ScalingPlan
@@ -25,17 +24,6 @@ X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]
 INFER = "/v2/models/doubler/infer"
 # The loop never decides on its own in the tests that drive the scaler's hands directly.
 NEVER_S = 3600.0
-
-
-@contextlib.asynccontextmanager
-async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
-    supervisor = Supervisor(config)
-    await supervisor.start()
-    try:
-        await asyncio.wait_for(supervisor.ready.wait(), timeout=90)
-        yield supervisor
-    finally:
-        await supervisor.stop()
 
 
 def repository(root: Path, delay_s: float = 0.0) -> str:

@@ -5,7 +5,6 @@ every worker, one /metrics, the admin token beyond loopback)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.fleet import started
 from support.models import doubler_config, write_model
 from support.servers import async_wait_for
 from support.stub import StubApp, run_stub
@@ -30,17 +30,6 @@ X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]
 
 def infer(model: str) -> str:
     return f"/v2/models/{model}/infer"
-
-
-@contextlib.asynccontextmanager
-async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
-    supervisor = Supervisor(config)
-    await supervisor.start()
-    try:
-        await asyncio.wait_for(supervisor.ready.wait(), timeout=90)
-        yield supervisor
-    finally:
-        await supervisor.stop()
 
 
 @pytest.fixture

@@ -5,30 +5,17 @@ worker where it is loaded."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 
 from support.ballast import X, ballasted_repository, infer
+from support.fleet import started
 from support.servers import async_wait_for
 from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.fleet.load import parse_stat
 
 WORKERS = ("worker-0", "worker-1")
-
-
-@contextlib.asynccontextmanager
-async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
-    supervisor = Supervisor(config)
-    await supervisor.start()
-    try:
-        await asyncio.wait_for(supervisor.ready.wait(), timeout=90)
-        yield supervisor
-    finally:
-        await supervisor.stop()
 
 
 async def up_in(stack: Supervisor, backend: str) -> set[str]:

@@ -9,11 +9,9 @@ invalidation reaches the other worker (whose subscription was on the dead node).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from support.fleet import started
 from support.models import doubler_config, write_model
 from support.servers import RunningRedisCluster, async_wait_for
 from tailserve.assembly.stack import FleetConfig, Supervisor
@@ -107,17 +106,6 @@ class Load:
 
     def count(self, kind: str, after: float = 0.0) -> int:
         return sum(r.kind == kind and r.sent >= after for r in self.replies)
-
-
-@contextlib.asynccontextmanager
-async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
-    supervisor = Supervisor(config)
-    await supervisor.start()
-    try:
-        await asyncio.wait_for(supervisor.ready.wait(), timeout=90)
-        yield supervisor
-    finally:
-        await supervisor.stop()
 
 
 async def test_a_master_killed_under_load_loses_no_request_that_could_be_served(
