@@ -47,6 +47,10 @@ class RetrievalIndex(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class PipelineStep(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     kind: StepKind
+    # The steps it waits for (declared before it). None: the step declared just before it (a
+    # chain); []: none, it starts with the request. Steps that wait for none of each other run
+    # at the same time.
+    after: list[str] | None = None
     # The time the step may take when the request has its whole budget; when the total
     # is more than the deadline, every step's share shrinks in proportion.
     budget_ms: float = 0.0
@@ -81,17 +85,27 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def check_pipeline(config: PipelineConfig, inputs: list[str], fail: Any) -> None:
-    """Check a pipeline's steps against each other: names, kinds' fields, and that every
-    state name a step reads was a request input or written by an earlier step."""
+    """Check a pipeline's steps against each other: names, kinds' fields, what each waits
+    for, and that every state name a step reads was a request input or written by a step it
+    waits for (directly or through others)."""
     if not config.steps:
         raise fail("pipeline.steps", "must list at least one step")
-    known = set(inputs)
     seen: set[str] = set()
+    # What each step makes (its outputs and fallback targets), and what is known once it ran.
+    known_after: list[set[str]] = []
     for i, step in enumerate(config.steps):
         where = f"pipeline.steps[{i}]"
         if not step.name or step.name in seen:
             raise fail(f"{where}.name", f"must be a unique, non-empty name, got {step.name!r}")
+        for name in step.after or []:
+            if name not in seen:
+                raise fail(
+                    f"{where}.after",
+                    f"{name!r} is not a step declared before {step.name!r}",
+                )
         seen.add(step.name)
+        waits = dependencies_of(config, i)
+        known = set(inputs).union(*(known_after[j] for j in waits))
         if step.budget_ms < 0:
             raise fail(f"{where}.budget_ms", "must be >= 0")
         if step.min_rows < 1:
@@ -126,10 +140,18 @@ def check_pipeline(config: PipelineConfig, inputs: list[str], fail: Any) -> None
             if name not in known:
                 raise fail(
                     f"{where}",
-                    f"reads {name!r}, which neither the request nor an earlier step gives",
+                    f"reads {name!r}, which neither the request nor a step it waits for gives",
                 )
-        known.update(step.outputs.values())
-        known.update(step.fallback.values())
+        known_after.append(known | set(step.outputs.values()) | set(step.fallback.values()))
+
+
+def dependencies_of(config: PipelineConfig, index: int) -> list[int]:
+    """Step ``index``'s dependencies among the steps declared before it (names checked)."""
+    step = config.steps[index]
+    if step.after is None:
+        return [index - 1] if index else []
+    names = {s.name: i for i, s in enumerate(config.steps[:index])}
+    return [names[name] for name in step.after if name in names]
 
 
 def fallback_fields(top: int) -> list[str]:

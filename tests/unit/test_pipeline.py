@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tailserve.engine.budgets import allot, proportional_rows, rows_that_fit
+from tailserve.engine.budgets import allot, critical_paths, proportional_rows, rows_that_fit
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.pipeline import Pipeline
 from tailserve.engine.retrieval import RetrievalIndex
@@ -247,3 +247,64 @@ async def test_a_step_behind_schedule_takes_the_cheapest_variant() -> None:
     host = Host(Port(per_row_s=0.00001, variants=("full", "small")))
     _, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(0.05))
     assert "variant" not in host.requests[-1].parameters and stages[0].degraded == []
+
+
+# --- a graph of steps -----------------------------------------------------------------------
+
+
+def test_the_time_left_is_shared_along_the_longest_path_of_budgets() -> None:
+    # a, then b (10) and c (30) side by side, then d (5): a's time must cover a + c + d.
+    waits = [[], [0], [0], [1, 2]]
+    assert critical_paths([0.005, 0.010, 0.030, 0.005], waits) == pytest.approx(
+        [0.040, 0.015, 0.035, 0.005]
+    )
+    assert critical_paths([0.004, 0.006, 0.020], [[], [0], [1]]) == pytest.approx(
+        [0.030, 0.026, 0.020]
+    )  # a chain: the sum of what is left
+
+
+def test_a_step_reads_only_what_the_steps_it_waits_for_made() -> None:
+    left = {**SCORE, "name": "left", "after": [], "outputs": {"y": "l"}}
+    right = {**SCORE, "name": "right", "after": [], "inputs": {"x": "l"}, "outputs": {"y": "r"}}
+    with pytest.raises(ConfigError, match="reads 'l'"):
+        config([left, right])
+    with pytest.raises(ConfigError, match="'later' is not a step declared before"):
+        config([{**left, "after": ["later"]}, {**right, "name": "later"}])
+
+
+class Meeting(Host):
+    """Two models that each answer only once the other has been called: they finish only if
+    their steps run at the same time."""
+
+    def __init__(self) -> None:
+        super().__init__(Port(per_row_s=0.0))
+        self.called = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    async def call(self, request: InferRequest) -> InferResponse:
+        if request.model in self.called:
+            self.called[request.model].set()
+            await self.called["b" if request.model == "a" else "a"].wait()
+        return await super().call(request)
+
+
+async def test_steps_that_wait_for_none_of_each_other_run_at_the_same_time() -> None:
+    steps = [
+        {**SCORE, "name": "a", "model": "a", "after": [], "outputs": {"y": "from_a"}},
+        {**SCORE, "name": "b", "model": "b", "after": [], "outputs": {"y": "from_b"}},
+        {
+            "name": "pick",
+            "kind": "topk",
+            "after": ["a", "b"],
+            "by": "from_a",
+            "k": 3,
+            "rows": ["from_a", "from_b"],
+            "outputs": {},
+        },
+        {**SCORE, "name": "last", "after": ["pick"], "inputs": {"x": "from_b"}},
+    ]
+    host = Meeting()
+    outputs, stages = await Pipeline(config(steps), host).run(IDS, deadline_in(1.0))
+    # b doubled the ids, the top 3 by a's doubling kept, and the last step doubled them again.
+    np.testing.assert_array_equal(outputs["final"], np.array([399, 398, 397]) * 4)
+    assert [stage.name for stage in stages] == ["a", "b", "pick", "last"]
+    assert [request.model for request in host.requests][-1] == "scorer"

@@ -31,16 +31,33 @@ class Allotment:
 _ON_SCHEDULE = 0.98
 
 
+def critical_paths(budgets: Sequence[float], waits: Sequence[Sequence[int]]) -> list[float]:
+    """For each step, the most budget on any path from it to the end (itself included): what
+    the time left must cover once it starts. Steps are in an order where each waits only for
+    steps before it (``waits[i]``), so one pass from the end finds every path."""
+    after: list[list[int]] = [[] for _ in budgets]
+    for index, earlier in enumerate(waits):
+        for j in earlier:
+            after[j].append(index)
+    paths = [0.0] * len(budgets)
+    for index in reversed(range(len(budgets))):
+        paths[index] = budgets[index] + max((paths[j] for j in after[index]), default=0.0)
+    return paths
+
+
 def allot(budgets: Sequence[float], index: int, now: float, deadline: float) -> Allotment:
-    """Step ``index``'s share of the time left: the budgets of the steps still to run are
-    weights, and the time left is shared out by them. A request with time to spare lets each
-    step run past its budget before it is given up on (cut off at its budget while the request
-    had time, it would degrade for nothing); one behind schedule gives each less. A step with
-    no budget (0) may use whatever is left."""
-    budget = budgets[index]
-    if budget <= 0:
+    """`allot_step` for a chain of steps (each waits for the one before)."""
+    return allot_step(budgets[index], sum(budgets[index:]), now, deadline)
+
+
+def allot_step(budget: float, planned: float, now: float, deadline: float) -> Allotment:
+    """A step's share of the time left, ``budget`` of the ``planned`` budgets still to run on
+    its longest path to the end: the budgets are weights, and the time left is shared out by
+    them. A request with time to spare lets each step run past its budget before it is given up
+    on (cut off at its budget while the request had time, it would degrade for nothing); one
+    behind schedule gives each less. A step with no budget (0) may use whatever is left."""
+    if budget <= 0 or planned <= 0:
         return Allotment(deadline, deadline, 1.0)
-    planned = sum(budgets[index:])
     left = max(0.0, deadline - now)
     scale = left / planned
     # Work is sized to the budget, never to the spare time: under load, spare time stretched

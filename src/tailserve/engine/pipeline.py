@@ -24,13 +24,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from tailserve.engine.budgets import Allotment, allot, proportional_rows, rows_that_fit
+from tailserve.engine.budgets import (
+    Allotment,
+    allot_step,
+    critical_paths,
+    proportional_rows,
+    rows_that_fit,
+)
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.retrieval import RetrievalIndex
 from tailserve.engine.validation import InputPlan
 from tailserve.errors import DeadlineExceeded, InvalidInput, Unavailable
 from tailserve.modelconfig import ModelConfig
-from tailserve.pipelineconfig import PipelineConfig, PipelineStep
+from tailserve.pipelineconfig import PipelineConfig, PipelineStep, dependencies_of
 from tailserve.tensors import Tensor, datatype_of
 
 if TYPE_CHECKING:
@@ -140,7 +146,10 @@ class Pipeline:
         self._queries = queries or {}
         self._observer = observer
         self._clock = clock
-        self._budgets = [step.budget_ms / 1e3 for step in self.spec.steps]
+        budgets = [step.budget_ms / 1e3 for step in self.spec.steps]
+        self._waits = [dependencies_of(self.spec, i) for i in range(len(self.spec.steps))]
+        self._budgets = budgets
+        self._paths = critical_paths(budgets, self._waits)
         # The first model a step calls ("": none).
         self.first_model = next((s.model for s in self.spec.steps if s.kind == "model"), "")
         self._abandoned: set[asyncio.Future[_Made]] = set()
@@ -153,35 +162,59 @@ class Pipeline:
         state = {
             name: Tensor(name, datatype_of(array), array) for name, array in checked.arrays.items()
         }
-        stages: list[Stage] = []
-        for index, step in enumerate(self.spec.steps):
-            start = self._clock()
-            if self.spec.budgets:
-                share = allot(self._budgets, index, start, deadline)
-            else:
-                share = Allotment(deadline, deadline, 1.0)
-            stage = Stage(step.name, max(0.0, share.plan - start))
-            stages.append(stage)
-            try:
-                await self._step(step, state, share, deadline, stage)
-            except (_Late, Unavailable) as exc:
-                if not (self.spec.budgets and "fallback" in step.on_late):
-                    if isinstance(exc, _Late):
-                        raise DeadlineExceeded(
-                            f"pipeline {self.name!r}: step {step.name!r} ran past the "
-                            "request's deadline"
-                        ) from None
-                    raise
-                self._fall_back(step, state, stage, exc)
-                stage.degraded.append("fallback")
-            finally:
-                stage.seconds = self._clock() - start
-                if self._observer is not None:
-                    self._observer.on_stage(self.name, step.name, stage.seconds, stage.degraded)
+        steps = self.spec.steps
+        stages = [Stage(step.name, 0.0) for step in steps]
+        runs: list[asyncio.Task[None]] = []
+        for index in range(len(steps)):
+            waits = [runs[j] for j in self._waits[index]]
+            work = self._run_step(index, state, deadline, stages[index], waits)
+            runs.append(asyncio.ensure_future(work))
+        try:
+            await asyncio.gather(*runs)
+        except BaseException:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
         missing = [name for name, _ in self.outputs if name not in state]
         if missing:
             raise InvalidInput(f"pipeline {self.name!r} made no {missing[0]!r}")
         return {name: _shaped(state[name].data, spec) for name, spec in self.outputs}, stages
+
+    async def _run_step(
+        self,
+        index: int,
+        state: dict[str, Tensor],
+        deadline: float,
+        stage: Stage,
+        waits: list[asyncio.Task[None]],
+    ) -> None:
+        """Step ``index`` once the steps it waits for are done, within its share."""
+        if waits:
+            await asyncio.gather(*waits)
+        step = self.spec.steps[index]
+        start = self._clock()
+        if self.spec.budgets:
+            share = allot_step(self._budgets[index], self._paths[index], start, deadline)
+        else:
+            share = Allotment(deadline, deadline, 1.0)
+        stage.budget_s = max(0.0, share.plan - start)
+        try:
+            await self._step(step, state, share, deadline, stage)
+        except (_Late, Unavailable) as exc:
+            if not (self.spec.budgets and "fallback" in step.on_late):
+                if isinstance(exc, _Late):
+                    raise DeadlineExceeded(
+                        f"pipeline {self.name!r}: step {step.name!r} ran past the "
+                        "request's deadline"
+                    ) from None
+                raise
+            self._fall_back(step, state, stage, exc)
+            stage.degraded.append("fallback")
+        finally:
+            stage.seconds = self._clock() - start
+            if self._observer is not None:
+                self._observer.on_stage(self.name, step.name, stage.seconds, stage.degraded)
 
     # --- steps ------------------------------------------------------------------------------
 
