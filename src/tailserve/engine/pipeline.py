@@ -64,6 +64,10 @@ class IndexSource(Protocol):
     @property
     def loaded(self) -> RetrievalIndex | None: ...
 
+    @property
+    def problem(self) -> str | None:
+        """Why the index could not be read last time (None: it could, or not tried yet)."""
+
     async def get(self) -> RetrievalIndex: ...
 
 
@@ -367,7 +371,13 @@ class Pipeline:
         if step.kind == "retrieve":
             index = self._indexes[step.name].loaded
             if index is None or not len(index.fallback):
-                why = cause.message if isinstance(cause, Unavailable) else "it ran out of time"
+                stored = self._indexes[step.name]
+                why = (
+                    cause.message
+                    if isinstance(cause, Unavailable)
+                    else stored.problem
+                    or "it ran out of time with the retrieval index still being read"
+                )
                 raise Unavailable(
                     f"pipeline {self.name!r}: step {step.name!r} could not run ({why}) and has "
                     "no precomputed list to stand in",

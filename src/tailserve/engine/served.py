@@ -96,6 +96,10 @@ class StoredIndex:
     def loaded(self) -> RetrievalIndex | None:
         return self._index
 
+    @property
+    def problem(self) -> str | None:
+        return self._failed[1].message if self._failed is not None else None
+
     async def get(self) -> RetrievalIndex:
         if self._index is not None:
             return self._index
