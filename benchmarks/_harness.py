@@ -304,3 +304,31 @@ def pyplot() -> Any:
         print("  (matplotlib is not installed: no plot)")
         return None
     return plt
+
+
+def wait_served(
+    url: str,
+    model: str,
+    body: bytes,
+    headers: dict[str, str] | None = None,
+    *,
+    timeout_s: float = 60.0,
+) -> None:
+    """Until ``url`` answers ``model``'s requests with 20 200s in a row: the stack reports ready
+    a moment before the front door's checks of the workers' models do (the first run would count
+    503s), and a model's first requests may read what it needs (a retrieval index)."""
+    deadline, in_a_row = time.monotonic() + timeout_s, 0
+    while in_a_row < 20:
+        request = urllib.request.Request(
+            f"{url}/v2/models/{model}/infer",
+            data=body,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                in_a_row = in_a_row + 1 if reply.status == 200 else 0
+        except OSError:
+            in_a_row = 0
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{model} is not served through {url}") from None
+            time.sleep(0.2)

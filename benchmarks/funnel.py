@@ -48,7 +48,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 import _wrk2
-from _harness import examples, histogram_quantile, pyplot, redis, up_stack
+from _harness import examples, histogram_quantile, pyplot, redis, up_stack, wait_served
 
 RAMP = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 BUDGETS, NO_BUDGETS = "funnel", "funnel_nobudget"
@@ -151,27 +151,6 @@ def between(
     return int(runs), rates, p99
 
 
-def wait_served(url: str, model: str, timeout_s: float = 120.0) -> None:
-    """Until the front door sends ``model``'s requests on, 20 200s in a row (the stack reports
-    ready a moment before its checks of the workers' models do; the first request also reads
-    the retrieval index from Redis)."""
-    deadline, in_a_row = time.monotonic() + timeout_s, 0
-    while in_a_row < 20:
-        request = urllib.request.Request(
-            f"{url}/v2/models/{model}/infer",
-            data=PROBE,
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=5) as reply:
-                in_a_row = in_a_row + 1 if reply.status == 200 else 0
-        except OSError:
-            in_a_row = 0
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{model} is not served through {url}") from None
-            time.sleep(0.2)
-
-
 def add_unbudgeted(repository: Path) -> None:
     """``funnel_nobudget``: the funnel's steps with ``budgets: false``."""
     from tailserve.examples.churn import write_config
@@ -260,7 +239,7 @@ def print_ratios(result: Result) -> None:
 def measure(url: str, args: argparse.Namespace, result: Result) -> None:
     print(f"\n== funnel: SLO p99 {result.slo_ms:.0f} ms, stages {result.stages}")
     for pipeline in PIPELINES:
-        wait_served(url, pipeline)
+        wait_served(url, pipeline, PROBE, timeout_s=120.0)
     if not result.capacity:
         print(" SLO capacity of the funnel, with budgets:")
         result.capacity = _wrk2.slo_capacity(

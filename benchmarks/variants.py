@@ -42,7 +42,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import _wrk2
-from _harness import examples, pyplot, up_stack
+from _harness import examples, pyplot, up_stack, wait_served
 
 RAMP = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 SCRIPTS = {"churn": _wrk2.SCRIPT, "sentiment": _wrk2.SENTIMENT}
@@ -88,27 +88,6 @@ def computed(url: str, model: str) -> dict[str, float]:
                 variant = sample.labels["variant"]
                 counts[variant] = counts.get(variant, 0.0) + sample.value
     return counts
-
-
-def wait_served(url: str, model: str, timeout_s: float = 60.0) -> None:
-    """Until the front door sends ``model``'s requests on, 20 in a row (its checks of the
-    workers' model may come a moment after the stack reports ready: the first run would count
-    503s)."""
-    deadline, in_a_row = time.monotonic() + timeout_s, 0
-    while in_a_row < 20:
-        request = urllib.request.Request(
-            f"{url}/v2/models/{model}/infer",
-            data=PROBES[model],
-            headers={"Content-Type": "application/json", "X-Cache-Mode": "bypass"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=5) as reply:
-                in_a_row = in_a_row + 1 if reply.status == 200 else 0
-        except OSError:
-            in_a_row = 0
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{model} is not served through {url}") from None
-            time.sleep(0.2)
 
 
 def _churn_probe() -> bytes:
@@ -181,7 +160,7 @@ def measure(url: str, repository: Path, model: str, args: argparse.Namespace) ->
     names = [choice["name"] for choice in variants.get("choices", [])]
     result.accuracy = {c["name"]: c.get("accuracy") for c in variants.get("choices", [])}
     print(f"\n== {model}: variants {names}, SLO p99 {slo:.0f} ms")
-    wait_served(url, model)
+    wait_served(url, model, PROBES[model], {"X-Cache-Mode": "bypass"})
     given = dict(item.split("=", 1) for item in args.capacity)
     for name in names:
         if f"{model}.{name}" in given:

@@ -4,13 +4,10 @@ The scheduler owns the asyncio side of batching; *what* to run and *when* is the
 (`engine.batching`, `engine.deadline`). Padding, merging a batch, running the model and
 splitting the result happen in an executor thread, so the event loop only moves futures.
 
-Except for a batch the cost model predicts to take at most ``inline_below_s`` (a small model:
-`churn`'s batches take ~0.2 ms) on a runtime that is ``steady`` (compute alone, no sleeps or
-I/O: not a Python model's own code): it runs on the event loop's own thread, when the instance
-has nothing in its thread. Handing it over would cost more than running it: a queue put, a
-thread wake-up, the GIL changing hands twice, and a wake-up of the loop to take the result
-(docs/decisions/0006-worker-event-loop.md has the measurements). The loop then yields once
-before it looks for the next batch, so a long queue is not run in one stretch.
+Except for a batch the cost model predicts to take at most ``inline_below_s`` on a ``steady``
+runtime (compute alone, no sleeps or I/O): it runs on the event loop's own thread when the
+instance's thread is idle, since handing it over costs more than running it
+(docs/decisions/0006-worker-event-loop.md); the loop then yields before the next batch.
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ class _Instance:
         self.steady = all(getattr(runtime, "steady", False) for runtime in runtimes)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}-{index}")
         self.outstanding = 0
-        # When its handed-over batches are predicted to be done (0: idle), and how long the
-        # last one handed over was predicted to take.
+        # When its handed-over batches should be done (0: idle); the last one's prediction.
         self.free_at = 0.0
         self.predicted = 0.0
         self.tasks: set[asyncio.Task[None]] = set()
@@ -111,9 +107,7 @@ class Scheduler:
         self._clock = clock
         self._loop = loop
         self.stats = ModelStats()
-        # The instances' workers asleep: those idle (an arrival may give them a batch), and
-        # those busy (waiting for their batch to end, or for the time to hand over the next:
-        # an arrival changes nothing for them).
+        # Workers asleep: idle (an arrival may give them a batch), or busy (it cannot).
         self._waiters: set[asyncio.Future[None]] = set()
         self._busy_waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
@@ -162,9 +156,8 @@ class Scheduler:
             self._refuse(rejection, deadline=deadline, now=now)
 
     def pressed(self, budget_s: float) -> bool:
-        """Whether the model is overloaded now, for requests of ``budget_s`` (the deadline
-        policy's view: refusing lately, or its queue past what admission allows; the other
-        policies: a queue over half full)."""
+        """Whether the model is overloaded now for requests of ``budget_s`` (deadline policy:
+        refusing lately, or queued past admission's allowance; others: a queue half full)."""
         now = self._clock()
         pressed = getattr(self._batcher, "pressed", None)
         if pressed is not None:
@@ -174,13 +167,10 @@ class Scheduler:
         return bool(bound) and len(self._batcher) * 2 >= bound
 
     def wait_s(self) -> float:
-        """How long a request offered now would wait before its batch starts (the deadline
-        policy's estimate; 0 for the others)."""
+        """How long a request offered now would queue (the deadline policy's estimate, else 0)."""
         wait = getattr(self._batcher, "wait_s", None)
-        if wait is None:
-            return 0.0
         now = self._clock()
-        return float(wait(now, self._free_times(now)))
+        return float(wait(now, self._free_times(now))) if wait is not None else 0.0
 
     def refused(self) -> None:
         """Count a request refused on the word of an earlier shed (`DeadlineUnmeetable.
