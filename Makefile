@@ -15,7 +15,7 @@ ADMIN_TOKEN ?=
 # then not served, it reads its inputs from the store)
 REDIS_URL ?=
 
-.PHONY: run test setup setup-dev lint bench clean
+.PHONY: run test setup setup-dev browser lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
 
+# The dashboard's test drives a headless Chromium: Debian's package, installed where missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+	  { echo "make test needs Chromium for the dashboard test: apt-get install chromium" >&2; exit 1; }
+
 $(REPOSITORY)/churn/model.yaml: | $(VENV)/.installed
 	$(BIN)/tailserve examples $(REPOSITORY)
 
@@ -45,7 +51,7 @@ ifneq ($(REDIS_URL),)
 endif
 	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
-test: setup-dev
+test: setup-dev browser
 	$(BIN)/ruff check src tests benchmarks deploy
 	$(BIN)/ruff format --check src tests benchmarks deploy
 	$(BIN)/mypy
