@@ -58,6 +58,11 @@ COLD_BACKEND = "cold"
 MODEL_HASH = "hash path,field(4,/),field(1,:)"
 # What HAProxy may put in a backend's name and a path's ACL without quoting.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# Stamped on every request: when the front door received it, in µs since the epoch.
+RECEIVED_HEADER = "x-frontdoor-received-us"
+REFUSAL_HEADER = "x-refusal-reason"
+# The front door's own refusals, as x-refusal-reason says them.
+_REFUSALS = {503: "frontdoor_full", 504: "frontdoor_timeout"}
 _ERRORS = {
     400: "the request is malformed",
     408: "the request did not arrive in time",
@@ -266,6 +271,10 @@ def _defaults(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
     ]
     for status, message in _ERRORS.items():
         retry = " hdr retry-after 1" if status == 503 else ""
+        reason = _REFUSALS.get(status)
+        if reason is not None:
+            retry += f" hdr {REFUSAL_HEADER} {reason}"
+            message += f'\\", \\"reason\\": \\"{reason}'
         lines.append(
             f"    http-error status {status} content-type application/json{retry}"
             f' string "{{\\"error\\": \\"{message}\\"}}"'
@@ -288,6 +297,9 @@ def _frontend(
         "if { path /v2/health/ready } { nbsrv(workers) gt 0 }",
         "    http-request return status 503 content-type application/json "
         'string "{\\"error\\": \\"no worker is ready\\"}" if { path /v2/health/ready }',
+        # When the front door received the request (µs since the epoch): the worker makes the
+        # front door's span of the request's trace from it (docs/observability.md).
+        f"    http-request set-header {RECEIVED_HEADER} %[date(0,us)]",
         # The worker that answered (the lane names it itself, with the hedge it may have won).
         f"    http-response set-header {REPLICA_HEADER} %s "
         f"unless {{ res.hdr({REPLICA_HEADER}) -m found }}",
@@ -428,6 +440,7 @@ def _grpc(
         "frontend grpc",
         f"    bind {_address(listen.host)}:{listen.grpc_port} proto h2",
         f"    maxconn {policy.max_connections}",
+        f"    http-request set-header {RECEIVED_HEADER} %[date(0,us)]",
         f"    use_backend grpc.affinity if {{ req.hdr({AFFINITY_HEADER}) -m found }}",
         "    default_backend grpc",
         "",
