@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most a cache lookup waits for Redis before it counts as a miss (5)",
     )
     serve.add_argument(
+        "--redis-password-file",
+        help="a file whose first line is Redis's password (or TAILSERVE_REDIS_PASSWORD; either "
+        "keeps it out of the command line)",
+    )
+    serve.add_argument("--redis-tls-ca-file", help="CA certificate for a rediss:// URL")
+    serve.add_argument("--redis-tls-cert-file", help="client certificate for a rediss:// URL")
+    serve.add_argument("--redis-tls-key-file", help="client key for a rediss:// URL")
+    serve.add_argument(
         "--redis-client",
         choices=("lean", "redis-py"),
         help="the cache's MGET/SET path on a single Redis (lean)",
@@ -208,6 +216,10 @@ def _serve(args: argparse.Namespace) -> int:
             "redis_cluster",
             "cache_l2_budget_ms",
             "redis_client",
+            "redis_password_file",
+            "redis_tls_ca_file",
+            "redis_tls_cert_file",
+            "redis_tls_key_file",
             "reply_memo_mb",
             "worker_id",
             "admin_token",
@@ -260,13 +272,14 @@ def _examples(args: argparse.Namespace) -> int:
         names = write_examples(args.directory, sklearn=args.sklearn, torch=args.torch)
         print(f"wrote {', '.join(names)} to {args.directory}")
     if args.redis_url is not None:
+        from tailserve.cache.redis import redacted
         from tailserve.examples import load_features
 
         counts = load_features(
             args.directory / "ranker", args.redis_url, cluster=args.redis_cluster
         )
         loaded = ", ".join(f"{count:,} {entity}s" for entity, count in counts.items())
-        print(f"loaded the ranker's features into {args.redis_url}: {loaded}")
+        print(f"loaded the ranker's features into {redacted(args.redis_url)}: {loaded}")
     return 0
 
 

@@ -145,3 +145,16 @@ def field_message(message: str) -> str:
     text, sep, where = message.partition(" - at `")
     path = where.rstrip("`").removeprefix("$").removeprefix(".")
     return f"field '{path}': {text}" if sep and path else text
+
+
+def shown(value: object, limit: int = 64) -> str:
+    """A value a client sent, quoted for an error message: bytes decoded (what is not UTF-8
+    shown as U+FFFD), control characters escaped, and cut to ``limit`` characters, so a reply
+    never echoes raw bytes nor a whole megabyte of them."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        value = bytes(value).decode("utf-8", errors="replace")
+    text = value if isinstance(value, str) else repr(value)
+    cut = len(text) > limit
+    text = text[:limit]
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return f"'{text}'" + (f" (cut to {limit} characters)" if cut else "")

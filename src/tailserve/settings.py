@@ -37,6 +37,15 @@ class Settings:
     # The cache's hot path (MGET, SET pipeline) on a single Redis: "lean" (one pipelined
     # connection, hiredis-packed) or "redis-py" (the standard client, as tutorials use it).
     redis_client: str = "lean"
+    # Redis AUTH and TLS, apart from the URL (docs/security.md): the password (better given as
+    # TAILSERVE_REDIS_PASSWORD or a file than in a URL on the command line, where `ps` shows
+    # it), and for a rediss:// URL the CA that signed the server's certificate and a client
+    # certificate and key.
+    redis_password: str | None = None
+    redis_password_file: str | None = None
+    redis_tls_ca_file: str | None = None
+    redis_tls_cert_file: str | None = None
+    redis_tls_key_file: str | None = None
     # The reply memo (cache/replies.py): encoded replies of L1 hits, reused for a request of
     # the same bytes while L1 still serves the entry they came from. 0: off.
     reply_memo_mb: float = 64.0
@@ -49,6 +58,9 @@ class Settings:
     # this long after its first byte, or whose body stops coming for this long, gets a 408.
     keep_alive_s: float = 5.0
     read_timeout_s: float = 30.0
+    # A request's line and headers must all arrive within this long of its first byte (a
+    # slowloris client trickling headers holds a connection no longer than this).
+    head_timeout_s: float = 10.0
     # SIGTERM: stop accepting, let requests in flight finish for up to this long, exit 0.
     drain_timeout_s: float = 30.0
     # Strict: a model that failed to load keeps the whole server unready (one the worker is

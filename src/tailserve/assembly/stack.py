@@ -93,6 +93,8 @@ class FleetConfig:
     policy: FrontDoorPolicy = field(default_factory=FrontDoorPolicy)
     # The workers' admin routes need it (and so the fleet's, which pass it on).
     admin_token: str | None = None
+    # The password of --redis-url, taken out of it: it reaches the workers by the environment.
+    redis_password: str | None = None
     drain_timeout_s: float = 30.0
     # More `tailserve serve` flags, the same for every worker (--redis-url URL).
     worker_args: tuple[str, ...] = ()
@@ -558,4 +560,6 @@ class Supervisor:
         # The token travels in the environment, where `ps` does not show it to other users.
         if self.config.admin_token is not None:
             extra["TAILSERVE_ADMIN_TOKEN"] = self.config.admin_token
+        if self.config.redis_password is not None:
+            extra["TAILSERVE_REDIS_PASSWORD"] = self.config.redis_password
         return {**os.environ, **extra} if extra else None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tailserve.assembly.commands import repository_models
 from tailserve.assembly.scaling import ScalingPlan
-from tailserve.cache.redis import parse_url
+from tailserve.cache.redis import parse_url, without_password
 from tailserve.errors import ConfigError
 from tailserve.fleet.autoscaler import ScalingConfig
 from tailserve.fleet.gpus import detect_gpus, parse_gpus
@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from tailserve.assembly.stack import FleetConfig
 
 EXAMPLES = Path("var/repository")
+
+
+# Redis security flags `tailserve up` passes on to each worker as they are (files, no secrets).
+REDIS_FILE_FLAGS = (
+    ("--redis-password-file", "redis_password_file", "a file whose first line is Redis's password"),
+    ("--redis-tls-ca-file", "redis_tls_ca_file", "CA certificate for a rediss:// URL"),
+    ("--redis-tls-cert-file", "redis_tls_cert_file", "client certificate for a rediss:// URL"),
+    ("--redis-tls-key-file", "redis_tls_key_file", "client key for a rediss:// URL"),
+)
 
 
 def add_parser(commands: Any) -> None:
@@ -71,6 +80,8 @@ def add_parser(commands: Any) -> None:
     up.add_argument(
         "--redis-cluster", action="store_true", help="--redis-url names a node of a Redis Cluster"
     )
+    for flag, dest, text in REDIS_FILE_FLAGS:
+        up.add_argument(flag, dest=dest, help=text)
     up.add_argument(
         "--jobs-concurrency", type=int, help="jobs each worker runs at once (4; 0: none)"
     )
@@ -277,6 +288,7 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
             queue_share=args.queue_share,
         ),
         admin_token=admin_token,
+        redis_password=without_password(args.redis_url)[1] if args.redis_url else None,
         drain_timeout_s=args.drain_timeout_s,
         worker_args=tuple(worker_args(args)),
         jobs_in_process=args.redis_url is None,
@@ -297,7 +309,12 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     if args.redis_url is not None:
         parse_url(args.redis_url, cluster=args.redis_cluster)  # a bad one stops us, not them
-        out += ["--redis-url", args.redis_url]
+        # Its password goes by the environment (FleetConfig.redis_password), not where `ps`
+        # shows it.
+        out += ["--redis-url", without_password(args.redis_url)[0]]
+    for flag, dest, _ in REDIS_FILE_FLAGS:
+        if getattr(args, dest, None):
+            out += [flag, getattr(args, dest)]
     if args.redis_cluster:
         out.append("--redis-cluster")
     if args.jobs_concurrency is not None:

@@ -25,8 +25,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from tailserve.cache.breaker import Breaker, BreakerState
 from tailserve.cache.resp import LeanRedis
@@ -54,7 +55,7 @@ def parse_url(url: str, *, cluster: bool = False) -> tuple[str, bool]:
     base, plus, kind = scheme.lower().partition("+")
     if not sep or base not in _SCHEMES or (plus and (kind != "cluster" or base == "unix")):
         raise ConfigError(
-            f"Redis URL {_where(given)!r}: the scheme must be redis://, rediss://, unix:// or, "
+            f"Redis URL {redacted(given)!r}: the scheme must be redis://, rediss://, unix:// or, "
             "for a node of a Redis Cluster, redis+cluster:// (rediss+cluster://)"
         )
     if plus:
@@ -63,8 +64,61 @@ def parse_url(url: str, *, cluster: bool = False) -> tuple[str, bool]:
         if base == "unix":
             raise ConfigError("a Redis Cluster is reached over TCP: redis+cluster://host:port")
         if urlsplit(url).path.strip("/") not in ("", "0"):
-            raise ConfigError(f"Redis URL {_where(given)!r}: a Redis Cluster has database 0 only")
+            raise ConfigError(f"Redis URL {redacted(given)!r}: a Redis Cluster has database 0 only")
     return url, cluster
+
+
+def secured_url(
+    url: str,
+    *,
+    password: str | None = None,
+    password_file: str | None = None,
+    ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+) -> str:
+    """``url`` with a password given apart from it (``password``, else the first line of
+    ``password_file``; either wins over one in the URL) and the TLS files of a ``rediss://``
+    URL, as the query options redis-py reads (``ssl_ca_certs``, ``ssl_certfile``,
+    ``ssl_keyfile``). The password stays out of command lines and logs this way: it is given
+    by a file or the environment, and `redacted` hides it wherever the URL is shown."""
+    if password_file and not password:
+        try:
+            password = Path(password_file).read_text(encoding="utf-8").splitlines()[0].strip()
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            reason = "it is empty" if isinstance(exc, IndexError) else str(exc)
+            raise ConfigError(
+                f"cannot read the Redis password file {password_file}: {reason}"
+            ) from None
+    parts = urlsplit(url)
+    tls = {"ssl_ca_certs": ca_file, "ssl_certfile": cert_file, "ssl_keyfile": key_file}
+    tls = {name: value for name, value in tls.items() if value}
+    if tls and parts.scheme != "rediss":
+        raise ConfigError(
+            f"Redis URL {redacted(url)!r}: TLS files are for a rediss:// URL (Redis over TLS)"
+        )
+    for value in tls.values():
+        if not Path(value).is_file():
+            raise ConfigError(f"Redis TLS file {value} not found")
+    if password:
+        host = parts.netloc.rpartition("@")[2]
+        user = parts.username or ""
+        parts = parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}")
+    if tls:
+        query = [*parse_qsl(parts.query), *tls.items()]
+        parts = parts._replace(query=urlencode(query))
+    return parts.geturl()
+
+
+def without_password(url: str) -> tuple[str, str | None]:
+    """``url`` with its password taken out, and the password (None: it had none), so that a
+    process started with the URL gets the password through its environment instead."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    return parts._replace(netloc=netloc).geturl(), unquote(parts.password)
 
 
 def node_url(url: str, host: str, port: int) -> str:
@@ -83,8 +137,8 @@ async def refresh_slots(client: Any) -> None:
     await client.nodes_manager.initialize()
 
 
-def _where(url: str) -> str:
-    """The URL without its password (for messages)."""
+def redacted(url: str) -> str:
+    """The URL without its password (for messages and logs)."""
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -12,7 +12,7 @@ import time
 
 from tailserve.cache.tiered import MODES, Mode
 from tailserve.engine.messages import InferRequest
-from tailserve.errors import InvalidInput
+from tailserve.errors import InvalidInput, shown
 from tailserve.modelconfig import ModelConfig
 
 # The longest budget a request may have: a day is no deadline to speak of, and capped, the
@@ -35,7 +35,7 @@ def deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[f
             or not 0 < timeout < math.inf
         ):
             raise InvalidInput(
-                f"parameter 'timeout' must be a positive number of µs, got {timeout!r}"
+                f"parameter 'timeout' must be a positive number of µs, got {shown(timeout)}"
             )
         # (min first: an integer of hundreds of digits is no float.)
         budgets.append(min(timeout, MAX_BUDGET_S * 1e6) / 1e6)
@@ -44,14 +44,16 @@ def deadline_and_priority(config: ModelConfig, request: InferRequest) -> tuple[f
     budget = min(min(budgets) if budgets else config.slo.p99_ms / 1e3, MAX_BUDGET_S)
     received = request.received_at if request.received_at is not None else time.monotonic()
     levels = config.batching.priority_levels
+    given = "priority" in request.parameters
     priority = request.parameters.get("priority", request.priority)
     hard = bool(budgets)
     if priority is None or priority == 0:  # 0: the default level, as in Triton
         return received + budget, hard, config.batching.default_priority
     if isinstance(priority, bool) or not isinstance(priority, int) or not 1 <= priority <= levels:
+        where = "parameter 'priority'" if given else "X-Priority (the 'priority' option)"
         raise InvalidInput(
-            f"parameter 'priority' must be a whole number in 1..{levels} (1 is the highest; "
-            f"0 or none: the default {config.batching.default_priority}), got {priority!r}"
+            f"{where} must be a whole number in 1..{levels} (1 is the highest; "
+            f"0 or none: the default {config.batching.default_priority}), got {shown(priority)}"
         )
     return received + budget, hard, priority
 
@@ -61,5 +63,6 @@ def cache_mode(request: InferRequest) -> Mode:
     if mode is None:
         return "use"
     if mode not in MODES:
-        raise InvalidInput(f"parameter 'cache' must be one of {', '.join(MODES)}, got {mode!r}")
+        where = "parameter 'cache'" if "cache" in request.parameters else "X-Cache-Mode"
+        raise InvalidInput(f"{where} must be one of {', '.join(MODES)}, got {shown(mode)}")
     return mode  # type: ignore[no-any-return]

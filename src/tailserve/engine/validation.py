@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.errors import InvalidInput
+from tailserve.errors import InvalidInput, shown
 from tailserve.modelconfig import ModelConfig, TensorSpec
 from tailserve.tensors import Tensor
 
@@ -164,9 +164,9 @@ def _check_values(rule: _InputRule, array: np.ndarray[Any, Any]) -> None:
     if rule.allowed is not None:
         for item in values:
             if item not in rule.allowed:
-                shown = item.decode("utf-8", "replace") if isinstance(item, bytes) else item
                 raise InvalidInput(
-                    f"input {rule.name!r}: unknown value {shown!r} (allowed: {rule.allowed_text})"
+                    f"input {rule.name!r}: unknown value {shown(item)} "
+                    f"(allowed: {rule.allowed_text})"
                 )
 
 

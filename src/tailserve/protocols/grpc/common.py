@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import orjson
 
-from tailserve.errors import InvalidInput, TailserveError
+from tailserve.errors import InvalidInput, TailserveError, shown
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.http.errors import status_of
 from tailserve.tensors import from_json
@@ -90,7 +90,7 @@ def parameters_of(entries: Any) -> dict[str, Any]:
             # JSON has no NaN or infinity: sent on over HTTP, one would turn into null and be
             # dropped unseen, so it is refused here as the HTTP surface would refuse it.
             if choice == "double_param" and not math.isfinite(value):
-                raise InvalidInput(f"parameter {key!r} is {value}: not a finite number")
+                raise InvalidInput(f"parameter {shown(key)} is {value}: not a finite number")
             out[key] = value
     return out
 

@@ -30,13 +30,23 @@ from tailserve.errors import (
     JobNotFound,
     TailserveError,
     Unauthorized,
+    shown,
 )
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tailserve.observability.metrics import OPENMETRICS_CONTENT_TYPE
 from tailserve.observability.metrics import Metrics
 from tailserve.observability.trace_log import TraceRecorder
+from tailserve.observability.tracing import MARKS, Marks, Tracing
+from tailserve.observability.worker_spans import Arrival, record
 from tailserve.protocols.http import jobs, kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
-from tailserve.protocols.http.headers import Headers, Reply, request_options, served_headers
+from tailserve.protocols.http.headers import (
+    Headers,
+    Reply,
+    refusal_reason,
+    request_options,
+    served_headers,
+)
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.replay import Replayer
 from tailserve.protocols.http.request import HttpRequest
@@ -48,6 +58,7 @@ log = logging.getLogger(__name__)
 _Kept = tuple[float, float, float, Reply]
 
 _JSON: Headers = [(b"content-type", b"application/json")]
+OPENMETRICS_TYPE = OPENMETRICS_CONTENT_TYPE.encode()
 # An inference body up to this size with no X-Deadline-Ms is looked at before the early
 # refusal, to see whether it names a `timeout` (larger ones are refused, when they are, on the
 # SLO).
@@ -97,8 +108,10 @@ class HttpApp:
         slow_fault: SlowFault | None = None,
         reply_memo: ReplyMemo | None = None,
         jobs: jobs.JobsApi | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.dataplane = dataplane
+        self.tracing = tracing
         self.jobs = jobs
         # Not with the test-only fault: it delays replies, a kept one as much as any.
         self._replayer = None
@@ -122,9 +135,11 @@ class HttpApp:
         refused before it is decoded. None: `answer` is called."""
         route, params, path_known = self._router.match(request.method, request.path)
         if route is None:
-            status = 405 if path_known else 404
-            what = "method not allowed" if path_known else "no such route"
-            return status, _JSON, _error(f"{what}: {request.method} {request.path}")
+            if path_known:
+                allow = (b"allow", self._router.allowed(request.path).encode())
+                message = f"method not allowed: {request.method} {request.path}"
+                return 405, [*_JSON, allow], _error(message)
+            return 404, _JSON, _error(f"no such route: {request.method} {request.path}")
         request.route = route
         request.params = params
         if route.handler not in _SHED:
@@ -173,8 +188,41 @@ class HttpApp:
             model = request.params.get("model", "")
             label = model if self.dataplane.knows(model) else "_unknown"
             elapsed = time.monotonic() - request.received_at
-            self.metrics.on_request(label, route.protocol, status, elapsed)
+            trace_id = None
+            if self.tracing is not None:
+                trace_id = self._traced(request, route, label, status, headers)
+                if trace_id is not None:
+                    headers = [*headers, (b"x-trace-id", trace_id.encode())]
+            self.metrics.on_request(label, route.protocol, status, elapsed, trace_id)
         return status, headers, body
+
+    def _traced(
+        self, request: HttpRequest, route: Route, model: str, status: int, headers: Headers
+    ) -> str | None:
+        """The request's spans (observability/worker_spans.py); its trace id if sampled."""
+        assert self.tracing is not None and route.protocol is not None
+        marks = MARKS.get()
+        arrival = Arrival(
+            request.header(b"traceparent"),
+            request.header(b"tracestate"),
+            request.header(b"x-frontdoor-received-us"),
+            request.received_at,
+            route.handler,
+            model,
+            route.protocol,
+        )
+        reason = next((v.decode() for k, v in headers if k == b"x-refusal-reason"), None)
+        parameters = marks.parameters if marks is not None else None
+        return record(self.tracing, arrival, status, marks, parameters, reason)
+
+    def _marks(self) -> Marks | None:
+        """This request's marks, while tracing is on (the cache and pipelines note their
+        moments in them)."""
+        if self.tracing is None:
+            return None
+        marks = Marks()
+        MARKS.set(marks)
+        return marks
 
     def _authorize(self, request: HttpRequest) -> None:
         if self._admin_closed:
@@ -320,11 +368,17 @@ class HttpApp:
         request_options(request, infer_request)
         replayer = self._replayer
         hits: list[Hit] = []
+        marks = self._marks()
+        if marks is not None:
+            marks.decoded_at = time.monotonic()
         response = await self.dataplane.infer(
             infer_request,
             screened=request.screened,
             on_hit=hits.append if replayer is not None and request.memo_key else None,
         )
+        if marks is not None:
+            marks.answered_at = time.monotonic()
+            marks.parameters = response.parameters
         payload, headers = oip.encode_response(infer_request, response)
         headers += served_headers(response)
         if hits and replayer is not None:
@@ -338,7 +392,13 @@ class HttpApp:
             request, lambda body: kserve_v1.decode_records(name, config, body)
         )
         request_options(request, infer_request)
+        marks = self._marks()
+        if marks is not None:
+            marks.decoded_at = time.monotonic()
         response = await self.dataplane.infer(infer_request, screened=request.screened)
+        if marks is not None:
+            marks.answered_at = time.monotonic()
+            marks.parameters = response.parameters
         headers = [*_JSON, *served_headers(response)]
         return 200, headers, kserve_v1.encode_predictions(response)
 
@@ -396,7 +456,7 @@ class HttpApp:
             )
         unknown = sorted(set(options) - {"model", "version", "prefix"})
         if unknown:
-            raise InvalidInput(f"unknown field {unknown[0]!r} (known: model, version, prefix)")
+            raise InvalidInput(f"unknown field {shown(unknown[0])} (known: model, version, prefix)")
         report = await self.dataplane.invalidate(
             options.get("model"), options.get("version"), options.get("prefix")
         )
@@ -405,6 +465,9 @@ class HttpApp:
     # --- operations -------------------------------------------------------------------------
 
     async def _metrics(self, request: HttpRequest) -> Reply:
+        # OpenMetrics (with the latency histograms' exemplars) when the scraper asks for it.
+        if b"application/openmetrics-text" in (request.header(b"accept") or b""):
+            return 200, [(b"content-type", OPENMETRICS_TYPE)], self.metrics.render(openmetrics=True)
         return 200, [(b"content-type", METRICS_CONTENT_TYPE.encode())], self.metrics.render()
 
     async def _openapi(self, request: HttpRequest) -> Reply:
@@ -418,7 +481,7 @@ def _header_length(value: bytes | None) -> int | None:
         return int(value)
     except ValueError:
         raise InvalidInput(
-            f"Inference-Header-Content-Length must be a whole number, got {value!r}"
+            f"Inference-Header-Content-Length must be a whole number of bytes, got {shown(value)}"
         ) from None
 
 
@@ -427,4 +490,8 @@ def _error(message: str) -> bytes:
 
 
 def _refusal(exc: TailserveError) -> Reply:
-    return status_of(exc), [*_JSON, *headers_of(exc)], _error(exc.message)
+    reason = refusal_reason(exc)
+    if reason is None:
+        return status_of(exc), [*_JSON, *headers_of(exc)], _error(exc.message)
+    headers = [*_JSON, *headers_of(exc), (b"x-refusal-reason", reason.encode())]
+    return status_of(exc), headers, orjson.dumps({"error": exc.message, "reason": reason})

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from tailserve.errors import InvalidInput
+from tailserve.errors import InvalidInput, shown
 from tailserve.protocols.http.headers import Headers, Reply
 from tailserve.protocols.http.request import HttpRequest
 
@@ -69,7 +69,9 @@ async def listing(jobs: JobsApi, request: HttpRequest) -> Reply:
     query = _query(request)
     unknown = sorted(set(query) - {"model", "status", "limit"})
     if unknown:
-        raise InvalidInput(f"unknown query parameter {unknown[0]!r} (known: model, status, limit)")
+        raise InvalidInput(
+            f"unknown query parameter {shown(unknown[0])} (known: model, status, limit)"
+        )
     document = await jobs.listing(
         model=query.get("model"), status=query.get("status"), limit=query.get("limit")
     )
@@ -81,5 +83,8 @@ def _query(request: HttpRequest) -> dict[str, str]:
     try:
         pairs = urllib.parse.parse_qsl(raw.decode("utf-8"), strict_parsing=bool(raw))
     except (UnicodeDecodeError, ValueError):
-        raise InvalidInput(f"the query string {raw[:200]!r} cannot be read") from None
+        raise InvalidInput(
+            f"the query string {shown(raw)} cannot be read: it must be UTF-8, "
+            "name=value pairs joined by '&'"
+        ) from None
     return dict(pairs)

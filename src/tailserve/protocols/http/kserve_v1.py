@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.errors import InvalidInput
+from tailserve.errors import InvalidInput, shown
 from tailserve.modelconfig import ModelConfig
 from tailserve.tensors import Tensor, from_json, to_json_data
 
@@ -39,7 +39,7 @@ def decode_records(model: str, config: ModelConfig, body: bytes) -> InferRequest
                 raise InvalidInput(f"instances[{index}]: missing field {name!r}") from None
         if len(record) != len(names):
             extra = sorted(set(record) - known)
-            raise InvalidInput(f"instances[{index}]: unknown field {extra[0]!r}")
+            raise InvalidInput(f"instances[{index}]: unknown field {shown(extra[0])}")
     rows = len(instances)
     inputs = []
     for spec in config.inputs:

@@ -14,7 +14,7 @@ import msgspec
 import orjson
 
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
-from tailserve.errors import InvalidInput, field_message
+from tailserve.errors import InvalidInput, field_message, shown
 from tailserve.tensors import Tensor, from_binary, from_json, to_binary, to_json_data
 
 
@@ -74,11 +74,12 @@ def decode_request(
         else:
             if not isinstance(size, int) or isinstance(size, bool):
                 raise InvalidInput(
-                    f"tensor {item.name!r}: binary_data_size must be an integer, not {size!r}"
+                    f"tensor {item.name!r}: binary_data_size must be a whole number of bytes, "
+                    f"not {shown(size)}"
                 )
             if size < 0 or offset + size > len(binary):
                 raise InvalidInput(
-                    f"tensor {item.name!r}: binary_data_size {size!r} runs past the binary data "
+                    f"tensor {item.name!r}: binary_data_size {size} runs past the binary data "
                     f"({len(binary) - offset} bytes left)"
                 )
             data = from_binary(item.name, item.datatype, item.shape, binary[offset : offset + size])
@@ -108,7 +109,7 @@ def decode_request(
 def _check_flag(what: str, value: Any) -> None:
     # A flag is true or false: "false" (a string) would otherwise be taken as true.
     if value is not None and not isinstance(value, bool):
-        raise InvalidInput(f"{what} must be true or false, not {value!r}")
+        raise InvalidInput(f"{what} must be true or false, not {shown(value)}")
 
 
 def encode_response(

@@ -10,7 +10,7 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
-from tailserve.errors import InvalidInput, PayloadTooLarge
+from tailserve.errors import InvalidInput, PayloadTooLarge, shown
 
 
 class HttpRequest:
@@ -112,7 +112,9 @@ def _decompress(encoding: bytes, body: bytes, limit: int) -> bytes:
     # "deflate" on the wire is zlib-wrapped; gzip has its own header. Both capped at the limit.
     wbits = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}.get(encoding.lower())
     if wbits is None:
-        raise InvalidInput(f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}")
+        raise InvalidInput(
+            f"unsupported Content-Encoding {shown(encoding)} (supported: gzip, deflate)"
+        )
     name = encoding.decode(errors="replace")
     inflater = zlib.decompressobj(wbits)
     try:
