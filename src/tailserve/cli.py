@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trace-file", help="log sampled requests here, for bench to replay")
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
     serve.add_argument(
+        "--otel-endpoint",
+        help="send OpenTelemetry traces over OTLP/HTTP here (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    serve.add_argument(
+        "--otel-sample",
+        type=float,
+        help="share of requests traced when no sampled traceparent comes with them (0.01)",
+    )
+    serve.add_argument(
         "--gil-switch-interval-ms",
         type=float,
         help="how long the event loop may keep the GIL from a model's thread (0.5; 0: Python's)",
@@ -230,6 +239,8 @@ def _serve(args: argparse.Namespace) -> int:
             "access_log",
             "trace_file",
             "trace_sample",
+            "otel_endpoint",
+            "otel_sample",
             "fault_slow_fraction",
             "fault_slow_factor",
             "gil_switch_interval_ms",
@@ -241,6 +252,8 @@ def _serve(args: argparse.Namespace) -> int:
             "model_eviction",
         )
     }
+    if overrides["otel_endpoint"] is None:
+        overrides["otel_endpoint"] = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     settings = load_settings(config_file=args.config, env=os.environ, overrides=overrides)
     logging.basicConfig(
         level=settings.log_level.upper(),

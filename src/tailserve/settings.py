@@ -71,6 +71,10 @@ class Settings:
     # Log sampled inference requests to this JSON-lines file, for `tailserve bench` to replay.
     trace_file: str | None = None
     trace_sample: float = 1.0
+    # OpenTelemetry traces over OTLP/HTTP to this endpoint (else OTEL_EXPORTER_OTLP_ENDPOINT;
+    # neither: no tracing), for this share of the requests that come with no sampled parent.
+    otel_endpoint: str | None = None
+    otel_sample: float = 0.01
     backlog: int = 2048
     # How long the event loop may hold the GIL while an instance thread waits for it
     # (sys.setswitchinterval; Python's default is 5 ms). A model thread needs the GIL only

@@ -21,6 +21,7 @@ import httpx
 
 from tailserve.assembly.worker import Worker
 from tailserve.loops import run
+from tailserve.observability.tracing import Tracing
 from tailserve.settings import Settings
 
 
@@ -50,7 +51,11 @@ class RunningWorker:
 
 @contextlib.contextmanager
 def run_worker(
-    settings: Settings, *, wait_ready: bool = True, host: str = "127.0.0.1"
+    settings: Settings,
+    *,
+    wait_ready: bool = True,
+    host: str = "127.0.0.1",
+    tracing: Tracing | None = None,
 ) -> Iterator[RunningWorker]:
     """A worker on an unused port, in a thread with its own event loop. It listens on
     ``host`` (an IPv4 address: loopback, or 0.0.0.0 for a worker reached beyond it); the
@@ -61,7 +66,9 @@ def run_worker(
     port = sock.getsockname()[1]
     # gRPC only where a test asks for it on a port of its own (the default 8001 is shared).
     grpc_port = 0 if settings.grpc_port == Settings().grpc_port else settings.grpc_port
-    worker = Worker(settings.replace(host=host, http_port=port, grpc_port=grpc_port))
+    worker = Worker(
+        settings.replace(host=host, http_port=port, grpc_port=grpc_port), tracing=tracing
+    )
     failure: list[BaseException] = []
 
     def target() -> None:

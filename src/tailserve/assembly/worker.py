@@ -38,6 +38,7 @@ from tailserve.modelconfig import FeaturesConfig
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
+from tailserve.observability.tracing import CacheMarks, StageMarks, Tracing, start_tracing
 from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.app import HttpApp, SlowFault
 from tailserve.protocols.http.server import HttpServer
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, tracing: Tracing | None = None) -> None:
         if not settings.repository:
             raise ConfigError("no model repository given (--repository DIR)")
         if not Path(settings.repository).is_dir():
@@ -75,6 +76,13 @@ class Worker:
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self._l2 = self._redis_tier()
         self.cache = ResultCache(redis=self._l2, worker_id=self.worker_id, observer=self.metrics)
+        # OpenTelemetry (observability/tracing.py): None unless an endpoint is set (or a test
+        # gives its own); the cache and pipelines then note their moments for the spans.
+        self.tracing = tracing or start_tracing(
+            "tailserve-worker", endpoint=settings.otel_endpoint, sample=settings.otel_sample
+        )
+        if self.tracing is not None:
+            self.cache.observer = CacheMarks(self.metrics)
         # Made when the first model that reads the feature store loads.
         self.feature_store: FeatureStore | None = None
         builder = VersionBuilder(
@@ -99,7 +107,7 @@ class Worker:
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
         )
         builder.pipeline_host = DataPlaneHost(self.dataplane)
-        builder.pipeline_observer = self.metrics
+        builder.pipeline_observer = self.metrics if self.tracing is None else StageMarks(self.metrics)
         self.metrics.watch_costs(self._cost_rows)
         memo = (
             ReplyMemo(int(settings.reply_memo_mb * 2**20)) if settings.reply_memo_mb > 0 else None
@@ -135,6 +143,7 @@ class Worker:
             recorder=self.recorder,
             reply_memo=memo,
             jobs=self.jobs,
+            tracing=self.tracing,
             slow_fault=(
                 SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
                 if settings.fault_slow_fraction > 0
@@ -339,6 +348,8 @@ class Worker:
             self.collections.stop()
         if self.recorder is not None:
             self.recorder.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # (what is still batched goes out first)
 
     async def _start_grpc(self) -> None:
         """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none). A worker that

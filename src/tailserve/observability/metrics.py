@@ -21,6 +21,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics import exposition as _openmetrics
+from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
 
 from tailserve.engine.accounts import BatchRecord
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from tailserve.cache.tiered import ResultCache
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The format with exemplars (a sampled request's trace id on the latency histograms' buckets).
+OPENMETRICS_CONTENT_TYPE = _openmetrics.CONTENT_TYPE_LATEST
 
 # Seconds: from 100 µs to 10 s, dense where a p99 of tens of milliseconds lives.
 LATENCY_BUCKETS = (
@@ -65,16 +69,24 @@ LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 
 
 class _Buckets:
-    __slots__ = ("bounds", "counts", "total")
+    __slots__ = ("bounds", "counts", "exemplars", "total")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.total = 0.0
+        # The latest traced observation of each bucket (by index), once there is one.
+        self.exemplars: dict[int, Exemplar] | None = None
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
+
+    def exemplar(self, value: float, trace_id: str) -> None:
+        """Name ``trace_id`` as the example of ``value``'s bucket (observed on its own)."""
+        if self.exemplars is None:
+            self.exemplars = {}
+        self.exemplars[bisect_left(self.bounds, value)] = Exemplar({"trace_id": trace_id}, value)
 
 
 class LoopHistogram:
@@ -93,10 +105,17 @@ class LoopHistogram:
     def family(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         for labels, child in list(self.children.items()):
-            cumulative, running = [], 0
-            for bound, count in zip([*self.bounds, float("inf")], child.counts, strict=True):
+            cumulative: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
+            running = 0
+            examples = child.exemplars or {}
+            bounds = [*self.bounds, float("inf")]
+            for index, (bound, count) in enumerate(zip(bounds, child.counts, strict=True)):
                 running += count
-                cumulative.append((_bound(bound), running))
+                example = examples.get(index)
+                if example is None:
+                    cumulative.append((_bound(bound), running))
+                else:
+                    cumulative.append((_bound(bound), running, example))
             family.add_metric(list(labels), cumulative, child.total)
         return family
 
@@ -485,10 +504,20 @@ class Metrics:
         bytes, {model: bytes})."""
         self._residency.source = source
 
-    def on_request(self, model: str, protocol: str, status: int, seconds: float) -> None:
+    def on_request(
+        self, model: str, protocol: str, status: int, seconds: float, trace_id: str | None = None
+    ) -> None:
         outcome = "success" if status < 400 else "client_error" if status < 500 else "error"
-        self.request_latency.child(model, protocol, outcome).observe(seconds)
+        latency = self.request_latency.child(model, protocol, outcome)
+        latency.observe(seconds)
+        if trace_id is not None:
+            latency.exemplar(seconds, trace_id)
         self.requests.inc(model, protocol, str(status))
+
+    def on_traced_compute(self, model: str, bucket: str, seconds: float, trace_id: str) -> None:
+        """A traced request's batch time, as the example of its compute-time bucket (the
+        batch itself was observed by `on_batch`)."""
+        self.compute_time.child(model, bucket).exemplar(seconds, trace_id)
 
     def on_batch(self, record: BatchRecord) -> None:
         model, bucket = record.model, record.bucket
@@ -551,5 +580,7 @@ class Metrics:
     def set_model_ready(self, model: str, ready: bool) -> None:
         self.model_ready.labels(model).set(1 if ready else 0)
 
-    def render(self) -> bytes:
+    def render(self, *, openmetrics: bool = False) -> bytes:
+        if openmetrics:
+            return bytes(_openmetrics.generate_latest(self.registry))
         return bytes(generate_latest(self.registry))

@@ -34,23 +34,20 @@ class Marks:
     answered by the data plane, and each cache or pipeline event (what, result, when in ns;
     a pipeline step's event carries its seconds as well)."""
 
-    __slots__ = ("answered_at", "decoded_at", "events")
+    __slots__ = ("answered_at", "decoded_at", "events", "parameters")
 
     def __init__(self) -> None:
         self.decoded_at = 0.0
         self.answered_at = 0.0
         self.events: list[tuple[str, str, int, float]] = []
+        # The response's parameters (how it was served: cache, batch size, queue and compute).
+        self.parameters: dict[str, Any] | None = None
 
 
 # The request being traced in this task (set by the worker's adapters while tracing is on).
 MARKS: contextvars.ContextVar[Marks | None] = contextvars.ContextVar(
     "tailserve_marks", default=None
 )
-
-
-def wall_ns(monotonic_s: float) -> int:
-    """A `time.monotonic` reading as nanoseconds since the epoch (what spans carry)."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 def parse_traceparent(value: str | bytes | None) -> tuple[str, str, bool] | None:

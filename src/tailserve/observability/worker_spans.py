@@ -102,8 +102,9 @@ def record(
         _stages(tracing, span, marks, parameters or {}, wall, received, end)
     if status >= 500:
         tracing.error(span, f"answered {status}")
+    trace_id = tracing.trace_id(span)  # (while it records: an ended span no longer does)
     span.end(end_time=end)
-    return tracing.trace_id(span)
+    return trace_id
 
 
 def _stages(

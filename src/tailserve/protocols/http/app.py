@@ -40,17 +40,12 @@ from tailserve.observability.tracing import MARKS, Marks, Tracing
 from tailserve.observability.worker_spans import Arrival, record
 from tailserve.protocols.http import jobs, kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
-from tailserve.protocols.http.headers import (
-    Headers,
-    Reply,
-    refusal_reason,
-    request_options,
-    served_headers,
-)
+from tailserve.protocols.http.headers import Headers, Reply, request_options, served_headers
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.replay import Replayer
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.routes import Route, Router
+from tailserve.protocols.refusals import refusal_reason
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +208,12 @@ class HttpApp:
         )
         reason = next((v.decode() for k, v in headers if k == b"x-refusal-reason"), None)
         parameters = marks.parameters if marks is not None else None
-        return record(self.tracing, arrival, status, marks, parameters, reason)
+        trace_id = record(self.tracing, arrival, status, marks, parameters, reason)
+        if trace_id is not None and parameters and parameters.get("compute_us"):
+            seconds = parameters["compute_us"] / 1e6
+            bucket = str(parameters.get("cost_class", ""))
+            self.metrics.on_traced_compute(model, bucket, seconds, trace_id)
+        return trace_id
 
     def _marks(self) -> Marks | None:
         """This request's marks, while tracing is on (the cache and pipelines note their
