@@ -106,8 +106,12 @@ class Worker:
         self.dataplane = DataPlane(
             self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
         )
+        self.dataplane.on_served = self.metrics.on_served
+        self.metrics.watch_slos(self._slos)
         builder.pipeline_host = DataPlaneHost(self.dataplane)
-        builder.pipeline_observer = self.metrics if self.tracing is None else StageMarks(self.metrics)
+        builder.pipeline_observer = (
+            self.metrics if self.tracing is None else StageMarks(self.metrics)
+        )
         self.metrics.watch_costs(self._cost_rows)
         memo = (
             ReplyMemo(int(settings.reply_memo_mb * 2**20)) if settings.reply_memo_mb > 0 else None
@@ -226,6 +230,14 @@ class Worker:
                 self._redis_client(), cluster=self.settings.redis_cluster
             )
         return FeatureResolver(config, self.feature_store, time.monotonic, observer=self.metrics)
+
+    def _slos(self) -> dict[str, float]:
+        """Each model's p99 objective, seconds (a cold model's as last read)."""
+        return {
+            state.name: state.config.slo.p99_ms / 1e3
+            for state in self.manager.states()
+            if state.config is not None
+        }
 
     def _cost_rows(self) -> list[CostRow]:
         rows = []

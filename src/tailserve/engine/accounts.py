@@ -32,6 +32,10 @@ class BatchRecord:
     queue_s: Sequence[float]
     missed: int  # members answered after their deadline
     variant: str = ""  # the variant that ran it (models with variants only)
+    rows_each: Sequence[int] = ()  # each member's rows, in the order of queue_s
+    # The cost model's seconds a row at the largest batch the model may run (the cheapest a
+    # row), before it learnt from this batch (observability/efficiency.py); 0: not known.
+    best_s_per_row: float = 0.0
 
 
 class BatchObserver(Protocol):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -58,6 +59,8 @@ class DataPlane:
         # Online inference requests seen (a count that only grows; one may count twice): how
         # the job runner knows whether online traffic is there to make room for.
         self.online_requests = 0
+        # Told of each client's inference answered: model, rows, seconds since received.
+        self.on_served: Callable[[str, int, float], None] | None = None
 
     # --- health and metadata ----------------------------------------------------------------
 
@@ -183,7 +186,9 @@ class DataPlane:
         wanted = _wanted_outputs(config, request)
         deadline, hard, priority = deadline_and_priority(config, request)
         if isinstance(served, ServedPipeline):
-            return await self._run_pipeline(served, request, wanted, deadline)
+            return self._served(
+                request, await self._run_pipeline(served, request, wanted, deadline)
+            )
         pinned = _pinned_variant(served, request)
 
         checked = None
@@ -248,7 +253,14 @@ class DataPlane:
             batch_size=stats.batch_size,
             cost_class=stats.cost_class,
         )
-        return _response(served, request, wanted, outputs, parameters)
+        return self._served(request, _response(served, request, wanted, outputs, parameters))
+
+    def _served(self, request: InferRequest, response: InferResponse) -> InferResponse:
+        if self.on_served is not None and request.received_at is not None and not request.inner:
+            shape = response.outputs[0].data.shape if response.outputs else (0,)
+            rows = shape[0] if shape else 1
+            self.on_served(request.model, rows, time.monotonic() - request.received_at)
+        return response
 
     async def _run_pipeline(
         self,

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 _LOOKAHEAD = 2
 _MAX_HANDOFF_S = 0.02
 _MIN_WINDOW_S = 0.0005
+_Reply = tuple[Arrays, BatchStats]  # a request's rows of the outputs, and how it was served
 
 
 class _Instance:
@@ -97,6 +98,7 @@ class Scheduler:
             background if background is not None else BackgroundLane(budget_s=0.0, max_rows=1)
         )
         self._inline_below_s = inline_below_s
+        self.best_rows = 1  # the largest batch it may run: the cheapest a row (served.py sets it)
         self.inline_batches = 0
         # Cost classes whose cost has been measured (a class once measured stays so).
         self._measured: set[str] = set()
@@ -136,8 +138,7 @@ class Scheduler:
             self._workers.append(task)
 
     def seed(self, bucket: Bucket, rows: int, seconds: float, variant: int = 0) -> None:
-        """A warm-up batch's time (on ``variant``), so the cost model starts from a
-        measurement."""
+        """A warm-up batch's time (on ``variant``): the cost model starts from a measurement."""
         if self.variants is not None:
             bucket = bucket.on(variant, self.variants.names[variant])
         self._batcher.observe(bucket, rows, seconds, -1.0)
@@ -223,9 +224,7 @@ class Scheduler:
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
         now = self._clock()
-        future: asyncio.Future[tuple[Arrays, BatchStats]] = (
-            asyncio.get_running_loop().create_future()
-        )
+        future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         item = Item(
             rows,
             bucket,
@@ -289,9 +288,7 @@ class Scheduler:
         an idle instance and an empty online queue."""
         if self._closing:
             raise ModelNotReady(f"model {self._model!r} is unloading", retry_after_s=1.0)
-        future: asyncio.Future[tuple[Arrays, BatchStats]] = (
-            asyncio.get_running_loop().create_future()
-        )
+        future: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         if self.variants is not None:
             bucket = bucket.on(0, self.variants.names[0])
         self.background.add(Item(rows, bucket, self._clock(), payload=_Pending(inputs, future)))
@@ -299,8 +296,7 @@ class Scheduler:
         return await future
 
     def predict(self, bucket: Bucket, rows: int) -> float:
-        """The cost model's time for a batch of ``rows`` of ``bucket`` (on the first
-        variant), seconds."""
+        """The cost model's time for ``rows`` of ``bucket`` (on the first variant), seconds."""
         if self.variants is not None and bucket.variant == 0:
             bucket = bucket.on(0, self.variants.names[0])
         return self._batcher.predict(bucket, rows)
@@ -522,6 +518,8 @@ class Scheduler:
         # What the loop added: picking the results up after the thread was done.
         handoff = max(0.0, done - ended)
         self._handoff_s += 0.05 * (min(handoff, _MAX_HANDOFF_S) - self._handoff_s)
+        best = max(rows, self.best_rows)
+        best_s_per_row = self._batcher.predict(bucket, best) / best  # (before learning this one)
         self._batcher.observe(bucket, rows, compute_s, handoff, done)
         self.stats.on_batch(rows, compute_s)
         variant = ""
@@ -551,6 +549,8 @@ class Scheduler:
                     queue_times,
                     missed,
                     variant,
+                    [item.rows for item in batch],
+                    best_s_per_row,
                 )
             )
 

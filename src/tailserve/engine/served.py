@@ -220,6 +220,7 @@ class VersionBuilder:
             background=background_lane(config),
             variants=chooser,
         )
+        scheduler.best_rows = max(1, config.max_batch_size)
         for index, bucket, rows, seconds in timings:
             scheduler.seed(bucket, rows, seconds, index)
         scheduler.start()

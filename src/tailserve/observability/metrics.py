@@ -26,6 +26,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
 
 from tailserve.engine.accounts import BatchRecord
+from tailserve.observability.work import WorkMetrics
 
 if TYPE_CHECKING:
     from tailserve.cache.replies import ReplyMemo
@@ -465,6 +466,10 @@ class Metrics:
             self.model_unload_time,
             self.cold_requests,
         ]
+        # Debt, efficiency, latency a row and the SLOs (observability/work.py).
+        self.work = WorkMetrics(LoopHistogram)
+        loop_metrics += self.work.histograms()
+        self.registry.register(self.work.slo)
         self.registry.register(_LoopCollector(loop_metrics))
         # Read when scraped: the cost models, the cache's sizes and breaker, the reply memo
         # (the worker names them with the watch_* methods).
@@ -498,6 +503,10 @@ class Metrics:
         """Export the result cache's L1 sizes and L2 breaker, and the reply memo's counts."""
         self._cache_state.cache = cache
         self._cache_state.memo = memo
+
+    def watch_slos(self, source: Callable[[], dict[str, float]]) -> None:
+        """Export each model's SLO: ``source`` gives {model: p99 objective in seconds}."""
+        self.work.slo.source = source
 
     def watch_residency(self, source: Callable[[], tuple[int, dict[str, int]]]) -> None:
         """Export the memory budget and the loaded models' sizes: ``source`` gives (budget
@@ -534,6 +543,11 @@ class Metrics:
             )
         if record.variant:
             self.variant_requests.add(len(record.queue_s), model, record.variant)
+        self.work.on_batch(record)
+
+    def on_served(self, model: str, rows: int, seconds: float) -> None:
+        """An inference request answered (engine.dataplane.DataPlane.on_served)."""
+        self.work.on_served(model, rows, seconds)
 
     # --- the result cache (tailserve.cache.tiered.CacheObserver) ----------------------------
 
