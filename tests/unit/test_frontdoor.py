@@ -101,8 +101,8 @@ def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_to_the_workers_grpc_por
     config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
     front = backend(config, "frontend http")
     assert (
-        "use_backend admin if { path /metrics /v2/fleet } || "
-        "{ path_beg /v2/cache/ /v2/repository/ }"
+        "use_backend admin if { path /metrics /v2/fleet /dashboard } || "
+        "{ path_beg /v2/cache/ /v2/repository/ /dashboard/ }"
     ) in front
     assert "server supervisor 127.0.0.1:9200" in backend(config, "backend admin")
     grpc = backend(config, "backend grpc")

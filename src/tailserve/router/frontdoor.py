@@ -22,8 +22,9 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   row, and its checks bring it back;
 - retries: a request whose connection failed, or that got no reply or a 503 (a worker that is
   draining or not ready), is tried again on another worker (``retries``, ``redispatch``);
-- the fleet's own routes (``/metrics``, ``/v2/fleet``, cache invalidation, repository load and
-  unload) go to the supervisor's admin lane, which fans them out over every worker;
+- the fleet's own routes (``/metrics``, ``/v2/fleet``, ``/dashboard``, cache invalidation,
+  repository load and unload) go to the supervisor's admin lane, which fans them out over
+  every worker;
 - a job's submission through a backend of its own, a few at a time a worker (a burst of them
   waits there, apart from the online requests and not refused); jobs kept in the workers' memory (no
   Redis): a job's routes go to the worker named by the id's prefix (``use-server``), and the
@@ -49,8 +50,8 @@ BALANCE = {
 AFFINITY_HEADER = "x-affinity-key"
 REPLICA_HEADER = "x-tailserve-replica"
 # The routes the supervisor answers itself (its admin lane), by path prefix or path.
-ADMIN_PATHS = ("/metrics", "/v2/fleet")
-ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/")
+ADMIN_PATHS = ("/metrics", "/v2/fleet", "/dashboard")
+ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/", "/dashboard/")
 JOBS_PATH = "/v2/jobs"
 # The backend of the models ready on no worker, and its choice of worker: a hash of the model's
 # name, the fourth field of /v2/models/NAME/... and /v1/models/NAME:predict.
