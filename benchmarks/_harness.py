@@ -97,12 +97,9 @@ def worker(repository: Path, port: int, *flags: str) -> list[str]:
     ]
 
 
-@contextlib.contextmanager
-def up_stack(repository: Path, *flags: str) -> Iterator[str]:
-    """`tailserve up` on a free port (no gRPC, no hedging lane, quiet, in a session of its
-    own) until the block ends; yields the front door's URL once it is ready."""
-    port = free_port()
-    command = [
+def up_command(repository: Path, port: int, *flags: str) -> list[str]:
+    """`tailserve up` on ``port`` (no gRPC, no hedging lane, quiet)."""
+    return [
         sys.executable,
         "-m",
         "tailserve.cli",
@@ -119,7 +116,14 @@ def up_stack(repository: Path, *flags: str) -> Iterator[str]:
         "warning",
         *flags,
     ]
-    with serving(command, port, start_new_session=True) as url:
+
+
+@contextlib.contextmanager
+def up_stack(repository: Path, *flags: str) -> Iterator[str]:
+    """`tailserve up` on a free port (`up_command`, in a session of its own) until the block
+    ends; yields the front door's URL once it is ready."""
+    port = free_port()
+    with serving(up_command(repository, port, *flags), port, start_new_session=True) as url:
         yield url
 
 
