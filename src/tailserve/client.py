@@ -32,6 +32,8 @@ from tailserve.cache.edge import EdgeCache, EdgeStore, Kept, prefix_for
 from tailserve.cache.invalidations import InvalidationFeed
 from tailserve.cache.redis import connect, parse_url
 from tailserve.errors import TailserveError
+from tailserve.observability.tracing import Tracing
+from tailserve.router.attempt_spans import TraceParent
 from tailserve.router.config import RouterConfig, backend_url, parse_backend
 from tailserve.router.dispatch import Dispatcher
 from tailserve.router.keys import body_key, cost_class
@@ -63,6 +65,8 @@ class InferResult:
     headers: dict[str, str] = field(default_factory=dict)
     # The edge tier's part (None: not a model it caches, or the request bypassed it).
     edge: EdgeSource | None = None
+    # The trace the worker recorded the request in (its x-trace-id), when it was sampled.
+    trace_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,11 @@ class Client:
         health_interval_s: float = 1.0,
         admin_token: str | None = None,
         edge_cache: EdgeCache | None = None,
+        tracer_provider: Any = None,
     ) -> None:
+        """``tracer_provider``: OpenTelemetry's, for the attempts' client spans (default: the
+        global one, when opentelemetry-api is installed). Each attempt carries a
+        ``traceparent`` naming its span, under the caller's current span."""
         if not backends:
             raise ValueError("a Client needs at least one backend URL")
         if edge_cache is not None and edge_cache.redis_url is not None:
@@ -113,6 +121,7 @@ class Client:
         self._edge = EdgeStore(edge_cache) if edge_cache is not None else None
         self._feed: InvalidationFeed | None = None
         self._flights: dict[tuple[str, str, str], asyncio.Future[Kept | InferenceError | None]] = {}
+        self._tracing = _client_tracing(tracer_provider)
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -333,7 +342,12 @@ class Client:
     ) -> Outcome:
         frame = request_framer(method, path, body, headers)
         deadline_s = None if deadline_ms is None else deadline_ms / 1e3
-        return await self.dispatcher.request(model, frame, deadline_s=deadline_s, **options)
+        trace = None
+        if self._tracing is not None:
+            trace = TraceParent(self._tracing, self._tracing.current())
+        return await self.dispatcher.request(
+            model, frame, deadline_s=deadline_s, trace=trace, **options
+        )
 
 
 def encode_request(
@@ -368,8 +382,23 @@ def decode_response(outcome: Outcome) -> InferResult:
     }
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in outcome.headers}
     return InferResult(
-        arrays, outcome.backend, outcome.hedged, reply.get("parameters") or {}, headers
+        arrays,
+        outcome.backend,
+        outcome.hedged,
+        reply.get("parameters") or {},
+        headers,
+        trace_id=headers.get("x-trace-id"),
     )
+
+
+def _client_tracing(provider: Any) -> Tracing | None:
+    """The client's tracing: OpenTelemetry's given or global provider; None without it."""
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return None
+    chosen = provider if provider is not None else trace.get_tracer_provider()
+    return Tracing(chosen, "tailserve-client", own_provider=False)
 
 
 def _freeze(outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:

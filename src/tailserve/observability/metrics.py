@@ -22,8 +22,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics import exposition as _openmetrics
-from prometheus_client.samples import Exemplar
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 
 from tailserve.engine.accounts import BatchRecord
 from tailserve.observability.work import WorkMetrics
@@ -596,5 +596,5 @@ class Metrics:
 
     def render(self, *, openmetrics: bool = False) -> bytes:
         if openmetrics:
-            return bytes(_openmetrics.generate_latest(self.registry))
+            return bytes(_openmetrics.generate_latest(self.registry))  # type: ignore[no-untyped-call]
         return bytes(generate_latest(self.registry))

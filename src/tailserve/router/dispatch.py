@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 
 import orjson
 
+from tailserve.router.attempt_spans import TraceParent
 from tailserve.router.backends import Backend, Pool
 from tailserve.router.balancing import Balancer, BoundedLoadHash, make_balancer
 from tailserve.router.config import RouterConfig
@@ -206,6 +207,7 @@ class Dispatcher:
         deadline_s: float | None = None,
         idempotent: bool = False,
         hedge: bool = False,
+        trace: TraceParent | None = None,
     ) -> Exchange:
         """Send one request (``frame(remaining_s)`` gives its bytes) to a replica of
         ``model`` (or of any backend for `ANY`); ``on_done`` gets the `Outcome`, unless the
@@ -229,6 +231,7 @@ class Dispatcher:
             deadline_s is not None,
             idempotent,
             on_done,
+            trace,
         )
         exchange.start()
         return exchange
@@ -243,6 +246,7 @@ class Dispatcher:
         deadline_s: float | None = None,
         idempotent: bool = False,
         hedge: bool = False,
+        trace: TraceParent | None = None,
     ) -> Outcome:
         """`dispatch` as a coroutine; cancelling it withdraws the request's copies."""
         future: asyncio.Future[Outcome] = self.loop.create_future()
@@ -260,6 +264,7 @@ class Dispatcher:
             deadline_s=deadline_s,
             idempotent=idempotent,
             hedge=hedge,
+            trace=trace,
         )
         try:
             return await future

@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tailserve.errors import UpstreamError
+from tailserve.router.attempt_spans import TraceParent, end_attempt, start_attempt
 from tailserve.router.attempts import Result, is_timeout, may_retry, report
 from tailserve.router.backends import Backend, Pool
 from tailserve.router.balancing import Balancer
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 class Attempt:
     """One copy of a request, sent to one replica: ``kind`` is first, hedge or retry."""
 
-    __slots__ = ("exchange", "kind", "sent_at", "ticket", "upstream")
+    __slots__ = ("exchange", "kind", "sent_at", "span", "ticket", "upstream")
 
     def __init__(self, exchange: Exchange, upstream: Upstream, kind: str, sent_at: float):
         self.exchange = exchange
@@ -46,6 +47,7 @@ class Attempt:
         self.kind = kind
         self.sent_at = sent_at
         self.ticket: Ticket | None = None
+        self.span: Any = None  # its client span, when the request is traced
 
     def on_result(self, result: Response | UpstreamError) -> None:
         self.exchange.on_result(self, result)
@@ -71,6 +73,7 @@ class Exchange:
         "pool",
         "retried",
         "started",
+        "trace",
         "tried",
     )
 
@@ -87,8 +90,10 @@ class Exchange:
         has_deadline: bool,
         idempotent: bool,
         on_done: Callable[[Outcome], None],
+        trace: TraceParent | None = None,
     ) -> None:
         self._d = dispatcher
+        self.trace = trace
         self.model = model
         self.pool = pool
         self.balancer = balancer
@@ -152,6 +157,8 @@ class Exchange:
         if d.decision_sample and d.rng.random() < d.decision_sample:
             d.log_decision(self, backend, kind, now)
         data = self.frame(remaining if self.has_deadline else None)
+        if self.trace is not None:
+            attempt.span, data = start_attempt(self.trace, self.model, kind, backend.id, data)
         attempt.ticket = upstream.pool.submit(data, attempt.on_result, remaining)
         return True
 
@@ -208,6 +215,10 @@ class Exchange:
         backend = attempt.upstream.backend
         latency = now - attempt.sent_at
         code: Result = result.status if isinstance(result, Response) else result
+        if attempt.span is not None:
+            status = result.status if isinstance(result, Response) else None
+            won = not self.done and status is not None and status != 429
+            end_attempt(attempt.span, "won" if won else "late" if self.done else "failed", status)
         label = report(self.pool, backend, code, latency, now, has_deadline=self.has_deadline)
         d.metrics.attempts.inc(backend.id, attempt.kind, label)
         if isinstance(code, int) and code < 400 and self._policy is not None:
@@ -282,6 +293,8 @@ class Exchange:
     def _withdraw(self, attempt: Attempt, why: str) -> None:
         if attempt.ticket is not None:
             attempt.ticket.cancel()
+        if attempt.span is not None:
+            end_attempt(attempt.span, why)
         d = self._d
         backend = attempt.upstream.backend
         lost_after = d.loop.time() - attempt.sent_at if why == "lost" else None

@@ -33,8 +33,7 @@ from tailserve.errors import (
     shown,
 )
 from tailserve.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tailserve.observability.metrics import OPENMETRICS_CONTENT_TYPE
-from tailserve.observability.metrics import Metrics
+from tailserve.observability.metrics import OPENMETRICS_CONTENT_TYPE, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.observability.tracing import MARKS, Marks, Tracing
 from tailserve.observability.worker_spans import Arrival, record
