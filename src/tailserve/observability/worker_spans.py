@@ -73,14 +73,14 @@ def record(
     frontdoor = _frontdoor_ns(arrival.frontdoor_us, received)
     door = None
     if frontdoor is not None:
-        attributes = {"tailserve.frontdoor.wait_us": (received - frontdoor) // 1000}
-        door = tracing.start("frontdoor", parent=parent, start_ns=frontdoor, attributes=attributes)
+        waited = {"tailserve.frontdoor.wait_us": (received - frontdoor) // 1000}
+        door = tracing.start("frontdoor", parent=parent, start_ns=frontdoor, attributes=waited)
         if not door.is_recording():
             return None
         door.end(end_time=received)
         if parent is None:  # the trace begins at the front door
             parent = tracing.context_of(door)
-    attributes = {
+    attributes: dict[str, Any] = {
         "tailserve.model": arrival.model,
         "tailserve.protocol": arrival.protocol,
         "tailserve.route": arrival.route,
