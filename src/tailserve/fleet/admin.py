@@ -3,7 +3,9 @@
 Off the inference path (HAProxy routes only these paths to it), on the worker's HTTP server:
 
 - ``GET /metrics``: one Prometheus page for the whole stack: every worker's series with a
-  ``worker`` label, and the front door's (HAProxy's exporter) with ``worker="frontdoor"``;
+  ``worker`` label, the front door's (HAProxy's exporter) with ``worker="frontdoor"``, the
+  hedging lane's (`router.metrics`) with ``worker="lane"``, and the supervisor's own
+  (`fleet.fleet_metrics`: restarts, states, the autoscaler, reloads);
 - ``GET /v2/fleet``: the workers (name, url, pid, state, restarts, cold start), the front
   door, and the autoscaler's last decision with its reason and inputs;
 - ``POST /v2/cache/invalidate``: sent to every worker, so each one's in-process cache drops
@@ -35,6 +37,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from tailserve.admin import CLOSED_MESSAGE, AdminAccess
 from tailserve.errors import UpstreamError
+from tailserve.fleet.fleet_metrics import fleet_families
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.server import Headers, Reply
 from tailserve.transport.http1 import Pool, frame_request
@@ -138,6 +141,10 @@ class AdminLane:
         sources = [(s.name, s.host, s.port) for s in slots]
         if self.fleet.stats_port:
             sources.append(("frontdoor", "127.0.0.1", self.fleet.stats_port))
+        lane = self.fleet.front_door().get("lane")
+        if lane is not None and lane.get("url"):
+            where = urllib.parse.urlsplit(lane["url"])
+            sources.append(("lane", where.hostname or "127.0.0.1", where.port or 80))
         pages = await asyncio.gather(
             *(
                 self._get(host, port, "/metrics", close=name == "frontdoor")
@@ -145,7 +152,8 @@ class AdminLane:
             )
         )
         named = zip((name for name, _, _ in sources), pages, strict=True)
-        merged = merge_metrics((name, page) for name, page in named if page is not None)
+        pages_read = ((name, page) for name, page in named if page is not None)
+        merged = merge_metrics(pages_read, own=fleet_families(self.fleet))
         return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], merged
 
     async def _fan_out(self, request: HttpRequest) -> Reply:
@@ -234,10 +242,11 @@ class AdminLane:
         return None
 
 
-def merge_metrics(pages: Iterable[tuple[str, str]]) -> bytes:
+def merge_metrics(pages: Iterable[tuple[str, str]], own: Iterable[Metric] = ()) -> bytes:
     """Prometheus text pages (source name, page) as one page, each sample labelled with its
-    ``worker``; a family's HELP and TYPE come from the first page that has it."""
-    families: dict[str, Metric] = {}
+    ``worker``; a family's HELP and TYPE come from the first page that has it. ``own``: the
+    page-maker's own families, as they are."""
+    families: dict[str, Metric] = {family.name: family for family in own}
     for source, page in pages:
         for family in text_string_to_metric_families(page):
             merged = families.get(family.name)
