@@ -106,7 +106,10 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
             f"tensor {name!r}: shape has {len(shape)} dimensions, more than {MAX_DIMS}"
         )
     if math.prod(d for d in shape if d) > _MAX_EXTENT:
-        raise InvalidInput(f"tensor {name!r}: shape {list(shape)} is too large")
+        raise InvalidInput(
+            f"tensor {name!r}: shape {list(shape)} is too large: its dimensions may multiply "
+            f"to at most 2**58 elements, and its data must fit the request body limit"
+        )
 
 
 # --- JSON -----------------------------------------------------------------------------------

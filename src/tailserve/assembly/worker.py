@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailserve.admin import AdminAccess, admin_access
-from tailserve.cache.redis import RedisTier, connect, node_url, parse_url
+from tailserve.cache.redis import RedisTier, connect, node_url, parse_url, secured_url
 from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
@@ -62,6 +62,14 @@ class Worker:
         self.settings = settings
         if settings.redis_url:  # redis+cluster://... is redis://... on a cluster
             url, cluster = parse_url(settings.redis_url, cluster=settings.redis_cluster)
+            url = secured_url(
+                url,
+                password=settings.redis_password,
+                password_file=settings.redis_password_file,
+                ca_file=settings.redis_tls_ca_file,
+                cert_file=settings.redis_tls_cert_file,
+                key_file=settings.redis_tls_key_file,
+            )
             self.settings = settings.replace(redis_url=url, redis_cluster=cluster)
         self._subscriptions = 0
         self.metrics = Metrics()
@@ -189,7 +197,10 @@ class Worker:
             return None
         observe = self.metrics.cache_l2_latency.child().observe
         fast = None
-        if self.settings.redis_client == "lean" and not self.settings.redis_cluster:
+        # The lean connection speaks plain TCP: over TLS (rediss://) or a socket file, the
+        # hot path stays with redis-py.
+        lean = self.settings.redis_url.startswith("redis://")
+        if self.settings.redis_client == "lean" and not self.settings.redis_cluster and lean:
             fast = LeanRedis(self.settings.redis_url)
         elif self.settings.redis_client not in ("lean", "redis-py"):
             raise ConfigError(
@@ -268,6 +279,7 @@ class Worker:
                 max_body_bytes=self.settings.max_body_bytes,
                 keep_alive_s=self.settings.keep_alive_s,
                 read_timeout_s=self.settings.read_timeout_s,
+                head_timeout_s=self.settings.head_timeout_s,
                 access_log=self.settings.access_log,
             )
             await self._http.start(

@@ -64,16 +64,25 @@ def too_long(head_fed: int) -> bool:
     return head_fed > 2 * MAX_HEAD_BYTES
 
 
-def late(in_head: bool, begun: float, heard: float, now: float, timeout_s: float) -> str | None:
+def late(
+    in_head: bool,
+    begun: float,
+    heard: float,
+    now: float,
+    timeout_s: float,
+    head_timeout_s: float | None = None,
+) -> str | None:
     """Why a request still being read is refused with 408 (None: it is not late). Its head
-    must be whole within ``timeout_s`` of its first byte, however it trickles in (a client
+    must be whole within ``head_timeout_s`` (default: ``timeout_s``) of its first byte,
+    however it trickles in (a client
     that sends a byte now and then holds a connection forever otherwise); its body may take
     as long as it needs, but not stop for ``timeout_s``. ``heard``: when bytes last came, or
     when the server last stopped holding the client back (reading paused, a 100 Continue owed),
     which is no fault of the client's."""
     if in_head:
-        if now - begun > timeout_s:
-            return f"request head not received within {timeout_s:g} s"
+        head_s = timeout_s if head_timeout_s is None else head_timeout_s
+        if now - begun > head_s:
+            return f"request head not received within {head_s:g} s"
     elif now - heard > timeout_s:
         return f"request body stalled: nothing received for {timeout_s:g} s"
     return None
@@ -109,12 +118,15 @@ class HeadReading:
         if self._head_size > MAX_HEAD_BYTES:
             self.end(431, f"request headers over {MAX_HEAD_BYTES} bytes")
 
-    def _late(self, now: float, timeout_s: float) -> str | None:
+    def _late(
+        self, now: float, timeout_s: float, head_timeout_s: float | None = None
+    ) -> str | None:
         """Why the request being read is refused now (None: it is in time, or held back)."""
         if self._reading_paused or self._continue_owed:
             self._heard = self._held = now
             return None
-        return late(self._in_head, max(self._started, self._held), self._heard, now, timeout_s)
+        begun = max(self._started, self._held)
+        return late(self._in_head, begun, self._heard, now, timeout_s, head_timeout_s)
 
 
 def close_after(transport: asyncio.Transport, *, ended: bool) -> None:

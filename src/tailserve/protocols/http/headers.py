@@ -5,7 +5,17 @@ from __future__ import annotations
 import math
 
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.errors import InvalidInput
+from tailserve.errors import (
+    DeadlineExceeded,
+    DeadlineUnmeetable,
+    InvalidInput,
+    ModelNotReady,
+    Overloaded,
+    QueueFull,
+    TailserveError,
+    Unavailable,
+    shown,
+)
 from tailserve.protocols.http.request import HttpRequest
 
 Headers = list[tuple[bytes, bytes]]
@@ -23,7 +33,10 @@ def request_options(request: HttpRequest, infer: InferRequest) -> None:
         except ValueError:
             infer.deadline_ms = -1.0
         if not 0 < infer.deadline_ms < math.inf:  # (nan fails both)
-            raise InvalidInput(f"X-Deadline-Ms must be a positive number of ms, got {deadline!r}")
+            raise InvalidInput(
+                f"X-Deadline-Ms must be a positive number of milliseconds (such as 50 or 2.5), "
+                f"got {shown(deadline)}"
+            )
     mode = request.header(b"x-cache-mode")
     if mode is not None:
         infer.cache_mode = mode.decode(errors="replace")
@@ -32,9 +45,13 @@ def request_options(request: HttpRequest, infer: InferRequest) -> None:
         infer.variant = variant.decode(errors="replace")
     priority = request.header(b"x-priority")
     if priority is not None:
-        if not priority.isdigit():
-            raise InvalidInput(f"X-Priority must be a whole number, got {priority!r}")
-        infer.priority = int(priority)
+        try:
+            infer.priority = int(priority)
+        except ValueError:
+            raise InvalidInput(
+                f"X-Priority must be a whole number: 1 is the highest level, 0 the model's "
+                f"default; got {shown(priority)}"
+            ) from None
 
 
 def served_headers(response: InferResponse) -> Headers:

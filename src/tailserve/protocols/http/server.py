@@ -98,12 +98,15 @@ class HttpServer:
         max_body_bytes: int,
         keep_alive_s: float = 5.0,
         read_timeout_s: float = 30.0,
+        head_timeout_s: float | None = None,
         access_log: bool = False,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
         self.read_timeout_s = read_timeout_s
+        # None: a head has read_timeout_s as well.
+        self.head_timeout_s = head_timeout_s
         self.access_log = access_log
         self.draining = False
         self.date = b""
@@ -180,7 +183,7 @@ class HttpServer:
         now = time.monotonic()
         for connection in list(self._connections):
             connection.close_if_idle(now - self.keep_alive_s)
-            connection.expire_read(now, self.read_timeout_s)
+            connection.expire_read(now, self.read_timeout_s, self.head_timeout_s)
         self._sweeper = self._loop.call_later(1.0, self._sweep)
 
     async def drain(self, timeout_s: float, forced: asyncio.Event | None = None) -> None:
@@ -556,11 +559,13 @@ class _Connection(HeadReading, asyncio.Protocol):
             self._ended,
         )
 
-    def expire_read(self, now: float, timeout_s: float) -> None:
+    def expire_read(
+        self, now: float, timeout_s: float, head_timeout_s: float | None = None
+    ) -> None:
         """Refuse the request being read (408, then close) if it stopped coming."""
         if not self.in_message or self._ended or self._closing or self._closed:
             return
-        reason = self._late(now, timeout_s)
+        reason = self._late(now, timeout_s, head_timeout_s)
         if reason is not None:
             self.end(408, reason)
 
