@@ -213,6 +213,10 @@ class Supervisor:
     def stats_port(self) -> int:
         return self._stats_port
 
+    def slos_s(self) -> dict[str, float]:
+        """Each model's SLO (its config's ``slo.p99_ms``), seconds: the dashboard's line."""
+        return {model: ms / 1e3 for model, ms in self._models.items()}
+
     async def models_changed(self) -> None:
         """Reload the front door if the repository's models are not those it routes."""
         async with self._reload_lock:
@@ -256,6 +260,7 @@ class Supervisor:
         # The admin lane binds its port first, and every other port is chosen in one go: a
         # port chosen free and released could be the next one the system hands out.
         await self._admin_server.start(LOOPBACK, 0)
+        self._admin.start()
         ports = free_ports(count * (2 if grpc else 1) + 3)
         self._stats_port, lane_port, listen_port = ports.pop(), ports.pop(), ports.pop()
         self.workers = [

@@ -13,7 +13,9 @@ Off the inference path (HAProxy routes only these paths to it), on the worker's 
 - ``/v2/repository/...``: an index from one ready worker; a load or an unload on every
   worker, then the front door is told the models may have changed;
 - ``GET /v2/jobs``, where jobs are kept in the workers' memory: every worker's list, merged
-  newest first.
+  newest first;
+- ``GET /dashboard``: the live dashboard, fed by a sampler of the same pages once a second
+  (`fleet.dashboard_lane`).
 
 The admin token, where one is set, is checked by each worker: the lane passes the request's
 ``Authorization`` header on. Where the stack listens beyond loopback with no token, the lane
@@ -37,6 +39,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from tailserve.admin import CLOSED_MESSAGE, AdminAccess
 from tailserve.errors import UpstreamError
+from tailserve.fleet.dashboard_lane import Dashboard
 from tailserve.fleet.fleet_metrics import fleet_families
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.server import Headers, Reply
@@ -75,6 +78,8 @@ class Fleet(Protocol):
 
     def models_changed(self) -> Coroutine[Any, Any, None]: ...
 
+    def slos_s(self) -> dict[str, float]: ...
+
 
 class AdminLane:
     """The `Application` the supervisor's HTTP server runs (protocols.http.server)."""
@@ -83,6 +88,11 @@ class AdminLane:
         self.fleet = fleet
         self.access = access
         self._pools: dict[tuple[str, int], Pool] = {}
+        self.dashboard = Dashboard(self.pages, lambda: self._fleet()["workers"], fleet.slos_s)
+
+    def start(self) -> None:
+        """Start sampling for the dashboard (on the running loop)."""
+        self.dashboard.start()
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
         if request.error is not None:
@@ -96,6 +106,8 @@ class AdminLane:
             return await self._metrics()
         if path == "/v2/fleet" and method in ("GET", "HEAD"):
             return 200, _JSON, orjson.dumps(self._fleet())
+        if (dashboard := self.dashboard.answer(request)) is not None:
+            return dashboard
         if path.startswith(("/v2/cache/", "/v2/repository/")) and self.access is AdminAccess.CLOSED:
             return 403, _JSON, orjson.dumps({"error": CLOSED_MESSAGE})
         if path == "/v2/cache/invalidate" and method == "POST":
@@ -112,6 +124,7 @@ class AdminLane:
         return 404, _JSON, orjson.dumps({"error": f"no route {method} {path}"})
 
     async def close(self) -> None:
+        await self.dashboard.close()
         pools, self._pools = list(self._pools.values()), {}
         await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
 
@@ -137,6 +150,12 @@ class AdminLane:
         }
 
     async def _metrics(self) -> Reply:
+        merged = merge_metrics(await self.pages(), own=fleet_families(self.fleet))
+        return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], merged
+
+    async def pages(self) -> list[tuple[str, str]]:
+        """The metrics pages (name, text) of the running workers, the front door and the
+        hedging lane; those that did not answer are left out."""
         slots = [s for s in self.fleet.slots() if s.running]
         sources = [(s.name, s.host, s.port) for s in slots]
         if self.fleet.stats_port:
@@ -152,9 +171,7 @@ class AdminLane:
             )
         )
         named = zip((name for name, _, _ in sources), pages, strict=True)
-        pages_read = ((name, page) for name, page in named if page is not None)
-        merged = merge_metrics(pages_read, own=fleet_families(self.fleet))
-        return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], merged
+        return [(name, page) for name, page in named if page is not None]
 
     async def _fan_out(self, request: HttpRequest) -> Reply:
         """The request on every running worker; 200 when each one that runs took it."""
