@@ -140,7 +140,7 @@ def test_a_password_given_apart_from_the_url_goes_into_it_quoted(tmp_path: Path)
 
 
 def test_an_unreadable_password_file_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read the Redis password file .*missing"):
+    with pytest.raises(ConfigError, match=r"cannot read the Redis password file .*missing"):
         secured_url("redis://cache", password_file=str(tmp_path / "missing"))
     empty = tmp_path / "empty"
     empty.write_text("", encoding="utf-8")
@@ -173,7 +173,7 @@ def test_tls_files_need_a_rediss_url_and_must_exist(tmp_path: Path) -> None:
     ca.write_text("-", encoding="utf-8")
     with pytest.raises(ConfigError, match="TLS files are for a rediss:// URL"):
         secured_url("redis://:secret@cache", ca_file=str(ca))
-    with pytest.raises(ConfigError, match="Redis TLS file .*nope.pem not found"):
+    with pytest.raises(ConfigError, match=r"Redis TLS file .*nope\.pem not found"):
         secured_url("rediss://cache", ca_file=str(tmp_path / "nope.pem"))
     with pytest.raises(ConfigError) as caught:
         secured_url("redis://:secret@cache", ca_file=str(ca))
@@ -190,3 +190,19 @@ def test_a_url_shown_or_passed_on_never_carries_its_password() -> None:
 def test_the_redis_password_is_read_from_the_environment() -> None:
     settings = load_settings(env={"TAILSERVE_REDIS_PASSWORD": "from-env"})
     assert settings.redis_password == "from-env"
+
+
+# --- no secrets in the request trace ---------------------------------------------------------
+
+
+def test_the_trace_recorder_keeps_no_authorization_header(tmp_path: Path) -> None:
+    from tailserve.observability.trace_log import TraceRecorder
+
+    path = tmp_path / "trace.jsonl"
+    recorder = TraceRecorder(path)
+    headers = [(b"authorization", b"Bearer t0ken-5ecret"), (b"x-deadline-ms", b"50")]
+    recorder.record("POST", "/v2/models/m/infer", headers, b"{}")
+    recorder.close()
+    text = path.read_text(encoding="utf-8")
+    assert '"x-deadline-ms":"50"' in text
+    assert "5ecret" not in text and "authorization" not in text.lower()
