@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -118,6 +119,7 @@ class Client:
         )
         self._dispatcher: Dispatcher | None = None
         self._health: asyncio.Task[None] | None = None
+        self._recheck: asyncio.Task[None] | None = None
         self._edge = EdgeStore(edge_cache) if edge_cache is not None else None
         self._feed: InvalidationFeed | None = None
         self._flights: dict[tuple[str, str, str], asyncio.Future[Kept | InferenceError | None]] = {}
@@ -151,9 +153,10 @@ class Client:
     async def close(self) -> None:
         if self._feed is not None:
             await self._feed.close()
-        if self._health is not None:
-            self._health.cancel()
-            await asyncio.gather(self._health, return_exceptions=True)
+        for task in (self._health, self._recheck):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._dispatcher is not None:
             await self._dispatcher.close()
 
@@ -198,20 +201,47 @@ class Client:
         key = None
         if self.dispatcher.wants_key(model):
             key = request.affinity_key if request.affinity_key is not None else body_key(body)
-        outcome = await self._send(
+        cost = cost_class(len(body))
+        send = functools.partial(
+            self._send,
             model,
             "POST",
             f"{path}/infer",
             body,
             headers,
             key=key,
-            cost=cost_class(len(body)),
-            deadline_ms=request.deadline_ms,
+            cost=cost,
             hedge=True,
         )
+        outcome = await self._again(send, request)
         if outcome.status != 200:
             raise InferenceError(outcome.status, error_message(outcome.body), outcome.backend)
         return decode_response(outcome)
+
+    async def _again(self, send: Callable[..., Awaitable[Outcome]], request: _Request) -> Outcome:
+        """``send`` an inference, and again while its answer is one a later try may change:
+        nothing could be reached (a front door restarting, no replica in service) or the fleet
+        was full for a moment (503 with Retry-After, 429), after a pause that doubles, within
+        the request's deadline (else the client's timeout). Through a front door, the client's
+        one backend, the dispatcher has no other replica to retry on: the retries are here."""
+        loop = asyncio.get_running_loop()
+        wait_s = self.config.request_timeout_s
+        until = loop.time() + (wait_s if request.deadline_ms is None else request.deadline_ms / 1e3)
+        pause = RETRY_PAUSE_S
+        while True:
+            left_ms = None if request.deadline_ms is None else (until - loop.time()) * 1e3
+            outcome = await send(deadline_ms=left_ms)
+            reached = outcome.reason not in ("no_replica", "upstream")
+            if not _worth_again(outcome) or loop.time() + pause >= until:
+                return outcome
+            # A refusal is retried within the retry budget, not to feed an overload.
+            if reached and not self.dispatcher.retry_budget.try_spend():
+                return outcome
+            if outcome.reason == "no_replica" and (self._recheck is None or self._recheck.done()):
+                # Taken out by its checks: look again now rather than at the next round.
+                self._recheck = loop.create_task(self.dispatcher.check_all())
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, RETRY_PAUSE_MAX_S)
 
     # --- the edge tier ----------------------------------------------------------------------
 
@@ -348,6 +378,25 @@ class Client:
         return await self.dispatcher.request(
             model, frame, deadline_s=deadline_s, trace=trace, **options
         )
+
+
+# An inference sent again (_again) waits this long first, twice as long each time after.
+RETRY_PAUSE_S = 0.025
+RETRY_PAUSE_MAX_S = 0.5
+
+
+def _worth_again(outcome: Outcome) -> bool:
+    """Whether a later try of an inference (idempotent) may be answered otherwise: no replica
+    in service, a connection that failed or was lost (502 after the dispatcher's own tries),
+    a front door with every queue full or no worker ready (503 + Retry-After), a worker that
+    could not fit it in time (429)."""
+    if outcome.reason == "no_replica":
+        return True
+    if outcome.reason == "upstream":
+        return outcome.status == 502
+    if outcome.status == 503:
+        return any(name.lower() == b"retry-after" for name, _ in outcome.headers)
+    return outcome.status == 429
 
 
 def encode_request(
