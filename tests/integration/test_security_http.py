@@ -81,7 +81,7 @@ def test_a_long_or_binary_header_value_is_cut_and_decoded(worker: RunningWorker)
 
 def test_a_body_over_the_limit_is_413_naming_the_limit(worker: RunningWorker) -> None:
     data = [1.0] * (LIMIT // 3)  # JSON of ~4 bytes a value: over the limit
-    reply = _infer(worker, json={"inputs": [{**ONE["inputs"][0], "data": data}]})  # type: ignore[dict-item]
+    reply = _infer(worker, json={"inputs": [{**ONE["inputs"][0], "data": data}]})
     assert reply.status_code == 413
     assert f"over the {LIMIT}-byte limit" in reply.json()["error"]
 

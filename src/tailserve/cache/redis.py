@@ -91,8 +91,8 @@ def secured_url(
                 f"cannot read the Redis password file {password_file}: {reason}"
             ) from None
     parts = urlsplit(url)
-    tls = {"ssl_ca_certs": ca_file, "ssl_certfile": cert_file, "ssl_keyfile": key_file}
-    tls = {name: value for name, value in tls.items() if value}
+    given = {"ssl_ca_certs": ca_file, "ssl_certfile": cert_file, "ssl_keyfile": key_file}
+    tls = {name: value for name, value in given.items() if value is not None and value}
     if tls and parts.scheme != "rediss":
         raise ConfigError(
             f"Redis URL {redacted(url)!r}: TLS files are for a rediss:// URL (Redis over TLS)"
