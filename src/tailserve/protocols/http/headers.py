@@ -6,14 +6,7 @@ import math
 
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.errors import (
-    DeadlineExceeded,
-    DeadlineUnmeetable,
     InvalidInput,
-    ModelNotReady,
-    Overloaded,
-    QueueFull,
-    TailserveError,
-    Unavailable,
     shown,
 )
 from tailserve.protocols.http.request import HttpRequest
