@@ -6,13 +6,18 @@ from __future__ import annotations
 import math
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tailserve.fleet.dashboard_series import (
+    JOBS_RUNNING,
+    WANTED,
     History,
     histogram_quantile,
     increase,
     parse_pages,
 )
+from tailserve.observability.metrics import Metrics
 
 INF = math.inf
 
@@ -149,3 +154,23 @@ def test_a_restarted_worker_counts_from_zero_and_the_ring_keeps_the_last() -> No
     assert [p.seq for p in history.since(2)] == [3]
     idle = history.since(2)[0].models["churn"]
     assert idle.requests_per_s == 0 and idle.p99_s is None
+
+
+def test_the_line_parser_reads_what_prometheus_clients_parser_reads() -> None:
+    metrics = Metrics()
+    for model, outcome in [("churn", "ok"), ("churn", "error"), ('odd "name"\\', "ok")]:
+        metrics.request_latency.child(model, "http", outcome).observe(0.012)
+        metrics.requests.inc(model, "http", "200")
+        metrics.cache_lookups.add(3, model, "l1", "hit")
+    metrics.jobs_running.set(2)
+    page = generate_latest(metrics.registry).decode()
+    expected = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name in WANTED:
+                labels = {**sample.labels, "worker": "worker-0"}
+                expected[sample.name, tuple(sorted(labels.items()))] = sample.value
+    parsed = parse_pages([("worker-0", page)])
+    assert parsed == expected
+    assert parsed[JOBS_RUNNING, (("worker", "worker-0"),)] == 2.0
+    assert len([k for k in parsed if k[0] == "tailserve_requests_total"]) == 2
