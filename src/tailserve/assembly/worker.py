@@ -383,7 +383,7 @@ class Worker:
         def build() -> Any:
             from tailserve.protocols.grpc.service import InferenceService
 
-            self._grpc_service = InferenceService(self.dataplane, self.metrics)
+            self._grpc_service = InferenceService(self.dataplane, self.metrics, self.tracing)
             return self._grpc_service.handlers()
 
         port = self.settings.grpc_port

@@ -16,6 +16,8 @@ import orjson
 from tailserve.errors import InvalidInput, TailserveError, shown
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.http.errors import status_of
+from tailserve.protocols.refusals import HEADER as REFUSAL_HEADER
+from tailserve.protocols.refusals import refusal_reason
 from tailserve.tensors import from_json
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,12 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return await handler(request, context)
         except TailserveError as exc:
-            await context.abort(code_of(status_of(exc)), exc.message)
+            # A refusal says why (docs/observability.md), beside what the handler set.
+            trailing = tuple(context.trailing_metadata() or ())
+            reason = refusal_reason(exc)
+            if reason is not None:
+                trailing += ((REFUSAL_HEADER, reason),)
+            await context.abort(code_of(status_of(exc)), exc.message, trailing)
         except grpc.aio.AbortError:  # the handler's own answer, already given
             raise
         except Exception as exc:

@@ -13,7 +13,11 @@ work unchanged.
   ``cache``); a gRPC deadline set by the client counts as ``X-Deadline-Ms`` does.
 - Errors carry the HTTP status's gRPC counterpart and the same message: 400 →
   INVALID_ARGUMENT, 404 → NOT_FOUND, 429 → RESOURCE_EXHAUSTED, 503 → UNAVAILABLE, 504 →
-  DEADLINE_EXCEEDED; anything unexpected is INTERNAL.
+  DEADLINE_EXCEEDED; anything unexpected is INTERNAL. A refusal says why in the trailing
+  metadata's ``x-refusal-reason`` (a stream's, in its answer's ``refusal_reason`` parameter).
+- Traces, while tracing is on: the call's ``traceparent`` metadata is the parent of each of
+  its requests' spans (`grpc/traced.py`), and a sampled request's trace id is in its
+  response's ``trace_id`` parameter (a unary call's, in ``x-trace-id`` trailing metadata too).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutp
 from tailserve.engine.traffic import Traffic
 from tailserve.errors import TailserveError
 from tailserve.observability.metrics import Metrics
+from tailserve.observability.tracing import Tracing
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import (
     generic_handler,
@@ -41,7 +46,9 @@ from tailserve.protocols.grpc.common import (
     time_left_s,
     typed_array,
 )
+from tailserve.protocols.grpc.traced import Heads, RequestTrace
 from tailserve.protocols.http.errors import status_of
+from tailserve.protocols.refusals import refusal_reason
 from tailserve.tensors import Tensor, from_binary, to_binary
 
 log = logging.getLogger(__name__)
@@ -93,9 +100,12 @@ def encode_response(response: InferResponse) -> Any:
 class InferenceService:
     """The handlers, over the worker's data plane."""
 
-    def __init__(self, dataplane: DataPlane, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, dataplane: DataPlane, metrics: Metrics | None = None, tracing: Tracing | None = None
+    ) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
+        self.tracing = tracing
         # Inference calls held and finished, for the event loop's backlog (engine.traffic).
         self.traffic = Traffic()
 
@@ -133,7 +143,13 @@ class InferenceService:
         return message
 
     async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._infer(request, time_left_s(context))
+        heads = Heads.of(context, "ModelInfer") if self.tracing is not None else None
+        trace = RequestTrace(self.tracing, heads) if heads is not None else None
+        try:
+            return await self._infer(request, time_left_s(context), trace)
+        finally:
+            if trace is not None and trace.trace_id is not None:
+                context.set_trailing_metadata((("x-trace-id", trace.trace_id),))
 
     async def model_stream_infer(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -146,19 +162,27 @@ class InferenceService:
         room = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def answer(request: Any, left_s: float | None) -> None:
+        # Every request of the stream hangs under the call's traceparent; the front door's
+        # stamp is the stream's opening, so only its first request has a frontdoor span.
+        heads = Heads.of(context, "ModelStreamInfer") if self.tracing is not None else None
+
+        async def answer(request: Any, left_s: float | None, heads: Heads | None) -> None:
+            trace = RequestTrace(self.tracing, heads) if heads is not None else None
             try:
                 message = schema.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, left_s)
+                    infer_response=await self._infer(request, left_s, trace)
                 )
             except TailserveError as exc:
-                message = _stream_error(request, exc.message)
+                message = _stream_error(request, exc.message, refusal_reason(exc))
+                if trace is not None and trace.trace_id is not None:
+                    set_parameter(message.infer_response.parameters["trace_id"], trace.trace_id)
             except Exception as exc:
                 log.exception("unexpected error in a gRPC stream's request")
                 message = _stream_error(request, f"internal error: {type(exc).__name__}")
             answers.put_nowait(message)
 
         async def read() -> None:
+            nonlocal heads
             async for request in requests:
                 # More than the bound in flight or unsent: stop reading (HTTP/2's flow control
                 # holds the client back) until an answer has gone.
@@ -167,7 +191,9 @@ class InferenceService:
                 if reason is not None:
                     answers.put_nowait(schema.ModelStreamInferResponse(error_message=reason))
                     continue
-                task = asyncio.create_task(answer(request, time_left_s(context)))
+                task = asyncio.create_task(answer(request, time_left_s(context), heads))
+                if heads is not None:
+                    heads = heads.later()
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:
@@ -185,14 +211,15 @@ class InferenceService:
                 task.cancel()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
-    async def _infer(self, request: Any, left_s: float | None) -> Any:
+    async def _infer(self, request: Any, left_s: float | None, trace: RequestTrace | None) -> Any:
         """One inference request (of a unary call or a stream): ``left_s`` of the call's gRPC
-        deadline counts as X-Deadline-Ms does."""
+        deadline counts as X-Deadline-Ms does; ``trace``: its spans, while tracing is on."""
         started = time.perf_counter()
         status = 200
+        refusal = None
         self.traffic.in_flight += 1
+        received = time.monotonic()
         try:
-            received = time.monotonic()
             deadline_ms = left_s * 1e3 if left_s is not None else None
             # Shed before decoding, as over HTTP; a ``timeout`` parameter with no gRPC deadline
             # may be looser than the SLO, and is left to admission.
@@ -207,9 +234,20 @@ class InferenceService:
             infer = decode_request(request)
             infer.received_at = received
             infer.deadline_ms = deadline_ms
-            return encode_response(await self.dataplane.infer(infer, screened=screened))
+            if trace is None:
+                return encode_response(await self.dataplane.infer(infer, screened=screened))
+            marks = trace.decoded()
+            response = await self.dataplane.infer(infer, screened=screened)
+            marks.answered_at = time.monotonic()
+            marks.parameters = response.parameters
+            message = encode_response(response)
+            trace_id = trace.record(request.model_name, received, 200, None)
+            if trace_id is not None:
+                set_parameter(message.parameters["trace_id"], trace_id)
+            return message
         except TailserveError as exc:
             status = status_of(exc)
+            refusal = refusal_reason(exc)
             raise
         except asyncio.CancelledError:
             status = 499
@@ -223,16 +261,25 @@ class InferenceService:
                 self.traffic.refused += 1
             else:
                 self.traffic.answered += 1
+            model = request.model_name
+            label = model if self.dataplane.knows(model) else "_unknown"
+            if trace is not None and status != 200:
+                trace.record(label, received, status, refusal)
             if self.metrics is not None:
-                model = request.model_name
-                label = model if self.dataplane.knows(model) else "_unknown"
-                self.metrics.on_request(label, "grpc", status, time.perf_counter() - started)
+                trace_id = trace.trace_id if trace is not None else None
+                elapsed = time.perf_counter() - started
+                self.metrics.on_request(label, "grpc", status, elapsed, trace_id)
+                if trace is not None and trace_id is not None:
+                    trace.exemplify(self.metrics, label)
 
 
-def _stream_error(request: Any, message: str) -> Any:
-    """An error answer on a stream, naming the request it answers."""
+def _stream_error(request: Any, message: str, refusal: str | None = None) -> Any:
+    """An error answer on a stream, naming the request it answers (and why it was refused,
+    for a refusal)."""
     answer = schema.ModelStreamInferResponse(error_message=message)
     answer.infer_response.model_name = request.model_name
     answer.infer_response.model_version = request.model_version
     answer.infer_response.id = request.id
+    if refusal is not None:
+        set_parameter(answer.infer_response.parameters["refusal_reason"], refusal)
     return answer
