@@ -15,7 +15,7 @@ ADMIN_TOKEN ?=
 # then not served, it reads its inputs from the store)
 REDIS_URL ?=
 
-.PHONY: run test setup setup-dev browser lint bench clean
+.PHONY: run test setup setup-dev browser lint bench chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ lint: setup-dev
 
 bench: setup-dev
 	$(BIN)/python benchmarks/worker_vs_baseline.py
+
+# The chaos suite (docs/stack.md, "Chaos"): a stack under load while workers, Redis and the front
+# door fail; the table goes to var/chaos.
+chaos: setup-dev
+	$(BIN)/python benchmarks/chaos.py --out var/chaos
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
