@@ -63,6 +63,7 @@ def lane_command(config: FleetConfig, lane: ManagedWorker, backends_file: Path) 
         config.log_level,
         "--backends-file",
         str(backends_file),
+        *config.lane_args,
     ]
 
 

@@ -108,6 +108,8 @@ class FleetConfig:
     # the models named here go through `tailserve route`, which hedges them.
     hedge_lane_ms: float = DEFAULT_THRESHOLD_MS
     hedge_models: tuple[str, ...] = ()
+    # More `tailserve route` flags for the lane (--otel-endpoint URL).
+    lane_args: tuple[str, ...] = ()
     # How often the workers' cost models are read to sort the models into lanes.
     classify_interval_s: float = 5.0
     # Autoscaling between bounds, with a warm pool (None: `workers` serve, always).

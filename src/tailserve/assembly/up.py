@@ -26,6 +26,7 @@ from tailserve.cache.redis import parse_url, without_password
 from tailserve.errors import ConfigError
 from tailserve.fleet.autoscaler import ScalingConfig
 from tailserve.fleet.gpus import detect_gpus, parse_gpus
+from tailserve.router.command import add_trace_arguments, trace_flags
 from tailserve.router.config import parse_model_balance
 from tailserve.router.frontdoor import BALANCE, FrontDoorPolicy
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS
@@ -109,6 +110,7 @@ def add_parser(commands: Any) -> None:
     )
     add_front_door_arguments(up)
     add_lane_arguments(up)
+    add_trace_arguments(up)
     add_scaling_arguments(up)
     up.add_argument(
         "--drain-timeout",
@@ -295,6 +297,7 @@ def fleet_config(args: argparse.Namespace, env: Mapping[str, str]) -> FleetConfi
         log_level=args.log_level,
         hedge_lane_ms=args.hedge_lane_ms,
         hedge_models=tuple(args.hedge_model),
+        lane_args=tuple(trace_flags(args)),
     )
 
 
@@ -329,7 +332,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         out += ["--pinned-models", args.pinned_models]
     if args.model_eviction:
         out += ["--model-eviction", args.model_eviction]
-    return out
+    return out + trace_flags(args)
 
 
 def example_repository(directory: Path) -> Path:

@@ -70,7 +70,7 @@ def record(
     received = wall(arrival.received_at)
     end = time.monotonic_ns() + offset
     parent = tracing.parent(arrival.traceparent, arrival.tracestate)
-    frontdoor = _frontdoor_ns(arrival.frontdoor_us, received)
+    frontdoor = frontdoor_ns(arrival.frontdoor_us, received)
     door = None
     if frontdoor is not None:
         waited = {"tailserve.frontdoor.wait_us": (received - frontdoor) // 1000}
@@ -150,7 +150,7 @@ def _stages(
     tracing.span("respond", span, answered, end)
 
 
-def _frontdoor_ns(value: str | bytes | None, received: int) -> int | None:
+def frontdoor_ns(value: str | bytes | None, received: int) -> int | None:
     """The front door's receipt in ns since the epoch, if it is a number no later than the
     worker's own (a clock a little ahead is taken as no wait)."""
     if value is None:

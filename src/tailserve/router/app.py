@@ -25,12 +25,15 @@ from urllib.parse import unquote
 
 import orjson
 
+from tailserve.observability.tracing import Tracing
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.server import Headers, Reply
+from tailserve.router.attempt_spans import TraceParent
 from tailserve.router.dispatch import Dispatcher
 from tailserve.router.keys import body_key, cost_class
 from tailserve.router.messages import Framer, Outcome
 from tailserve.router.metrics import CONTENT_TYPE
+from tailserve.router.route_spans import FRONTDOOR_HEADER, end_route, start_route
 from tailserve.router.upstreams import ANY
 
 # Not forwarded either way: they describe one connection, not the request (RFC 9110 7.6.1),
@@ -49,6 +52,7 @@ _HOP = frozenset(
         b"x-deadline-ms",
     )
 )
+_TRACED_HOP = _HOP | {FRONTDOOR_HEADER}
 _REPLY_HOP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server")
 )
@@ -86,10 +90,18 @@ def classify(method: str, path: str) -> Target:
 class RouterApp:
     """Local routes answered at once; the rest sent on by the dispatcher, in a task."""
 
-    def __init__(self, dispatcher: Dispatcher, *, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        ready: Callable[[], bool],
+        tracing: Tracing | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
         self.metrics = dispatcher.metrics
         self._ready = ready
+        # OpenTelemetry (router/route_spans.py): None unless tracing is on.
+        self.tracing = tracing
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
         path = _raw_path(request)
@@ -108,11 +120,15 @@ class RouterApp:
         # label set by inventing model names.)
         known = model != ANY and model in self.dispatcher.known_models()
         status = 500
+        outcome = None
+        span = trace = None
+        if self.tracing is not None:
+            span, trace = start_route(self.tracing, request, model if known else "_other")
         try:
             if target.broadcast:
                 outcome = await self._broadcast(request)
             else:
-                outcome = await self._forward(request, target)
+                outcome = await self._forward(request, target, trace)
             status = outcome.status
             return status, _reply_headers(outcome), outcome.body
         except asyncio.CancelledError:  # the client hung up: its copies are withdrawn
@@ -120,6 +136,8 @@ class RouterApp:
             raise
         finally:
             self._count(request, model if known else "_other", status)
+            if span is not None and self.tracing is not None:
+                end_route(self.tracing, span, status, outcome)
 
     def _count(self, request: HttpRequest, label: str, status: int) -> None:
         self.metrics.requests.inc(label, str(status))
@@ -138,7 +156,9 @@ class RouterApp:
             return 200, _JSON, orjson.dumps(backends_state(self.dispatcher))
         return None
 
-    async def _forward(self, request: HttpRequest, target: Target) -> Outcome:
+    async def _forward(
+        self, request: HttpRequest, target: Target, trace: TraceParent | None = None
+    ) -> Outcome:
         dispatcher = self.dispatcher
         key = None
         if target.infer and dispatcher.wants_key(target.model):
@@ -147,14 +167,16 @@ class RouterApp:
                 key = given.decode("latin-1")
             else:
                 key = body_key(request.raw_body, _binary_header_length(request))
+        # Traced here, the front door's stamp becomes the lane's span, not the worker's.
         return await dispatcher.request(
             target.model,
-            framer(request),
+            framer(request, _TRACED_HOP if trace is not None else _HOP),
             key=key,
             cost=cost_class(len(request.raw_body)),
             deadline_s=deadline_of(request),
             idempotent=request.method in ("GET", "HEAD"),
             hedge=target.infer,
+            trace=trace,
         )
 
     async def _broadcast(self, request: HttpRequest) -> Outcome:
@@ -257,13 +279,14 @@ def deadline_of(request: HttpRequest) -> float | None:
     return value / 1e3 if value > 0 else None
 
 
-def framer(request: HttpRequest) -> Framer:
-    """The request's bytes for a backend, given what is left of its deadline (or None)."""
+def framer(request: HttpRequest, hop: frozenset[bytes] = _HOP) -> Framer:
+    """The request's bytes for a backend, given what is left of its deadline (or None);
+    ``hop``: the headers not sent on."""
     # HEAD goes upstream as GET (our response parser expects a body where a length is
     # given); the server drops the body from the reply to the client again.
     method = b"GET" if request.method == "HEAD" else request.method.encode("latin-1")
     lines = [method + b" " + request.target + b" HTTP/1.1"]
-    lines += [name + b": " + value for name, value in request.headers if name not in _HOP]
+    lines += [name + b": " + value for name, value in request.headers if name not in hop]
     body = request.raw_body
     if body or request.method in ("POST", "PUT", "PATCH"):
         lines.append(b"content-length: %d" % len(body))

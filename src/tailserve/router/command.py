@@ -3,18 +3,24 @@
 tailserve route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 [--port 8080]
 tailserve route --backends-file workers.txt     # one URL a line, re-read when it changes
 tailserve route --backends-dns workers.default.svc:8000   # every address of a name
+tailserve route ... --otel-endpoint http://collector:4318   # traces (docs/observability.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, shown
+from tailserve.observability.tracing import ENDPOINT_ENV
 from tailserve.router.balancing import BALANCERS
 from tailserve.router.config import RouterConfig, parse_model_balance
 from tailserve.settings import LOG_LEVELS
+
+# The sample ratio's variable, as `tailserve serve` reads it (settings.py).
+SAMPLE_ENV = "TAILSERVE_OTEL_SAMPLE"
 
 
 def add_parser(commands: Any) -> None:
@@ -47,6 +53,7 @@ def add_parser(commands: Any) -> None:
         "--grpc-port", type=int, default=8081, help="gRPC port, sent on over HTTP (8081; 0: none)"
     )
     add_policy_arguments(route)
+    add_trace_arguments(route)
     route.add_argument("--admin-token", help="the workers' admin token (to read model indexes)")
     route.add_argument(
         "--log-level",
@@ -113,6 +120,33 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """OpenTelemetry's options, the same for `route` and `up` (and `serve`'s names)."""
+    parser.add_argument(
+        "--otel-endpoint",
+        help="send OpenTelemetry traces over OTLP/HTTP here "
+        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--otel-sample",
+        type=float,
+        help="share of requests traced when no sampled traceparent comes with them (0.01)",
+    )
+
+
+def trace_flags(args: argparse.Namespace) -> list[str]:
+    """The trace options given, as flags for another tailserve process (`up`'s workers and
+    lane; without them each reads the environment it inherits)."""
+    out = []
+    if args.otel_endpoint:
+        out += ["--otel-endpoint", args.otel_endpoint]
+    if args.otel_sample is not None:
+        if not 0.0 <= args.otel_sample <= 1.0:
+            raise ConfigError(f"--otel-sample must be between 0 and 1, not {args.otel_sample}")
+        out += ["--otel-sample", repr(args.otel_sample)]
+    return out
+
+
 def config_from(args: argparse.Namespace, **extra: Any) -> RouterConfig:
     return RouterConfig(
         balance=args.balance,
@@ -136,8 +170,17 @@ def handle(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    sample = args.otel_sample
+    if sample is None:
+        given = os.environ.get(SAMPLE_ENV, "0.01")
+        try:
+            sample = float(given)
+        except ValueError:
+            raise ConfigError(f"{SAMPLE_ENV} must be a number, not {shown(given)}") from None
     config = config_from(
         args,
+        otel_endpoint=args.otel_endpoint or os.environ.get(ENDPOINT_ENV) or None,
+        otel_sample=sample,
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,

@@ -25,6 +25,10 @@ class RouterConfig:
     backends_dns: str | None = None
     dns_interval_s: float = 5.0
     file_interval_s: float = 1.0
+    # OpenTelemetry traces (router/route_spans.py): sent to this OTLP/HTTP endpoint (None: no
+    # tracing), for this share of the requests that come with no sampled parent.
+    otel_endpoint: str | None = None
+    otel_sample: float = 0.01
     # Replica choice: the default policy, and per-model overrides (model -> policy).
     balance: str = "p2c"
     model_balance: dict[str, str] = field(default_factory=dict)

@@ -21,7 +21,10 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from tailserve.errors import UpstreamError
+from tailserve.protocols.refusals import HEADER
 from tailserve.router.attempt_spans import TraceParent, end_attempt, start_attempt
 from tailserve.router.attempts import Result, is_timeout, may_retry, report
 from tailserve.router.backends import Backend, Pool
@@ -34,6 +37,8 @@ from tailserve.transport.http1 import Response
 
 if TYPE_CHECKING:
     from tailserve.router.dispatch import Dispatcher
+
+REFUSAL = HEADER.encode()
 
 
 class Attempt:
@@ -311,8 +316,10 @@ class Exchange:
             else f"no replica of {self.model!r} is in service"
         )
         self._d.metrics.shed.inc(self.model, reason)
-        headers = [*json_headers(), (b"retry-after", b"1")]
-        self._finish(Outcome(503, headers, error_body(what), reason=reason))
+        # A refusal says why, as the workers' do (docs/observability.md).
+        headers = [*json_headers(), (b"retry-after", b"1"), (REFUSAL, reason.encode())]
+        body = orjson.dumps({"error": what, "reason": reason})
+        self._finish(Outcome(503, headers, body, reason=reason))
 
     def _finish(self, outcome: Outcome) -> None:
         self.done = True

@@ -19,6 +19,7 @@ import signal
 from typing import Any
 
 from tailserve.collector import freeze_held
+from tailserve.observability.tracing import Tracing, start_tracing
 from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.server import HttpServer
 from tailserve.router.app import RouterApp, backends_state
@@ -43,6 +44,8 @@ class Router:
         # The gRPC front (`grpc_gateway`), while it serves; its port once bound.
         self._grpc: Any = None
         self.grpc_port: int | None = None
+        # OpenTelemetry (router/route_spans.py): None unless an endpoint is set.
+        self.tracing: Tracing | None = None
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -74,8 +77,11 @@ class Router:
             loop.create_task(dispatcher.run_health()),
             loop.create_task(membership.run()),
         ]
+        self.tracing = self.tracing or start_tracing(
+            "tailserve-router", endpoint=config.otel_endpoint, sample=config.otel_sample
+        )
         self._http = HttpServer(
-            RouterApp(dispatcher, ready=self.ready),
+            RouterApp(dispatcher, ready=self.ready, tracing=self.tracing),
             max_body_bytes=config.max_body_bytes,
             keep_alive_s=config.keep_alive_s,
             read_timeout_s=config.read_timeout_s,
@@ -137,6 +143,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._dispatcher is not None:
             await self._dispatcher.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # (what is still batched goes out first)
 
     async def serve(self) -> None:
         """Run until SIGTERM or SIGINT, then drain."""
