@@ -185,7 +185,11 @@ def _small_numbers(dtype: np.dtype[Any], data: list[Any]) -> np.ndarray[Any, Any
                     return None
             elif kind_of is not float:
                 return None
-        return np.array(data, dtype=dtype)
+        try:
+            with np.errstate(over="raise"):
+                return np.array(data, dtype=dtype)
+        except FloatingPointError:  # past the type's range: the general path says so
+            return None
     return None
 
 
@@ -237,8 +241,10 @@ def _number_array(
         if array.min() < info.min or array.max() > info.max:
             raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}")
     try:
-        return array.astype(dtype, copy=False)
-    except (ValueError, TypeError, OverflowError) as exc:
+        # A finite value past a float type's range (1e10 as FP16) would become infinity.
+        with np.errstate(over="raise"):
+            return array.astype(dtype, copy=False)
+    except (ValueError, TypeError, OverflowError, FloatingPointError) as exc:
         raise InvalidInput(f"tensor {name!r}: data does not fit datatype {datatype}") from exc
 
 

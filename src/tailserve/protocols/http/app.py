@@ -433,7 +433,11 @@ class HttpApp:
 
     async def _repository_index(self, request: HttpRequest) -> Reply:
         options = await request.json()
-        ready_only = bool(options.get("ready", False)) if isinstance(options, dict) else False
+        if not isinstance(options, dict):
+            raise InvalidInput('body must be an object: {"ready": true} or {}')
+        ready_only = options.get("ready", False)
+        if not isinstance(ready_only, bool):
+            raise InvalidInput(f"'ready' must be true or false, got {shown(ready_only)}")
         index = self.dataplane.repository_index(ready_only=ready_only)
         return 200, _JSON, orjson.dumps(index)
 
@@ -456,6 +460,11 @@ class HttpApp:
         unknown = sorted(set(options) - {"model", "version", "prefix"})
         if unknown:
             raise InvalidInput(f"unknown field {shown(unknown[0])} (known: model, version, prefix)")
+        for name, value in options.items():  # (null is no way to leave a field out)
+            if not isinstance(value, str) and not (
+                name == "version" and type(value) is int and value >= 0
+            ):
+                raise InvalidInput(f"field {name!r} must be a string, got {shown(value)}")
         report = await self.dataplane.invalidate(
             options.get("model"), options.get("version"), options.get("prefix")
         )

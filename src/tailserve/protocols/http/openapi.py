@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tailserve.protocols.http.routes import ROUTES, Route
 from tailserve.version import __version__
 
+_MV_NAMES = ("model", "version")
 _ERROR = {
     "type": "object",
     "properties": {"error": {"type": "string"}},
@@ -35,7 +37,7 @@ _TENSOR = {
                 "BYTES",
             ],
         },
-        "shape": {"type": "array", "items": {"type": "integer"}},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 32},
         "data": {"description": "Row-major values, flat or nested; absent for binary data."},
         "parameters": {
             "type": "object",
@@ -97,9 +99,19 @@ _SCHEMAS: dict[str, Any] = {
         "description": "What to drop: a model (and version), or a key prefix (ts:{model}:v1:...).",
         "properties": {
             "model": {"type": "string"},
-            "version": {"type": "string"},
-            "prefix": {"type": "string"},
+            "version": {
+                "anyOf": [
+                    {"type": "string", "pattern": "^[0-9]+$"},
+                    {"type": "integer", "minimum": 0},
+                ]
+            },
+            "prefix": {"type": "string", "pattern": "^ts:"},
         },
+        "additionalProperties": False,
+        "oneOf": [
+            {"required": ["model"], "not": {"required": ["prefix"]}},
+            {"required": ["prefix"], "not": {"anyOf": [{"required": [n]} for n in _MV_NAMES]}},
+        ],
     },
 }
 _BODIES = {
@@ -113,8 +125,17 @@ _STATUS_TEXT = {
     "401": "Missing or wrong bearer token.",
     "403": "Admin routes of a worker listening beyond loopback with no admin token set.",
     "404": "Unknown model or version.",
+    "409": "The job has finished: there is nothing left to cancel.",
     "413": "Body over the configured limit.",
+    "429": "Refused now: its deadline cannot be met, or the queue is full (Retry-After).",
     "503": "Not ready or overloaded (Retry-After).",
+    "504": "Its deadline passed while it waited.",
+}
+# The codes only some routes answer.
+_ONLY: dict[str, tuple[str, ...]] = {
+    "409": ("cancel_job",),
+    "429": ("infer", "predict_v1", "submit_job", "submit_job_v1"),
+    "504": ("infer", "predict_v1"),
 }
 
 
@@ -133,11 +154,43 @@ def openapi_document() -> dict[str, Any]:
     }
 
 
+# What each path parameter may hold (a path segment is never empty).
+_PATH_SCHEMAS: dict[str, dict[str, Any]] = {
+    "model": {"type": "string", "minLength": 1},
+    "version": {"type": "string", "pattern": "^[0-9]+$"},
+    "job": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+}
+# The options an inference request carries in headers (docs/worker.md).
+_INFER_HEADERS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("X-Deadline-Ms", {"type": "number", "exclusiveMinimum": 0}),
+    ("X-Priority", {"type": "integer"}),
+    ("X-Cache-Mode", {"type": "string", "enum": ["use", "bypass", "refresh"]}),
+    ("X-Variant", {"type": "string"}),
+    ("Inference-Header-Content-Length", {"type": "integer", "minimum": 1}),
+)
+# As tailserve.jobs names them (a layer above this one; a test keeps the two in step).
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+MAX_JOBS_LISTED = 1000
+_QUERIES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "list_jobs": (
+        ("model", {"type": "string"}),
+        ("status", {"type": "string", "enum": list(JOB_STATES)}),
+        ("limit", {"type": "integer", "minimum": 1, "maximum": MAX_JOBS_LISTED}),
+    ),
+}
+
+
 def _operation(route: Route) -> dict[str, Any]:
-    parameters = [
-        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-        for name in ("model", "version")
-        if "{" + name + "}" in route.template
+    parameters: list[dict[str, Any]] = [
+        {"name": name, "in": "path", "required": True, "schema": _PATH_SCHEMAS[name]}
+        for name in re.findall(r"\{(\w+)\}", route.template)
+    ]
+    if route.body == "infer":
+        parameters += [{"name": n, "in": "header", "schema": s} for n, s in _INFER_HEADERS]
+    if route.handler.startswith("submit_job"):
+        parameters.append({"name": "X-Webhook-Url", "in": "header", "schema": {"type": "string"}})
+    parameters += [
+        {"name": n, "in": "query", "schema": s} for n, s in _QUERIES.get(route.handler, ())
     ]
     ok_schema = "InferenceResponse" if route.body == "infer" else None
     ok: dict[str, Any] = {"description": "OK"}
@@ -149,9 +202,16 @@ def _operation(route: Route) -> dict[str, Any]:
     for code, text in _STATUS_TEXT.items():
         if code in ("401", "403") and not route.admin:
             continue
+        if code in _ONLY and route.handler not in _ONLY[code]:
+            continue
         responses[code] = {
             "description": text,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+    if route.handler == "model_ready":  # not ready: 400 with the same document as 200
+        ready = {"type": "object", "properties": {"name": {}, "ready": {"type": "boolean"}}}
+        responses["400"]["content"]["application/json"]["schema"] = {
+            "anyOf": [ready, {"$ref": "#/components/schemas/Error"}]
         }
     operation: dict[str, Any] = {
         "summary": route.summary,

@@ -157,5 +157,18 @@ class Router:
                 path_known = True
         return None, {}, path_known
 
+    def allowed(self, path: str) -> str:
+        """The methods ``path`` answers, for the Allow header of a 405 (RFC 9110 15.5.6)."""
+        matching = [r for r in self._static.values() if r.template == path]
+        matching += [r for r in self._dynamic if r.pattern.match(path)]
+        # Those of the most specific template: /v1/models/m:predict is the predict route's
+        # path (it matches /v1/models/{model} too, with the model named "m:predict").
+        best = max((_literal_length(r) for r in matching), default=0)
+        return ", ".join(sorted({r.method for r in matching if _literal_length(r) == best}))
+
+
+def _literal_length(route: Route) -> int:
+    return len(re.sub(r"\{\w+\}", "", route.template))
+
 
 _SEEN = 4096
