@@ -5,6 +5,7 @@ retry can serve each of them), and each fault is over within a few seconds."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,9 @@ async def test_no_request_fails_or_is_lost_under_chaos(
     repository = churn_repository(example_repository, tmp_path / "repository")
     with chaos_stack(repository, tmp_path) as stack:
         result = await run_chaos(stack, PLAN, echo=lambda _: None)
+        log = stack.up.log()
+    # The front door is started again at once (the workers wait 0.5 s).
+    assert re.search(r"the front door \(pid \d+\) exited with -9: restarting it in 0\.1 s", log)
     table = result.table()
     assert [row.fault for row in result.rows] == list(PLAN.faults), table
     for row in result.rows:

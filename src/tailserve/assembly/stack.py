@@ -57,7 +57,7 @@ from tailserve.fleet.processes import (
     until_ok,
     until_ready,
 )
-from tailserve.fleet.restarts import Backoff, RestartPolicy
+from tailserve.fleet.restarts import Backoff, RestartPolicy, front_door_backoff
 from tailserve.protocols.http.server import HttpServer
 from tailserve.router.config import backend_url
 from tailserve.router.frontdoor import (
@@ -413,7 +413,7 @@ class Supervisor:
 
     async def _keep_front_door(self) -> None:
         """Start the front door again whenever it exits on its own."""
-        policy = RestartPolicy(self.config.backoff)
+        policy = RestartPolicy(front_door_backoff(self.config.backoff))
         loop = asyncio.get_running_loop()
         door = self.front_door_process
         while True:

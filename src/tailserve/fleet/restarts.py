@@ -4,7 +4,7 @@ the first delay. Pure: the times are passed in."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tailserve.errors import ConfigError
 
@@ -40,3 +40,13 @@ class RestartPolicy:
         delay = self._next_s
         self._next_s = min(delay * 2, self.backoff.cap_s)
         return delay
+
+
+# The front door's first restart: every request waits on it, and it starts in a few hundred
+# milliseconds (no models to load), so it is started again almost at once.
+FRONT_DOOR_FIRST_S = 0.1
+
+
+def front_door_backoff(backoff: Backoff) -> Backoff:
+    """``backoff`` for the front door: its first delay at most `FRONT_DOOR_FIRST_S`."""
+    return replace(backoff, first_s=min(backoff.first_s, FRONT_DOOR_FIRST_S))
