@@ -64,6 +64,10 @@ lint: setup-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The fuzz tests' long profile: thousands of cases per route and property (docs/testing.md).
+fuzz: setup-dev
+	TAILSERVE_FUZZ=long $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
+
 bench: setup-dev
 	$(BIN)/python benchmarks/worker_vs_baseline.py
 

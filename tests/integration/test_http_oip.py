@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gzip
+import re
 import struct
 import threading
 from collections.abc import Iterator
@@ -451,3 +452,41 @@ def _decode_off_the_loop(worker: RunningWorker, monkeypatch: pytest.MonkeyPatch)
     reply = httpx.post(url, content=large[:-1] + b"]", headers={"content-type": "application/json"})
     assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]
     assert_still_serving(worker.url)
+
+
+def test_a_405_says_which_methods_the_path_takes(worker: RunningWorker) -> None:
+    # Found by tests/fuzz (schemathesis): a 405 without Allow (RFC 9110 requires it).
+    reply = httpx.put(f"{worker.url}/v2/health/live")
+    assert (reply.status_code, reply.headers["allow"]) == (405, "GET")
+    reply = httpx.put(f"{worker.url}/v1/models/doubler:predict")  # not the v1 status route's
+    assert (reply.status_code, reply.headers["allow"]) == (405, "POST")
+    reply = httpx.delete(f"{worker.url}/v2/jobs/abc")
+    assert reply.status_code != 405
+    assert httpx.put(f"{worker.url}/v2/jobs/abc").headers["allow"] == "DELETE, GET"
+
+
+def test_openapi_declares_every_path_parameter(worker: RunningWorker) -> None:
+    # Found by tests/fuzz: /v2/jobs/{job} did not declare 'job'.
+    document = httpx.get(f"{worker.url}/openapi.json").json()
+    for template, operations in document["paths"].items():
+        for operation in operations.values():
+            declared = {p["name"] for p in operation["parameters"] if p["in"] == "path"}
+            assert declared == set(re.findall(r"\{(\w+)\}", template)), template
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/v2/repository/index", {"ready": {}}, "'ready' must be true or false"),
+        ("/v2/repository/index", False, "body must be an object"),
+        ("/v2/cache/invalidate", {"model": "m", "prefix": None}, "field 'prefix'"),
+        ("/v2/cache/invalidate", {"model": "m", "version": -1}, "field 'version'"),
+    ],
+)
+def test_admin_bodies_of_the_wrong_type_are_refused(
+    worker: RunningWorker, path: str, body: object, named: str
+) -> None:
+    # Found by tests/fuzz: these were taken (null as absent, {} as false).
+    reply = httpx.post(f"{worker.url}{path}", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert reply.status_code == 400
+    assert named in reply.json()["error"]
