@@ -3,9 +3,15 @@ refusal's reason."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
+from tailserve.assembly.commands import lane_command, worker_command
+from tailserve.assembly.up import add_parser, fleet_config
 from tailserve.errors import (
+    ConfigError,
     DeadlineExceeded,
     DeadlineUnmeetable,
     InvalidInput,
@@ -14,6 +20,7 @@ from tailserve.errors import (
     QueueFull,
     Unavailable,
 )
+from tailserve.fleet.processes import ManagedWorker
 from tailserve.observability.tracing import parse_traceparent, start_tracing
 from tailserve.protocols.refusals import refusal_reason
 from tailserve.router.attempt_spans import with_headers
@@ -65,3 +72,23 @@ def test_tracing_is_off_without_an_endpoint() -> None:
     )
     assert on is not None
     on.shutdown()
+
+
+def test_up_passes_the_trace_options_to_its_workers_and_lane(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    flags = ["--otel-endpoint", "http://collector:4318", "--otel-sample", "0.5"]
+    args = parser.parse_args(["up", "--repository", str(tmp_path), *flags])
+    config = fleet_config(args, {})
+    worker = worker_command(config, ManagedWorker("worker-0", 1, 2))
+    lane = lane_command(config, ManagedWorker("lane", 3), tmp_path / "backends")
+    for command in (worker, lane):
+        at = command.index("--otel-endpoint")
+        assert command[at : at + 4] == flags, command
+    quiet = parser.parse_args(["up", "--repository", str(tmp_path)])
+    assert "--otel-endpoint" not in lane_command(
+        fleet_config(quiet, {}), ManagedWorker("lane", 3), tmp_path / "backends"
+    )
+    wrong = parser.parse_args(["up", "--repository", str(tmp_path), "--otel-sample", "2"])
+    with pytest.raises(ConfigError, match=r"--otel-sample must be between 0 and 1, not 2\.0"):
+        fleet_config(wrong, {})
