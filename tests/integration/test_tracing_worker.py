@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from support.models import doubler_config, write_model
-from support.servers import RunningWorker, run_worker, wait_for
+from support.servers import RunningWorker, free_port, run_worker, wait_for
 from tailserve.client import Client
 from tailserve.observability.tracing import start_tracing
 from tailserve.settings import Settings
@@ -154,3 +154,31 @@ async def test_the_client_library_propagates_its_context(
     assert attempt.attributes["tailserve.replica"] == result.replica
     request = spans_of(exporter, trace_id)["request"]
     assert request.parent.span_id == attempt.context.span_id
+
+
+def test_an_open_l2_breaker_degrades_and_refuses_nothing(tmp_path: Path) -> None:
+    # Redis gone (nothing listens at its port): the L2 breaker opens and lookups are answered
+    # as misses; the request is computed, not refused, so it carries no refusal reason.
+    write_model(tmp_path, "m", doubler_config(cache={"enabled": True, "ttl_s": 60}))
+    exporter = InMemorySpanExporter()
+    tracing = start_tracing("tailserve-worker", exporter=exporter, sample=0.0)
+    settings = Settings(repository=str(tmp_path), redis_url=f"redis://127.0.0.1:{free_port()}")
+    with run_worker(settings, tracing=tracing) as worker:
+        sent = iter(range(1000))
+
+        def breaker_open() -> bool:
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": []}]}
+            body["inputs"][0]["data"] = [float(next(sent))]
+            assert httpx.post(f"{worker.url}/v2/models/m/infer", json=body).status_code == 200
+            metrics = httpx.get(f"{worker.url}/metrics").text
+            return "tailserve_cache_l2_breaker_state 1.0" in metrics
+
+        wait_for(breaker_open, timeout=10, what="the L2 breaker to open")
+        headers = {"traceparent": SAMPLED.replace("0af7", "5af7")}
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [-1.0]}]}
+        reply = httpx.post(f"{worker.url}/v2/models/m/infer", json=body, headers=headers)
+        assert reply.status_code == 200 and reply.headers["x-cache"] == "miss"
+        assert "x-refusal-reason" not in reply.headers
+        request = spans_of(exporter, reply.headers["x-trace-id"])["request"]
+        assert request.attributes["http.response.status_code"] == 200
+        assert "tailserve.refusal_reason" not in request.attributes
