@@ -15,9 +15,8 @@ of: ``ok`` (200), ``failed`` (another status, or an error, after the client's re
 
 For each: the requests sent (by intended send time) from the fault until the next one began,
 how many failed or were lost, and the seconds to recover: from the fault's last blow to the
-start of the first second from which every second of its window is good (every request ok,
-and the second's p99 within the SLO, or within the worst second of the baseline before any
-fault when that was worse already).
+start of the first three good seconds in a row (every request ok, and the second's p99 within
+the SLO, or within the worst second of the baseline before any fault when that was worse).
 """
 
 from __future__ import annotations
@@ -45,6 +44,9 @@ from tailserve.examples.churn import FIELDS, sample_rows
 
 MODEL = "churn"
 SLO_S = 0.050
+# Recovered: the first of this many good seconds in a row (on a shared machine a second now and
+# then misses the SLO with no fault at all).
+SETTLE_S = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -385,7 +387,7 @@ def judge(
     ]
     recover: float | None = None
     for i in range(len(good)):
-        if all(good[i:]):
+        if all(good[i : i + SETTLE_S]):
             recover = float(i)
             break
     return FaultRow(
