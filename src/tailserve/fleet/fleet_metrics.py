@@ -65,22 +65,25 @@ def fleet_families(fleet: Fleet) -> list[Metric]:
                 value=1 if lane.get("ready") else 0,
             )
         )
-    scaler = fleet.autoscaler()
-    if scaler is not None:
-        serving = scaler.get("serving") or 0
-        wanted = scaler.get("wanted")
+    # Without an autoscaler (a fixed --workers N), every slot is wanted, serving.
+    scaler = fleet.autoscaler() or {"serving": counts["serving"], "wanted": len(slots)}
+    serving = scaler.get("serving") or 0
+    wanted = scaler.get("wanted")
+    families += [
+        GaugeMetricFamily(
+            "tailserve_autoscaler_serving_workers",
+            "Worker slots in the serving role (ready or not).",
+            value=serving,
+        ),
+        GaugeMetricFamily(
+            "tailserve_autoscaler_wanted_workers",
+            "The serving workers the autoscaler last asked for (before its first decision: "
+            "those serving; with no autoscaler: every worker).",
+            value=serving if wanted is None else wanted,
+        ),
+    ]
+    if "min_workers" in scaler:
         families += [
-            GaugeMetricFamily(
-                "tailserve_autoscaler_serving_workers",
-                "Worker slots in the serving role (ready or not).",
-                value=serving,
-            ),
-            GaugeMetricFamily(
-                "tailserve_autoscaler_wanted_workers",
-                "The serving workers the autoscaler last asked for (before its first decision: "
-                "those serving).",
-                value=serving if wanted is None else wanted,
-            ),
             GaugeMetricFamily(
                 "tailserve_autoscaler_min_workers",
                 "The least serving workers allowed.",
