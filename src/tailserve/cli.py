@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trace-sample", type=float, help="fraction of requests logged (1.0)")
     serve.add_argument(
         "--otel-endpoint",
-        help="send OpenTelemetry traces over OTLP/HTTP here (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
+        help="send OpenTelemetry traces over OTLP/HTTP here "
+        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
     serve.add_argument(
         "--otel-sample",
