@@ -15,6 +15,7 @@ from support.servers import WorkerProcess, free_port, wait_for
 
 STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
 ANY_STARTED = re.compile(r"\S+ started \(pid (\d+)\) on")
+READY = re.compile(r"tailserve up: front door on .*, \d+ workers? ready")
 FRONT_DOOR = re.compile(r"front door \(HAProxy pid (\d+)\) started")
 
 
@@ -66,7 +67,7 @@ def tailserve_up(
     running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_for(
-            lambda: process.poll() is not None or "workers ready" in running.log(),
+            lambda: process.poll() is not None or READY.search(running.log()) is not None,
             timeout=90,
             what="tailserve up to report its workers ready",
         )
