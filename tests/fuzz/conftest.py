@@ -50,19 +50,6 @@ def _variants(directory: str, names: list[str]) -> list[str]:
     return [n for n in names if n.startswith("model.") and n != "model.onnx"]
 
 
-@pytest.fixture(scope="session")
-def served_models(fuzz_worker: WorkerProcess) -> dict[str, dict[str, Any]]:
-    """The metadata of every model the worker serves, by name."""
-    index = httpx.post(
-        f"{fuzz_worker.url}/v2/repository/index",
-        headers={"Authorization": f"Bearer {fuzzing.ADMIN_TOKEN}"},
-        json={"ready": True},
-        timeout=10,
-    ).json()
-    names = sorted({entry["name"] for entry in index})
-    return {n: httpx.get(f"{fuzz_worker.url}/v2/models/{n}", timeout=10).json() for n in names}
-
-
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if fuzzing.CASES:
         terminalreporter.write_line(fuzzing.summary())
