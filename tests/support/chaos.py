@@ -14,9 +14,10 @@ of: ``ok`` (200), ``failed`` (another status, or an error, after the client's re
 - ``frontdoor-kill``: SIGKILL HAProxy (master and worker); the supervisor starts it again.
 
 For each: the requests sent (by intended send time) from the fault until the next one began,
-how many failed or were lost, and the seconds to recover: from the fault's last blow to the
-start of the first three good seconds in a row (every request ok, and the second's p99 within
-the SLO, or within the worst second of the baseline before any fault when that was worse).
+how many failed or were lost, and the seconds to recover: from the fault (its last kill) to the
+first of three good seconds in a row (every request ok, and the second's p99 within the SLO,
+or within the worst second of the baseline before any fault when that was worse) once the
+fault is over (Redis started again, the worker continued).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ SETTLE_S = 3
 class ChaosPlan:
     rate: float = 200.0
     warmup_s: float = 3.0  # load before the baseline is measured
-    baseline_s: float = 5.0
+    baseline_s: float = 10.0
     quiet_s: float = 10.0  # after each fault, before the next
     kills: int = 5
     kill_every_s: float = 2.0
@@ -343,9 +344,9 @@ async def run_chaos(
         plan.bar_s, baseline_worst_p99(load.sent, plan.warmup_s, plan.warmup_s + plan.baseline_s)
     )
     rows = []
-    for i, (name, start, blow, _end) in enumerate(marks):
+    for i, (name, start, blow, end) in enumerate(marks):
         until = marks[i + 1][1] if i + 1 < len(marks) else ended
-        rows.append(judge(name, load.sent, start, blow, until, bar))
+        rows.append(judge(name, load.sent, start, blow, until, bar, over_at=end))
     return ChaosResult(plan, baseline, rows)
 
 
@@ -371,8 +372,17 @@ def baseline_worst_p99(sent: list[Sent], start: float, until: float) -> float:
 
 
 def judge(
-    name: str, sent: list[Sent], start: float, blow: float, until: float, bar_s: float
+    name: str,
+    sent: list[Sent],
+    start: float,
+    blow: float,
+    until: float,
+    bar_s: float,
+    over_at: float | None = None,
 ) -> FaultRow:
+    """The window of a fault from ``start`` until ``until`` (the next one's start), its
+    recovery counted from ``blow``: the first of `SETTLE_S` good seconds in a row that begins
+    once the fault is over (``over_at``: Redis started again, the worker continued)."""
     window = [r for r in sent if start <= r.at < until]
     why: dict[str, int] = {}
     for r in window:
@@ -386,7 +396,7 @@ def judge(
         for b in judged
     ]
     recover: float | None = None
-    for i in range(len(good)):
+    for i in range(int((over_at or blow) - blow), len(good)):
         if all(good[i : i + SETTLE_S]):
             recover = float(i)
             break
