@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kube import autoscaling, frontdoor, redis, workers
+from kube import autoscaling, frontdoor, monitoring, redis, workers
 from kube.common import Obj
 from kube.values import Values, ValuesError, load
 
@@ -19,4 +19,5 @@ def render(values: Values) -> list[Obj]:
     found += workers.objects(values)
     found += frontdoor.objects(values)
     found += autoscaling.objects(values)
+    found += monitoring.objects(values)
     return found

@@ -26,6 +26,8 @@ FREE = frozenset(
         "frontdoor.modelBalance",
         "frontdoor.resources",
         "redis.resources",
+        "monitoring.ruleLabels",
+        "monitoring.dashboardLabels",
     }
 )
 # A DNS-1123 label: what a name becomes part of (object names, DNS names).
