@@ -64,9 +64,10 @@ lint: setup-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# The fuzz tests' long profile: thousands of cases per route and property (docs/testing.md).
+# The fuzz tests' long profile: FUZZ_EXAMPLES cases a route and a property (docs/testing.md).
+FUZZ_EXAMPLES ?= 500
 fuzz: setup-dev
-	TAILSERVE_FUZZ=long $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
+	TAILSERVE_FUZZ=long TAILSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
 
 bench: setup-dev
 	$(BIN)/python benchmarks/worker_vs_baseline.py

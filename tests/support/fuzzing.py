@@ -27,7 +27,8 @@ settings.register_profile(
 )
 settings.register_profile(
     "long",
-    max_examples=2000,
+    # TAILSERVE_FUZZ_EXAMPLES (make fuzz FUZZ_EXAMPLES=N): 500 runs in about 10 minutes here.
+    max_examples=int(os.environ.get("TAILSERVE_FUZZ_EXAMPLES", "500")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     database=None,
