@@ -620,18 +620,3 @@ def _get(url: str) -> int:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return 0
-
-
-def test_the_alert_rules_and_the_dashboard_ship_as_config_maps() -> None:
-    objects = rendered("monitoring.ruleLabels.release=prom")
-    alerts = one(objects, "ConfigMap", "tailserve-alerts")
-    assert alerts["data"] == {"alerts.yaml": (DEPLOY / "prometheus" / "alerts.yaml").read_text()}
-    assert alerts["metadata"]["labels"]["release"] == "prom"
-    board = one(objects, "ConfigMap", "tailserve-dashboard")
-    assert board["data"] == {"tailserve.json": (DEPLOY / "grafana" / "tailserve.json").read_text()}
-    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
-    validate([alerts, board])
-    off = rendered("monitoring.alertRules=false", "monitoring.grafanaDashboard=false")
-    assert not [
-        o for o in off if o["metadata"]["labels"].get("app.kubernetes.io/component") == "monitoring"
-    ]

@@ -8,6 +8,7 @@ import re
 
 import promql_parser
 import pytest
+from test_deploy import DEPLOY, one, rendered, validate
 
 from support.observability import alerts, dashboard, expressions, series
 
@@ -80,3 +81,18 @@ def test_the_dashboard_has_a_panel_for_each_thing_to_watch() -> None:
         assert [t["refId"] for t in panel["targets"]] == [
             chr(65 + i) for i in range(len(panel["targets"]))
         ]
+
+
+def test_the_alert_rules_and_the_dashboard_ship_as_config_maps() -> None:
+    objects = rendered("monitoring.ruleLabels.release=prom")
+    alerts = one(objects, "ConfigMap", "tailserve-alerts")
+    assert alerts["data"] == {"alerts.yaml": (DEPLOY / "prometheus" / "alerts.yaml").read_text()}
+    assert alerts["metadata"]["labels"]["release"] == "prom"
+    board = one(objects, "ConfigMap", "tailserve-dashboard")
+    assert board["data"] == {"tailserve.json": (DEPLOY / "grafana" / "tailserve.json").read_text()}
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    validate([alerts, board])
+    off = rendered("monitoring.alertRules=false", "monitoring.grafanaDashboard=false")
+    assert not [
+        o for o in off if o["metadata"]["labels"].get("app.kubernetes.io/component") == "monitoring"
+    ]
