@@ -193,6 +193,7 @@ def test_errors_name_the_problem(worker: RunningWorker) -> None:
     assert httpx.get(f"{url}/v2/jobs/{'0' * 32}").status_code == 404
     assert httpx.get(f"{url}/v2/jobs/a%20b").status_code == 400
     assert httpx.get(f"{url}/v2/jobs?status=lost").status_code == 400
+    assert httpx.get(f"{url}/v2/jobs?status=").status_code == 400  # blank is no status
     assert httpx.get(f"{url}/v2/jobs?limit=0").status_code == 400
     assert httpx.get(f"{url}/v2/jobs?colour=red").status_code == 400
     assert httpx.get(f"{url}/v2/health/live").status_code == 200  # still serving

@@ -199,6 +199,8 @@ def test_up_gives_its_workers_the_redis_password_by_the_environment_not_argv() -
         model_memory_mb=None,
         pinned_models=None,
         model_eviction=None,
+        otel_endpoint=None,
+        otel_sample=None,
     )
     argv = worker_args(args)
     assert PASSWORD not in " ".join(argv)

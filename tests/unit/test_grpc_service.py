@@ -102,6 +102,9 @@ class Plane:
         self.sheds: list[float | None] = []
         self.screened: list[bool] = []
 
+    def knows(self, model: str) -> bool:
+        return True
+
     def shed(
         self, name: str, version: str | None, *, received_at: float, deadline_ms: float | None
     ) -> None:

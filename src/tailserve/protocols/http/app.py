@@ -461,9 +461,13 @@ class HttpApp:
         if unknown:
             raise InvalidInput(f"unknown field {shown(unknown[0])} (known: model, version, prefix)")
         for name, value in options.items():  # (null is no way to leave a field out)
-            if not isinstance(value, str) and not (
-                name == "version" and type(value) is int and value >= 0
-            ):
+            whole = type(value) is int and value >= 0
+            if name == "version" and not (isinstance(value, str) or whole):
+                raise InvalidInput(
+                    f"field 'version' must be a whole number (0 or more) or a string, "
+                    f"got {shown(value)}"
+                )
+            if name != "version" and not isinstance(value, str):
                 raise InvalidInput(f"field {name!r} must be a string, got {shown(value)}")
         report = await self.dataplane.invalidate(
             options.get("model"), options.get("version"), options.get("prefix")

@@ -81,7 +81,9 @@ async def listing(jobs: JobsApi, request: HttpRequest) -> Reply:
 def _query(request: HttpRequest) -> dict[str, str]:
     _, _, raw = request.target.partition(b"?")
     try:
-        pairs = urllib.parse.parse_qsl(raw.decode("utf-8"), strict_parsing=bool(raw))
+        pairs = urllib.parse.parse_qsl(
+            raw.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(raw)
+        )
     except (UnicodeDecodeError, ValueError):
         raise InvalidInput(
             f"the query string {shown(raw)} cannot be read: it must be UTF-8, "
