@@ -228,7 +228,7 @@ class Soak:
             print("  (no dashboard_screenshot.py: no screenshot)")
             return
         target = self.args.out / "dashboard.png"
-        command = [sys.executable, str(script), f"{self.url}/dashboard", str(target)]
+        command = [sys.executable, str(script), self.url, "--out", str(target), "--samples", "3"]
         threading.Thread(target=subprocess.run, args=(command,), daemon=True).start()
 
 
