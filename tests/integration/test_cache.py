@@ -496,6 +496,6 @@ def _cluster_has_result(cluster: RunningRedisCluster) -> bool:
 
     client = redis_py.RedisCluster.from_url(cluster.url)
     try:
-        return any(True for _ in client.scan_iter(match="ts:{m}:*"))
+        return any(True for _ in client.scan_iter(match="ts:{m}:*", count=10_000))
     finally:
         client.close()

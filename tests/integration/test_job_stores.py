@@ -117,7 +117,7 @@ async def on_redis(url: str) -> AsyncIterator[Backend]:
     finally:
         for store in found.opened:
             await store.close()
-        async for key in found.admin.scan_iter(match=f"{{{prefix}}}:*"):
+        async for key in found.admin.scan_iter(match=f"{{{prefix}}}:*", count=10_000):
             await found.admin.unlink(key)
         await found.admin.aclose()
 
@@ -554,6 +554,6 @@ async def test_jobs_on_a_redis_cluster(redis_cluster: RunningRedisCluster) -> No
         assert time.monotonic() - started < 2.5
     finally:
         await store.close()
-        async for key in owner.scan_iter(match=f"{{{prefix}}}:*"):
+        async for key in owner.scan_iter(match=f"{{{prefix}}}:*", count=10_000):
             await owner.unlink(key)
         await owner.aclose()

@@ -90,7 +90,7 @@ def keys(redis: RedisServer, model: str = "m") -> int:
 
     client = redis_py.Redis.from_url(redis.url)
     try:
-        return sum(1 for _ in client.scan_iter(match=f"ts:{{{model}}}:*"))
+        return sum(1 for _ in client.scan_iter(match=f"ts:{{{model}}}:*", count=10_000))
     finally:
         client.close()
 

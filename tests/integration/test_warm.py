@@ -59,7 +59,7 @@ def stored(redis: RedisServer) -> int:
 
     client = redis_py.Redis.from_url(redis.url)
     try:
-        return sum(1 for _ in client.scan_iter(match="ts:{m}:*"))
+        return sum(1 for _ in client.scan_iter(match="ts:{m}:*", count=10_000))
     finally:
         client.close()
 
