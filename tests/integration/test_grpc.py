@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,13 +187,15 @@ def test_errors_are_grpc_statuses_naming_the_problem(worker: tuple[RunningWorker
 
 
 def test_a_taken_grpc_port_leaves_http_serving(
-    example_repository: Path, caplog: pytest.LogCaptureFixture
+    example_repository: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with run_worker(Settings(repository=str(example_repository), grpc_port=free_port())) as a:
+    # churn alone: two workers each loading the whole repository (sentiment's warm-up) is 20 s
+    shutil.copytree(example_repository / "churn", tmp_path / "churn")
+    with run_worker(Settings(repository=str(tmp_path), grpc_port=free_port())) as a:
         taken = a.worker.settings.grpc_port
         with (
             caplog.at_level(logging.ERROR),
-            run_worker(Settings(repository=str(example_repository), grpc_port=taken)) as b,
+            run_worker(Settings(repository=str(tmp_path), grpc_port=taken)) as b,
         ):
             assert httpx.get(f"{b.url}/v2/health/ready").status_code == 200
         assert f"worker: no gRPC on 127.0.0.1:{taken}" in caplog.text  # b said why
