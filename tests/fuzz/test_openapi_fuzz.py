@@ -64,6 +64,11 @@ def test_every_route_answers_without_a_server_error(
 ) -> None:
     label = f"openapi {case.operation.method.upper()} {case.operation.path}"
     fuzzing.CASES[label] += 1
+    params = case.path_parameters or {}
+    if _admin(case.operation) and params.get("model") in FUZZ_MODELS:
+        # An admin route never names a model under test, whatever phase made the case (a
+        # long run once unloaded rerank, and every later case for it answered 503).
+        case.path_parameters = {**params, "model": f"unserved-{params['model']}"}
     try:
         case.call_and_validate(
             base_url=fuzz_worker.url, timeout=fuzzing.TIMEOUT_S, excluded_checks=_excluded(case)
