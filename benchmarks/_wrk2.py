@@ -180,6 +180,8 @@ class Run:
     answered: int
     total: int  # requests completed over the whole run, calibration included
     degraded: int = 0  # 200s with an x-degraded header (a pipeline's step degraded)
+    # wrk2's socket errors by kind: connect, read, write, timeout
+    socket_kinds: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def quantile(self, q: float) -> float:
         for value, fraction in self.spectrum:
@@ -310,6 +312,7 @@ def parse(output: str, rate: float, seconds: float) -> Run:
         answered,
         int(total[1]) if total else 0,
         int(statuses[5] or 0),
+        tuple(int(g) for g in errors.groups()) if errors else (0, 0, 0, 0),  # type: ignore[arg-type]
     )
 
 

@@ -367,7 +367,8 @@ def main() -> None:
             f"wrk2 (unique churn rows, {args.wrk2_rate:g} req/s, 64 connections): "
             f"p50 {run.quantile(0.5):.2f} ms, p99 {run.quantile(0.99):.2f} ms, "
             f"p99.9 {run.quantile(0.999):.2f} ms; 200s {run.ok}, 503s {run.unavailable}, "
-            f"429s {run.refused}, other {run.other}, socket errors {run.errors}."
+            f"429s {run.refused}, other {run.other}, socket errors {run.socket_errors} "
+            f"(connect, read, write, timeout: {', '.join(map(str, run.socket_kinds))})."
         )
     reloads = [e for e in soak.events if e["event"].startswith("reload")]
     lines.append(
