@@ -8,7 +8,8 @@ and then given what a cluster changes:
 - each backend holds `serverSlots` server slots filled from the workers' headless Service's
   DNS answers (`server-template ... resolvers k8s init-addr none`): only ready workers are in
   them, and HAProxy needs no DNS to start or to check the config;
-- the bound on a backend's queue is per worker serving (`avg_queue`), as membership changes;
+- gRPC's backends (``g.<model>``, ``grpc*``) fill their slots with the workers' gRPC port,
+  and HAProxy loads the gRPC ejection script (`router/grpc_ejection.lua`) from the ConfigMap;
 - the global section has no master-worker process nor state file (the pod is the unit), and
   its connection limit follows the container's file descriptor limit;
 - HAProxy's Prometheus exporter and a /healthz for the kubelet, on the metrics port;
@@ -20,6 +21,7 @@ and then given what a cluster changes:
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 
 from kube.common import Obj, fqdn, labels, metadata, name, restricted
 from kube.values import Values, ValuesError
@@ -29,6 +31,7 @@ from tailserve.router.frontdoor import render as render_policy
 UID = 99  # the haproxy user of the haproxy:2.8 image
 COMPONENT = "frontdoor"
 CONFIG_DIR = "/usr/local/etc/haproxy"
+EJECTION = "grpc_ejection.lua"
 RESOLVERS = [
     "resolvers k8s",
     "    parse-resolv-conf",
@@ -76,6 +79,7 @@ def haproxy_config(values: Values) -> str:
         port=door["httpPort"],
         grpc_port=door["grpcPort"] if worker["grpcPort"] else 0,
         drain_timeout_s=door["drainTimeoutSeconds"],
+        grpc_ejection=f"{CONFIG_DIR}/{EJECTION}",
     )
     models = {str(m): float(slo) for m, slo in values["models"].items()}
     text = render_policy(listen, [], models, rules)
@@ -85,23 +89,18 @@ def haproxy_config(values: Values) -> str:
     for section in _sections(text):
         head = section[0]
         if head == "global":
-            section = _global(values, rules)
+            section = _global(values, rules, section)
         elif head == "frontend http":
             section = _frontend(section)
-        elif head in ("backend grpc", "backend grpc.affinity"):
+        elif head.startswith(("backend g.", "backend grpc")):
             section = [
                 *section,
                 f"    server-template g 1-{slots} {workers}:{worker['grpcPort']} proto h2 "
                 f"check port {worker['httpPort']} check-proto h1 {_dns()}",
             ]
-        elif head == "backend submit":  # (no bound: job submissions wait their turn)
-            section = [
-                *section,
-                f"    server-template w 1-{slots} {workers}:{worker['httpPort']} {_dns()}",
-            ]
         elif head.startswith("backend "):
             section = [
-                *_per_worker_queue(section, rules),
+                *section,
                 f"    server-template w 1-{slots} {workers}:{worker['httpPort']} {_dns()}",
             ]
         out += [*section, ""]
@@ -135,7 +134,8 @@ def _dns() -> str:
     return "resolvers k8s init-addr none resolve-prefer ipv4"
 
 
-def _global(values: Values, rules: FrontDoorPolicy) -> list[str]:
+def _global(values: Values, rules: FrontDoorPolicy, section: list[str]) -> list[str]:
+    lua = [line for line in section if line.strip().startswith("lua-load ")]
     return [
         "global",
         f"    nbthread {rules.threads}",
@@ -143,6 +143,7 @@ def _global(values: Values, rules: FrontDoorPolicy) -> list[str]:
         # open (a fixed one past them stops it at start), up to what maxconn needs.
         f"    fd-hard-limit {2 * rules.max_connections + 1000}",
         f"    hard-stop-after {values['frontdoor']['drainTimeoutSeconds'] * 1000}ms",
+        *lua,
     ]
 
 
@@ -157,17 +158,9 @@ def _frontend(section: list[str]) -> list[str]:
     return [*section[:at], *refusal, *section[at:]]
 
 
-def _per_worker_queue(section: list[str], rules: FrontDoorPolicy) -> list[str]:
-    """The static bound (queue ge max_queue x members) becomes one per worker serving."""
-    out = [line for line in section if "{ queue ge " not in line]
-    if len(out) != len(section) - 1:
-        raise RuntimeError(
-            f"{section[0]}: the front door's backend no longer has one queue bound "
-            "(tailserve.router.frontdoor changed): update deploy/kube/frontdoor.py"
-        )
-    bound = f"    http-request deny deny_status 503 if {{ avg_queue ge {rules.max_queue} }}"
-    at = next(i for i, line in enumerate(out) if line.strip().startswith("timeout queue")) + 1
-    return [*out[:at], bound, *out[at:]]
+def ejection_script() -> str:
+    """The Lua script that ejects a worker failing gRPC calls, as tailserve ships it."""
+    return (importlib.resources.files("tailserve.router") / EJECTION).read_text(encoding="utf-8")
 
 
 def config_map(values: Values, config: str) -> Obj:
@@ -175,7 +168,7 @@ def config_map(values: Values, config: str) -> Obj:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(values, name(values, "frontdoor"), COMPONENT),
-        "data": {"haproxy.cfg": config},
+        "data": {"haproxy.cfg": config, EJECTION: ejection_script()},
     }
 
 
@@ -197,7 +190,7 @@ def deployment(values: Values, config: str) -> Obj:
         f"sleep {door['preStopSleepSeconds']}; kill -USR1 1; "
         "while kill -0 1 2>/dev/null; do sleep 1; done"
     )
-    checksum = hashlib.sha256(config.encode()).hexdigest()[:16]
+    checksum = hashlib.sha256((config + ejection_script()).encode()).hexdigest()[:16]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -289,10 +289,12 @@ def test_statistics_in_tritons_shape_with_the_batching_state(worker: RunningWork
 
 
 @contextlib.contextmanager
-def backlog(worker: RunningWorker, model: str, **parameters: Any) -> Iterator[str]:
-    """Eight 4-row batches of ~50 ms queued on ``model`` (~400 ms of work ahead of anything
-    new), each request with ``parameters``; yields the model's infer URL once at least four
-    wait, and checks on leaving that every one of them was served."""
+def backlog(
+    worker: RunningWorker, model: str, *, requests: int = 8, ready: int = 4, **parameters: Any
+) -> Iterator[str]:
+    """``requests`` 4-row batches of ~50 ms queued on ``model`` (~50 ms of work each ahead of
+    anything new), each request with ``parameters``; yields the model's infer URL once at least
+    ``ready`` wait, and checks on leaving that every one of them was served."""
     url = f"{worker.url}/v2/models/{model}/infer"
     stats_url = f"{worker.url}/v2/models/{model}/stats"
 
@@ -300,12 +302,12 @@ def backlog(worker: RunningWorker, model: str, **parameters: Any) -> Iterator[st
         count: int = httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"]
         return count
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(requests) as pool:
         waiting = [
             pool.submit(httpx.post, url, json=body([1.0] * 4, **parameters), timeout=30)
-            for _ in range(8)
+            for _ in range(requests)
         ]
-        wait_for(lambda: queued() >= 4, what="a backlog to build")
+        wait_for(lambda: queued() >= ready, what="a backlog to build")
         yield url
         assert all(f.result().status_code == 200 for f in waiting)
 
@@ -321,8 +323,10 @@ def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> No
 
 
 def test_a_body_timeout_looser_than_the_slo_is_left_to_admission(worker: RunningWorker) -> None:
-    # The SLO is 200 ms; the backlog's own requests carry a 30 s timeout.
-    with backlog(worker, "tight", timeout=30_000_000) as url:
+    # The SLO is 200 ms; the backlog's own requests carry a 30 s timeout. At least eight
+    # batches wait (~400 ms): twice the SLO, so a batch that finishes before the next request
+    # arrives (a slow machine) still leaves more ahead than the SLO allows.
+    with backlog(worker, "tight", requests=12, ready=8, timeout=30_000_000) as url:
         # No deadline but the SLO: refused before its body is parsed (it is no JSON at all).
         shed = httpx.post(url, content=b"{not json")
         assert shed.status_code == 429 and "queued ahead" in shed.json()["error"], shed.text

@@ -4,6 +4,7 @@ port, and SIGTERM (to the process or its group) drains the whole stack and exits
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -70,6 +71,9 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
         "2",
         "--balance",
         "round-robin",
+        # churn by its affinity key: over gRPC, the key as metadata (below)
+        "--model-balance",
+        "churn=affinity",
         "--drain-timeout",
         "5",
         "--grpc-port",
@@ -81,9 +85,11 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
         assert httpx.get(f"{up.url}/v2/health/ready").status_code == 200
         replicas: set[str] = set()
         with httpx.Client(base_url=up.url) as client:
+            keys = itertools.count()
 
             def both_have_answered() -> bool:
-                reply = client.post("/v2/models/churn/infer", json=churn_request())
+                key = {"X-Affinity-Key": f"probe-{next(keys)}"}
+                reply = client.post("/v2/models/churn/infer", json=churn_request(), headers=key)
                 assert_scored(reply)
                 replicas.add(reply.headers["x-tailserve-replica"])
                 return len(replicas) == 2

@@ -36,6 +36,7 @@ sys.path.insert(0, str(DEPLOY))
 
 import render as render_cli  # noqa: E402
 from kube import ValuesError, load, render  # noqa: E402
+from kube.frontdoor import CONFIG_DIR, EJECTION, ejection_script  # noqa: E402
 from kube.redis import CREATE_CLUSTER, UPDATE_NODE_IPS  # noqa: E402
 
 # The schemas every object must pass: the oldest Kubernetes still supported upstream when this
@@ -75,8 +76,10 @@ def container(deployment: Obj) -> Obj:
 
 
 def haproxy_check(config: str, tmp_path: Path) -> None:
+    """HAProxy's check of a config, with the ConfigMap's other files where it loads them."""
+    (tmp_path / EJECTION).write_text(ejection_script())
     path = tmp_path / "haproxy.cfg"
-    path.write_text(config)
+    path.write_text(config.replace(f"{CONFIG_DIR}/", f"{tmp_path}/"))
     done = subprocess.run(
         [find_binary(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=30
     )
@@ -231,6 +234,11 @@ def test_the_front_door_mirrors_tailserve_up() -> None:
         line.startswith("server-template g 1-32 ") and ":8001 proto h2 check port 8000" in line
         for line in lines
     )
+    # gRPC by model, with its ejection script from the ConfigMap.
+    assert "use_backend g.churn if { var(txn.model) -m str churn } { nbsrv(g.churn) gt 0 }" in lines
+    assert f"lua-load {CONFIG_DIR}/{EJECTION}" in lines
+    data = one(rendered(), "ConfigMap", "tailserve-frontdoor")["data"]
+    assert data[EJECTION] == ejection_script() and "grpc_outcome" in data[EJECTION]
 
 
 def test_keda_scales_the_workers_on_the_same_signal() -> None:

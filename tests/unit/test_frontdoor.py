@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
 import pytest
+from tritonclient.grpc import service_pb2
 
 from tailserve.errors import ConfigError
-from tailserve.fleet.haproxy import find_binary
+from tailserve.fleet.haproxy import find_binary, grpc_ejection_script
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render, worker_backends
+from tailserve.router.frontdoor_grpc import MAX_NAME_BYTES, name_prefix
 
 MEMBERS = [Member("worker-0", "127.0.0.1", 9001, 9101), Member("worker-1", "127.0.0.1", 9002, 9102)]
 LISTEN = Listen(host="127.0.0.1", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201)
@@ -113,11 +116,98 @@ def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_to_the_workers_grpc_por
 def test_a_grpc_call_with_an_affinity_key_goes_by_it() -> None:
     config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
     front = backend(config, "frontend grpc")
-    assert "use_backend grpc.affinity if { req.hdr(x-affinity-key) -m found }" in front
+    assert "acl grpc.keyed req.hdr(x-affinity-key) -m found" in front
+    # A stream, or a call for no model the door knows, with the key: by the key.
+    assert "use_backend grpc.affinity if grpc.keyed grpc.stream" in front
+    assert front.index("use_backend grpc.affinity if grpc.keyed") > front.index(
+        "use_backend g.churn if { var(txn.model) -m str churn } { nbsrv(g.churn) gt 0 }"
+    )
     affinity = backend(config, "backend grpc.affinity")
     assert "balance hdr(x-affinity-key)" in affinity and "hash-type consistent" in affinity
     assert any(line.startswith("server worker-1 127.0.0.1:9102 proto h2") for line in affinity)
     assert "balance random(2)" in backend(config, "backend grpc")
+    # A model whose policy is affinity: the key, else the message, as over HTTP.
+    keyed = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy(balance="affinity"))
+    front = backend(keyed, "frontend grpc")
+    assert "http-request set-var(txn.affinity) req.hdr(x-affinity-key)" in front
+    assert "balance hash var(txn.affinity)" in backend(keyed, "backend g.churn")
+
+
+@pytest.mark.parametrize("kind", ["ModelInferRequest", "ModelReadyRequest", "ModelMetadataRequest"])
+def test_a_unary_calls_message_begins_with_its_models_name(kind: str) -> None:
+    # What the door compares is what a client sends: the frame header, then field 1.
+    field = "model_name" if kind == "ModelInferRequest" else "name"
+    message = getattr(service_pb2, kind)(**{field: "churn"})
+    if kind == "ModelInferRequest":
+        message.id = "request-7"
+        message.inputs.add(name="x", datatype="FP32", shape=[1, 1])
+    body = message.SerializeToString()
+    framed = b"\x00" + len(body).to_bytes(4, "big") + body
+    assert framed[5:12].hex().upper() == name_prefix("churn") == "0A05636875726E"
+    front = backend(render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy()), "frontend grpc")
+    assert (
+        "http-request set-var(txn.model) str(churn) if grpc.unary "
+        "{ req.body,bytes(5,7),hex -m str 0A05636875726E }"
+    ) in front
+    (unary,) = [line for line in front if line.startswith("acl grpc.unary path")]
+    assert f"/inference.GRPCInferenceService/{kind.removesuffix('Request')}" in unary.split()
+
+
+def test_each_model_has_a_grpc_backend_with_the_admission_and_ejection_of_http() -> None:
+    listen = dataclasses.replace(LISTEN, grpc_ejection="/opt/grpc_ejection.lua")
+    policy = FrontDoorPolicy(max_conn=8, max_queue=20, queue_share=0.5, error_limit=5)
+    config = render(listen, MEMBERS, {"churn": 50.0, "sentiment": 200.0}, policy)
+    assert "lua-load /opt/grpc_ejection.lua" in backend(config, "global")
+    churn = backend(config, "backend g.churn")
+    assert "option httpchk GET /v2/models/churn/ready" in churn
+    assert "timeout queue 25ms" in churn
+    assert "timeout queue 100ms" in backend(config, "backend g.sentiment")
+    assert "http-request deny deny_status 503 if { avg_queue ge 20 }" in churn
+    assert "http-response lua.grpc_outcome 5" in churn
+    (defaults,) = [line for line in churn if line.startswith("default-server")]
+    assert "maxconn 8 maxqueue 20" in defaults
+    assert "server worker-0 127.0.0.1:9101 proto h2 check port 9001 check-proto h1" in churn
+    # The door's refusals are gRPC statuses, saying why.
+    assert (
+        'http-error status 503 hdr grpc-status 14 hdr grpc-message "no worker can take the '
+        "request in time: every worker is busy and its queue full, or none is ready; retry "
+        'later" hdr x-refusal-reason frontdoor_full hdr retry-after 1'
+    ) in churn
+    # Ready nowhere: one worker by the model's name, whose refusals eject no one.
+    cold = backend(config, "backend grpc.cold")
+    assert "balance hash var(txn.model)" in cold
+    assert not any("lua.grpc_outcome" in line for line in cold)
+    # No script: no ejection.
+    plain = render(LISTEN, MEMBERS, {"churn": 50.0}, policy)
+    assert "lua-load" not in plain and "lua.grpc_outcome" not in plain
+
+
+def test_streams_go_to_the_worker_with_the_fewest_and_take_no_admission_slot() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
+    front = backend(config, "frontend grpc")
+    assert "use_backend grpc.stream if grpc.stream" in front
+    stream = backend(config, "backend grpc.stream")
+    assert "balance leastconn" in stream
+    (defaults,) = [line for line in stream if line.startswith("default-server")]
+    assert "maxconn" not in defaults and "maxqueue" not in defaults
+    assert not any(line.startswith(("timeout queue", "http-request deny")) for line in stream)
+
+
+def test_a_name_too_long_for_one_length_byte_goes_to_the_default_grpc_backend() -> None:
+    long = "m" * (MAX_NAME_BYTES + 1)
+    config = render(LISTEN, MEMBERS, {"churn": 50.0, long: 50.0}, FrontDoorPolicy())
+    assert f"backend g.{long}" not in config and f"backend m.{long}" in config
+    assert worker_backends(LISTEN, {"churn": 50.0}) == [
+        "m.churn",
+        "cold",
+        "workers",
+        "submit",
+        "g.churn",
+        "grpc.cold",
+        "grpc",
+        "grpc.affinity",
+        "grpc.stream",
+    ]
 
 
 def test_a_model_name_haproxy_cannot_hold_goes_to_the_default_backend() -> None:
@@ -167,6 +257,7 @@ def test_haproxy_accepts_the_config(balance: str, jobs_in_process: bool, tmp_pat
             admin_port=9200,
             stats_port=9201,
             jobs_in_process=jobs_in_process,
+            grpc_ejection=grpc_ejection_script(),
         ),
         MEMBERS,
         {"churn": 50.0, "sentiment": 200.0},

@@ -45,7 +45,7 @@ from tailserve.assembly.scaling import Scaler, ScalingPlan
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet import gpus
 from tailserve.fleet.admin import AdminLane, Slot
-from tailserve.fleet.haproxy import HAProxy
+from tailserve.fleet.haproxy import HAProxy, grpc_ejection_script
 from tailserve.fleet.processes import (
     LOOPBACK,
     ManagedWorker,
@@ -391,6 +391,7 @@ class Supervisor:
             state_file=str(self.front_door_process.state_path),
             lane_port=self.lane.port if self.lane else 0,
             jobs_in_process=self.config.jobs_in_process,
+            grpc_ejection=grpc_ejection_script(),
         )
 
     def _front_door_config(self) -> str:

