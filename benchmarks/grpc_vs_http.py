@@ -7,10 +7,12 @@ request's intended send time) measures:
 
 - SLO capacity: `tailserve bench --find-capacity` (p99 within the workload's SLO, churn 50 ms,
   sentiment 100 ms; no errors; the server keeping up). The bench is the generator of every row:
-  a C generator such as wrk2 cannot speak gRPC, let alone its streams, so every row carries the
+  wrk2 cannot speak gRPC, and no C generator here speaks its streams, so every row carries the
   same Python generator and its CPU share is printed beside it (one near a whole core may be
   the limit, not the server). With ``--wrk2`` (wrk2 on the PATH, WRK2=..., or
-  /work/tools/wrk2), wrk2's own search over HTTP/JSON is printed as a cross-check.
+  /work/tools/wrk2), wrk2's own search over HTTP/JSON is printed as a cross-check; with
+  ``--h2load`` (Debian's nghttp2-client), h2load's over gRPC unary calls (`_h2load`: a unary
+  call is an HTTP/2 POST, which h2load sends open loop at a rate).
 - p50 at concurrency 1: requests at a constant ``--idle-rate`` (one every 50 ms at 20 a second,
   each answered long before the next leaves), so one is in flight at a time.
 - CPU a request: the workers' CPU time (user + system, all threads, from /proc) over a run at
@@ -25,7 +27,7 @@ binary HTTP extension does. Streams: ``--streams`` a generator process; through 
 stream stays on the worker HAProxy gave it, so give at least as many as ``--workers``.
 
     python benchmarks/grpc_vs_http.py [--models churn,sentiment] [--via worker,stack]
-        [--step-s 10] [--rounds 1] [--workers 2] [--streams 4] [--wrk2] [--out DIR]
+        [--step-s 10] [--rounds 1] [--workers 2] [--streams 4] [--wrk2] [--h2load] [--out DIR]
 
 Prints a table a model and place, each figure with its ratio to HTTP/JSON, and writes them all
 (medians over ``--rounds``, which alternate the protocols' order) to DIR/protocols.json beside
@@ -235,6 +237,30 @@ def wrk2_capacity(model: str, place: Place, args: argparse.Namespace) -> float |
     )
 
 
+def h2load_capacity(
+    model: str, place: Place, args: argparse.Namespace, repository: Path
+) -> float | None:
+    """h2load's SLO capacity over gRPC unary calls (a C generator's cross-check of the
+    bench's), if h2load is here."""
+    if not shutil.which("h2load"):
+        print("  (h2load not found: no gRPC cross-check; apt-get install nghttp2-client)")
+        return None
+    import _h2load
+
+    workload = h.WORKLOADS / MODELS[model].workload
+    slo = yaml.safe_load(workload.read_text())["slo"]["p99_ms"]
+    message = _h2load.infer_message(workload, repository / model / "model.yaml")
+    print(f"  h2load, {model} over gRPC unary, {place.name}:")
+    return _h2load.slo_capacity(
+        place.grpc,
+        message,
+        args.step_s,
+        slo,
+        start_rps=MODELS[model].start_rps,
+        metrics_url=f"{place.http}/metrics",
+    )
+
+
 COLUMNS = (
     ("capacity_rps", "capacity req/s", "{:,.0f}"),
     ("p50_c1_ms", "p50 c=1 ms", "{:.2f}"),
@@ -296,6 +322,9 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=1, help="gRPC connections a process")
     parser.add_argument("--processes", type=int, default=1, help="generator processes")
     parser.add_argument("--wrk2", action="store_true", help="cross-check HTTP/JSON with wrk2")
+    parser.add_argument(
+        "--h2load", action="store_true", help="cross-check gRPC unary calls with h2load"
+    )
     parser.add_argument("--out", type=Path, default=h.HERE / "results" / "protocols")
     args = parser.parse_args()
     models = args.models.split(",")
@@ -306,6 +335,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     wrk2: dict[str, float | None] = {}
+    h2load: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         repo = repository(h.examples(work / "examples"), work / "repo", models)
@@ -323,6 +353,9 @@ def main() -> None:
                 if args.wrk2:
                     for model in models:
                         wrk2[f"{model}-{via}"] = wrk2_capacity(model, place, args)
+                if args.h2load:
+                    for model in models:
+                        h2load[f"{model}-{via}"] = h2load_capacity(model, place, args, repo)
     rows = [
         {"model": model, "via": via, "protocol": protocol, **medians(results)}
         for (model, via, protocol), results in runs.items()
@@ -334,8 +367,15 @@ def main() -> None:
             print(table(model, via, {p: found[p] for p in protocols if p in found}))
             if wrk2.get(f"{model}-{via}") is not None:
                 print(f"wrk2's capacity over HTTP/JSON: {wrk2[f'{model}-{via}']:,.0f} req/s")
+            if h2load.get(f"{model}-{via}") is not None:
+                print(f"h2load's capacity over gRPC: {h2load[f'{model}-{via}']:,.0f} req/s")
             print()
-    document = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "wrk2": wrk2}
+    document = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+        "wrk2": wrk2,
+        "h2load": h2load,
+    }
     path = args.out / "protocols.json"
     path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     print(f"results: {path}")
