@@ -51,12 +51,15 @@ ifneq ($(REDIS_URL),)
 endif
 	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
+# The tests two at a time (pytest-xdist, a test file a process), then those that rest on time
+# (marked serial in tests/conftest.py) alone.
 test: setup-dev browser
 	$(BIN)/ruff check src tests benchmarks deploy
 	$(BIN)/ruff format --check src tests benchmarks deploy
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: setup-dev
 	$(BIN)/ruff check src tests benchmarks deploy

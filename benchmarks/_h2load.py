@@ -4,10 +4,11 @@ wrk2 speaks HTTP/1.1 only; h2load speaks HTTP/2, and a unary gRPC call is an HTT
 framed message with ``content-type: application/grpc``. h2load sends the same body every time
 (the benchmarks turn the result cache off, so each call is computed), ``--rps`` a connection
 (open loop up to ``streams`` in flight on each), and logs every call's latency, from which the
-percentiles come. Its connections send in step (each at fixed intervals from the same start), so
-a run uses few of them (8): many would arrive as bursts of that many calls at once. A gRPC error travels with HTTP status 200, so h2load cannot see one: the
-errors of a run are its failed streams, its non-200 answers (the front door's refusals) and the
-growth of the server's own count of gRPC calls answered with an error (``/metrics``).
+percentiles come. Its connections send in step (each at fixed intervals from the same start),
+so a run uses few of them (8): many would arrive as bursts of that many calls at once. A gRPC
+error travels with HTTP status 200, so h2load cannot see one: the errors of a run are its
+failed streams, its non-200 answers (the front door's refusals) and the growth of the server's
+own count of gRPC calls answered with an error (``/metrics``).
 """
 
 from __future__ import annotations

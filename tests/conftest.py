@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -10,7 +12,44 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from support import servers
+from support.examples import ExamplesRun
 from support.servers import OwnRedisServer, RedisServer, RunningRedisCluster, redis_server
+
+# Tests whose outcome rests on time: deadlines and SLOs met or missed, capacity searches,
+# recovery within bounds, refusals counted under load. `make test` runs them alone, after the
+# rest have run two at a time (pytest-xdist): beside another test they could fail for want of
+# a core, not for a bug.
+SERIAL = {
+    "integration/test_autoscale.py",
+    "integration/test_bench.py",
+    "integration/test_bench_grpc.py",
+    "integration/test_chaos.py",
+    "integration/test_dashboard.py",
+    "integration/test_deadlines.py",
+    "integration/test_feature_store.py",
+    "integration/test_front_door.py",
+    "integration/test_front_door_grpc.py",
+    "integration/test_http_client.py",
+    "integration/test_jobs_fleet.py",
+    "integration/test_many_models.py",
+    "integration/test_pipeline_http.py",
+    "integration/test_precompute.py",
+    "integration/test_redis_cluster_up.py",
+    "integration/test_router.py",
+    "integration/test_router_grpc.py",
+    "integration/test_security_http.py",
+    "integration/test_stack_metrics.py",
+    "integration/test_stale_if_overloaded.py",
+    "unit/test_loop_lag.py",
+    "unit/test_timer.py",
+}
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(TESTS).as_posix() in SERIAL:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")
@@ -24,12 +63,30 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def example_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example repository (`tailserve examples`), trained once per test session."""
-    from tailserve.examples import write_examples
+def examples_command(tmp_path_factory: pytest.TempPathFactory) -> ExamplesRun:
+    """`tailserve examples DIR` run once per test session: the example repository, trained
+    from synthetic data, and what the command said."""
+    directory = tmp_path_factory.mktemp("examples") / "repo"
+    command = [sys.executable, "-m", "tailserve.cli", "examples", str(directory)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    return ExamplesRun(directory, done)
 
-    directory = tmp_path_factory.mktemp("examples")
-    write_examples(directory)
+
+@pytest.fixture(scope="session")
+def example_repository(examples_command: ExamplesRun) -> Path:
+    """The example repository (`tailserve examples`), trained once per test session."""
+    done = examples_command.done
+    if done.returncode != 0:
+        pytest.fail(f"tailserve examples failed:\n{done.stderr}", pytrace=False)
+    return examples_command.directory
+
+
+@pytest.fixture(scope="session")
+def churn_repository(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example repository's churn model alone: a stack of it is ready in a few seconds,
+    where the whole examples (the text model's runtime above all) take several times that."""
+    directory = tmp_path_factory.mktemp("churn-only")
+    shutil.copytree(example_repository / "churn", directory / "churn")
     return directory
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from support.examples import ExamplesRun
 from support.servers import worker_process
 from tailserve import __version__
 from tailserve.settings import LOG_LEVELS
@@ -30,15 +31,16 @@ def test_version_names_the_package_version() -> None:
     assert done.stdout == f"tailserve {__version__}\n"
 
 
-def test_examples_writes_a_repository_that_validates(tmp_path: Path) -> None:
-    done = tailserve("examples", str(tmp_path / "repo"))
+def test_examples_writes_a_repository_that_validates(examples_command: ExamplesRun) -> None:
+    # (The session's example repository is this command's: trained once, checked here.)
+    done, repo = examples_command.done, examples_command.directory
     assert done.returncode == 0, done.stderr
     assert "churn" in done.stdout
     for name in ("churn", "churn_lgbm"):
-        config = yaml.safe_load((tmp_path / "repo" / name / "model.yaml").read_text())
+        config = yaml.safe_load((repo / name / "model.yaml").read_text())
         assert config["outputs"][0]["name"] == "churn_probability"
-    assert (tmp_path / "repo" / "churn" / "1" / "model.onnx").stat().st_size > 0
-    assert (tmp_path / "repo" / "churn_lgbm" / "1" / "model.txt").stat().st_size > 0
+    assert (repo / "churn" / "1" / "model.onnx").stat().st_size > 0
+    assert (repo / "churn_lgbm" / "1" / "model.txt").stat().st_size > 0
 
 
 def test_serve_without_a_repository_says_so(tmp_path: Path) -> None:

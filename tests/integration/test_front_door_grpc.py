@@ -118,7 +118,9 @@ async def test_each_call_goes_to_a_worker_where_its_model_is_ready(
     # p2c over both workers would send about half of alpha's calls to worker-b, which has no
     # alpha (NOT_FOUND): the door reads the model's name from each call and sends it to the
     # model's own backend.
-    async with front_door(tmp_path, workers, FrontDoorPolicy()) as (door, stub):
+    # (Checks every 200 ms: the door learns within a second where each model is not ready.)
+    policy = FrontDoorPolicy(check_interval_ms=200)
+    async with front_door(tmp_path, workers, policy) as (door, stub):
 
         async def settled() -> bool:
             alpha, beta = await states(door, "g.alpha"), await states(door, "g.beta")
@@ -147,7 +149,7 @@ async def test_a_busy_models_calls_are_refused_at_once_and_streams_take_no_slot(
 ) -> None:
     # One call in flight a worker and one queued: the rest are refused at the door as gRPC's
     # UNAVAILABLE, saying why, without waiting in the queue (its timeout: half the SLO, 5 s).
-    policy = FrontDoorPolicy(max_conn=1, max_queue=1)
+    policy = FrontDoorPolicy(max_conn=1, max_queue=1, check_interval_ms=200)
     async with front_door(tmp_path, workers, policy) as (door, stub):
 
         async def settled() -> bool:

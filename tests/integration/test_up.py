@@ -127,9 +127,9 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to-the-process", "to-its-group"])
 def test_sigterm_drains_the_stack_and_exits_0(
-    example_repository: Path, tmp_path: Path, to_group: bool
+    churn_repository: Path, tmp_path: Path, to_group: bool
 ) -> None:
-    with tailserve_up(example_repository, tmp_path, "--workers", "2", session=to_group) as up:
+    with tailserve_up(churn_repository, tmp_path, "--workers", "2", session=to_group) as up:
         pids = up.worker_pids()
         (door,) = up.front_door_pids()
         assert len(pids) == 2
@@ -181,9 +181,9 @@ def test_up_on_a_taken_port_says_so(tmp_path: Path) -> None:
     assert "started (pid" not in done.stderr
 
 
-async def test_a_killed_worker_comes_back_on_its_port(example_repository: Path) -> None:
+async def test_a_killed_worker_comes_back_on_its_port(churn_repository: Path) -> None:
     config = FleetConfig(
-        repository=str(example_repository),
+        repository=str(churn_repository),
         host="127.0.0.1",
         port=0,
         workers=2,
