@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support import servers
+from support import fuzzing, servers
 from support.examples import ExamplesRun
 from support.servers import OwnRedisServer, RedisServer, RunningRedisCluster, redis_server
 
@@ -20,6 +20,8 @@ from support.servers import OwnRedisServer, RedisServer, RunningRedisCluster, re
 # rest have run two at a time (pytest-xdist): beside another test they could fail for want of
 # a core, not for a bug.
 SERIAL = {
+    # (not for time: schemathesis runs a route's generated cases only in the main process)
+    "fuzz/test_openapi_fuzz.py",
     "integration/test_autoscale.py",
     "integration/test_bench.py",
     "integration/test_bench_grpc.py",
@@ -50,6 +52,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.relative_to(TESTS).as_posix() in SERIAL:
             item.add_marker(pytest.mark.serial)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """Under pytest-xdist: the fuzz cases a worker process ran (tests/fuzz/conftest.py)."""
+    counts = getattr(node, "workeroutput", {}).get("fuzz")
+    if counts:
+        fuzzing.CASES.update(counts["cases"])
+        fuzzing.FAILURES.update(counts["failures"])
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How many cases the fuzz tests ran (docs/testing.md, "Fuzzing")."""
+    if fuzzing.CASES:
+        terminalreporter.write_line(fuzzing.summary())
+        if fuzzing.LONG:
+            for target, count in sorted(fuzzing.CASES.items()):
+                failed = fuzzing.FAILURES.get(target, 0)
+                terminalreporter.write_line(f"  {target}: {count} cases, {failed} failing")
 
 
 @pytest.fixture(scope="session")

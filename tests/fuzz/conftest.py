@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -50,10 +49,9 @@ def _variants(directory: str, names: list[str]) -> list[str]:
     return [n for n in names if n.startswith("model.") and n != "model.onnx"]
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if fuzzing.CASES:
-        terminalreporter.write_line(fuzzing.summary())
-        if fuzzing.LONG:
-            for target, count in sorted(fuzzing.CASES.items()):
-                failed = fuzzing.FAILURES.get(target, 0)
-                terminalreporter.write_line(f"  {target}: {count} cases, {failed} failing")
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker process: its fuzz counts, for the summary the controller
+    prints (tests/conftest.py)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["fuzz"] = {"cases": dict(fuzzing.CASES), "failures": dict(fuzzing.FAILURES)}
