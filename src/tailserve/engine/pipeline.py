@@ -282,14 +282,16 @@ class Pipeline:
     async def _retrieve(
         self, step: PipelineStep, state: dict[str, Tensor], share: Allotment, stage: Stage
     ) -> _Made:
-        index = await self._indexes[step.name].get()
-        query_id = state[step.query]
-        resolved = await self._queries[step.name].resolve([Tensor("query", "INT64", query_id.data)])
-        vector = resolved[0].data.reshape(-1)
+        # Decided before the first wait: a step given up on as late goes on in the background,
+        # and must not change its stage's record after the stage was reported.
         top = step.top
         if self._degrading(step, "fewer") and share.behind:
             top = proportional_rows(top, step.min_rows, share.ratio)
             stage.degraded.append("fewer")
+        index = await self._indexes[step.name].get()
+        query_id = state[step.query]
+        resolved = await self._queries[step.name].resolve([Tensor("query", "INT64", query_id.data)])
+        vector = resolved[0].data.reshape(-1)
         ids, scores = index.search(vector, top)
         return _Made({"ids": ids, "scores": scores}, len(ids))
 
