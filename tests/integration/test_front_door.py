@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.fleet import started
+from support.fleet import held, started
 from support.models import doubler_config, write_model
 from support.servers import async_wait_for
 from support.stub import StubApp, run_stub
@@ -72,17 +72,10 @@ async def test_an_overflowing_queue_answers_503_at_once(tmp_path: Path) -> None:
         # together, all six could pass the door's check before any of them was queued).
         first = [asyncio.create_task(one()) for _ in range(2)]
 
-        async def held() -> bool:
-            try:
-                stat = parse_stat(await stack.front_door_process.command("@1 show stat"))
-            except OSError:  # its master socket, while a reload re-creates it
-                return False
-            server = stat.get(("m.slow", "worker-0"), {})
-            backend = stat.get(("m.slow", "BACKEND"), {})
-            counts = (server.get("scur"), server.get("qcur"), backend.get("qcur"))
-            return sum(int(count or 0) for count in counts) >= 2
+        async def in_door() -> bool:
+            return await held(stack.front_door_process, "m.slow", "worker-0") >= 2
 
-        await async_wait_for(held, what="one request in flight and one queued")
+        await async_wait_for(in_door, what="one request in flight and one queued")
         rest = await asyncio.gather(*(one() for _ in range(4)))
         results = [*await asyncio.gather(*first), *rest]
     served = [r for r in results if r[0] == 200]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from support.fleet import held
 from support.models import doubler_config, write_model
 from support.servers import RunningWorker, async_wait_for, free_port, run_worker
 from tailserve.fleet.haproxy import HAProxy, grpc_ejection_script
@@ -169,17 +170,10 @@ async def test_a_busy_models_calls_are_refused_at_once_and_streams_take_no_slot(
 
         first = [asyncio.create_task(one()) for _ in range(2)]
 
-        async def held() -> bool:
-            try:
-                stat = parse_stat(await door.command("@1 show stat"))
-            except OSError:
-                return False
-            server = stat.get(("g.slow", "worker-a"), {})
-            backend = stat.get(("g.slow", "BACKEND"), {})
-            counts = (server.get("scur"), server.get("qcur"), backend.get("qcur"))
-            return sum(int(count or 0) for count in counts) >= 2
+        async def in_door() -> bool:
+            return await held(door, "g.slow", "worker-a") >= 2
 
-        await async_wait_for(held, what="one call in flight and one queued")
+        await async_wait_for(in_door, what="one call in flight and one queued")
         rest = await asyncio.gather(*(one() for _ in range(4)))
 
         # Meanwhile, streams: each holds its connection for its life, and takes no slot of a

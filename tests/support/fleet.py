@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from tailserve.assembly.stack import FleetConfig, Supervisor
+from tailserve.fleet.haproxy import HAProxy
+from tailserve.fleet.load import parse_stat
 
 
 @contextlib.asynccontextmanager
@@ -19,3 +21,14 @@ async def started(config: FleetConfig) -> AsyncIterator[Supervisor]:
         yield supervisor
     finally:
         await supervisor.stop()
+
+
+async def held(door: HAProxy, backend: str, server: str) -> int:
+    """Requests ``server`` of ``backend`` holds in flight and queued, with the backend's own
+    queue (0 while the master's socket is re-created by a reload)."""
+    try:
+        stat = parse_stat(await door.command("@1 show stat"))
+    except OSError:
+        return 0
+    row, queue = stat.get((backend, server), {}), stat.get((backend, "BACKEND"), {})
+    return sum(int(n or 0) for n in (row.get("scur"), row.get("qcur"), queue.get("qcur")))

@@ -19,9 +19,7 @@ core.register_action("grpc_outcome", { "http-res" }, function(txn, limit)
     local key = backend .. "/" .. server
     local status = txn.sf:res_hdr("grpc-status")
     if status == nil or not failures[status] then
-        if streaks[key] ~= nil then
-            streaks[key] = nil
-        end
+        streaks[key] = nil
         return
     end
     local count = (streaks[key] or 0) + 1
