@@ -6,6 +6,7 @@ import concurrent.futures
 import gc
 import logging
 import re
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -113,6 +114,78 @@ def test_sigterm_finishes_every_request_in_flight_and_exits_zero(tmp_path: Path)
         except httpx.HTTPError:
             refused = True
         assert refused
+
+
+def held_model(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository whose model ``held`` waits in predict while the gate file is missing (it
+    is there for warm-up), and the gate."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    config = doubler_config(
+        parameters={"gate": str(gate), "marks": str(tmp_path / "marks")},
+        batching={"max_queue_delay_ms": 0, "max_queue_size": 64},
+        max_batch_size=1,
+        warmup={"batch_sizes": [1], "repeat": 0},
+        slo={"p99_ms": 60000},  # held requests wait for seconds: no deadline may refuse them
+    )
+    write_model(tmp_path / "repo", "held", config, code=GATED)
+    return tmp_path / "repo", gate
+
+
+def test_sigterm_twice_is_one_request_to_stop(tmp_path: Path) -> None:
+    """As a parent passing SIGTERM on delivers it: the second is the same request, and the
+    drain still answers every request in flight."""
+    repo, gate = held_model(tmp_path)
+    trace = tmp_path / "received.jsonl"
+    options = ("--drain-timeout", "30", "--trace-file", str(trace))
+    with worker_process(repo, tmp_path, *options) as proc:
+        gate.unlink()
+
+        def call(i: int) -> httpx.Response:
+            return httpx.post(f"{proc.url}/v2/models/held/infer", json=body(float(i)), timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(call, i) for i in range(4)]
+            wait_for(
+                lambda: trace.exists() and trace.read_text().count("\n") == 4,
+                what="all 4 requests to arrive",
+            )
+            proc.process.send_signal(signal.SIGTERM)
+            # Two signals sent before the first is delivered would arrive as one.
+            wait_for(lambda: "draining" in proc.log(), what="the first signal taken")
+            proc.process.send_signal(signal.SIGTERM)
+            wait_for(
+                lambda: "the same request to stop" in proc.log() or "forcing" in proc.log(),
+                what="the second signal taken",
+            )
+            gate.touch()
+            replies = [f.result() for f in futures]
+            code = proc.process.wait(timeout=30)
+        assert code == 0, proc.log()
+        assert [r.status_code for r in replies] == [200] * 4, proc.log()
+        assert [r.json()["outputs"][0]["data"] for r in replies] == [[2.0 * i] for i in range(4)]
+        assert "forcing the stop" not in proc.log()
+
+
+def test_sigquit_cuts_the_drain_short(tmp_path: Path) -> None:
+    repo, gate = held_model(tmp_path)
+    trace = tmp_path / "received.jsonl"
+    options = ("--drain-timeout", "30", "--trace-file", str(trace))
+    with worker_process(repo, tmp_path, *options) as proc:
+        gate.unlink()
+        url = f"{proc.url}/v2/models/held/infer"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(httpx.post, url, json=body(1.0), timeout=60)
+            wait_for(lambda: trace.exists() and trace.read_text() != "", what="the request")
+            proc.process.send_signal(signal.SIGQUIT)
+            # Its connection closes at once, while its model still holds it (a drain would
+            # wait for it up to 30 s).
+            with pytest.raises(httpx.HTTPError):
+                future.result(timeout=15)
+        # The process exits once its model lets go of the request.
+        gate.touch()
+        assert proc.process.wait(timeout=30) == 0, proc.log()
+        assert "SIGQUIT: forcing the stop" in proc.log()
 
 
 def test_reload_to_a_new_version_under_load_fails_no_request(tmp_path: Path) -> None:

@@ -39,10 +39,11 @@ class UpProcess(WorkerProcess):
 
 @contextlib.contextmanager
 def tailserve_up(
-    repository: Path, log_dir: Path, *extra: str, session: bool = False
+    repository: Path, log_dir: Path, *extra: str, session: bool = False, shell: str = ""
 ) -> Iterator[UpProcess]:
     """``tailserve up`` as a real process, once it says every worker is ready (``session``: in
-    a process group of its own, as a shell's job)."""
+    a process group of its own, as a shell's job; ``shell``: run by this bash script, which
+    gets the command line as its arguments, as a wrapper script would run it)."""
     port = free_port()
     log_path = log_dir / f"up-{port}.log"
     grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
@@ -60,6 +61,8 @@ def tailserve_up(
         *grpc,
         *extra,
     ]
+    if shell:
+        command = ["bash", "-c", shell, "bash", *command]
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
@@ -75,6 +78,9 @@ def tailserve_up(
         yield running
     finally:
         if process.poll() is None:
+            if session:  # the group: a wrapper's child, `tailserve up`, with it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
             process.kill()  # its workers and HAProxy are in sessions of their own: them too
             process.wait(timeout=10)
             for pid in running.every_pid():

@@ -13,12 +13,14 @@ after a delay that doubles while it keeps dying (`RestartPolicy`); so does the f
 When the repository's models change (a load through the admin lane), the front door is
 reloaded with one backend a model, without dropping a connection.
 
-SIGTERM, SIGINT or SIGHUP, to the supervisor alone or to its whole process group: the front
+SIGTERM, SIGINT or SIGHUP, to the supervisor alone or to its whole process group, once or
+repeated within a few seconds (as make or a shell passing it on delivers it twice): the front
 door drains first (it stops listening; requests in flight finish), then every worker gets
-SIGTERM and drains itself; a worker still running after the drain timeout is killed, and so is
-every worker at a second signal. The front door and the workers run in sessions of their own,
-so a signal to the group reaches only the supervisor, which keeps that order; the price is
-that a supervisor killed with SIGKILL leaves them running.
+SIGTERM and drains itself; a worker still running after the drain timeout is killed. SIGQUIT,
+or a signal after those seconds, kills every worker and the front door at once
+(`loops.StopSignals`). The front door and the workers run in sessions of their own, so a signal
+to the group reaches only the supervisor, which keeps that order; the price is that a
+supervisor killed with SIGKILL leaves them running.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from tailserve.fleet.processes import (
     until_ready,
 )
 from tailserve.fleet.restarts import Backoff, RestartPolicy, front_door_backoff
+from tailserve.loops import STOP_SIGNALS, Stop, StopSignals
 from tailserve.protocols.http.server import HttpServer
 from tailserve.router.config import backend_url
 from tailserve.router.frontdoor import (
@@ -75,7 +78,7 @@ log = logging.getLogger(__name__)
 
 # SIGHUP too: the workers are in sessions of their own, so a closed terminal would otherwise
 # kill the supervisor alone and leave them running.
-SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SHUTDOWN_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP)
 # Beyond the drain timeout, the time a drained worker has to close its models and exit.
 EXIT_GRACE_S = 5.0
 
@@ -232,26 +235,28 @@ class Supervisor:
 
     async def run(self) -> None:
         """Start, serve until SIGTERM, SIGINT or SIGHUP, then drain and stop."""
-        loop = asyncio.get_running_loop()
-        for sig in SHUTDOWN_SIGNALS:
-            loop.add_signal_handler(sig, self._on_signal)
+        signals = StopSignals(
+            self._on_signal,
+            signals=SHUTDOWN_SIGNALS,
+            forcing="killing the workers and the front door",
+        )
+        signals.install(asyncio.get_running_loop())
         try:
             await self.start()
             await self._signalled.wait()
             log.info("signalled: draining the front door, then the workers")
         finally:
             await self.stop()
-            for sig in SHUTDOWN_SIGNALS:
-                loop.remove_signal_handler(sig)
+            signals.remove()
 
-    def _on_signal(self) -> None:
-        # A second one, as with a worker, cuts the drain short: requests in flight fail at once.
-        if self._signalled.is_set():
-            log.warning("signalled again: killing the workers")
+    def _on_signal(self, stop: Stop) -> None:
+        # Set first: the run, waiting on it, marks the stack stopping before a keeper sees its
+        # killed process exit (and starts it again).
+        self._signalled.set()
+        if stop is Stop.FORCE:  # requests in flight fail at once
             for worker in self._slots():
                 worker.kill()
             self.front_door_process.kill()
-        self._signalled.set()
 
     async def start(self) -> None:
         """Start the admin lane, the front door, then the workers; return without waiting for

@@ -1,8 +1,9 @@
 """One worker process: owns the socket, the signals, the model manager and the shutdown order.
 
 Start: listen at once (live), load and warm every model in the background, then report ready.
-SIGTERM: report unready, stop accepting, let every request in flight finish (up to the drain
-timeout), close the models, exit 0.
+SIGTERM or SIGINT, once or repeated within a few seconds (`loops.StopSignals`): report unready,
+stop accepting, let every request in flight finish (up to the drain timeout), close the models,
+exit 0. SIGQUIT, or a signal after those seconds, cuts the drain short.
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +33,7 @@ from tailserve.jobs.records import id_prefix
 from tailserve.jobs.runner import JobRunner, RunnerConfig
 from tailserve.jobs.store import JobStore, MemoryJobStore
 from tailserve.jobs.webhook import Webhooks
+from tailserve.loops import Stop, StopSignals
 from tailserve.modelconfig import FeaturesConfig
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
@@ -164,10 +164,11 @@ class Worker:
         )
         self._loading: asyncio.Task[None] | None = None
         self._http: HttpServer | None = None
-        # Set by the first SIGTERM or SIGINT (or `request_exit`); the second, `_forced`,
-        # cuts the drain short.
+        # Set by the request to stop (SIGTERM, SIGINT, `request_exit`); `_forced` by SIGQUIT
+        # or a signal after the grace window, which cuts the drain short.
         self._exit = asyncio.Event()
         self._forced = asyncio.Event()
+        self._signals = StopSignals(self._stop_requested, forcing="requests in flight fail")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc: Any = None  # grpc.aio.Server, while it serves
         self._grpc_service: InferenceService | None = None
@@ -267,11 +268,8 @@ class Worker:
         if self.settings.gil_switch_interval_ms > 0:
             # Process-wide, like the freeze below: a worker is its own process.
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1e3)
-        loop = self._loop = asyncio.get_running_loop()
-        # Signals reach the main thread's loop only (tests run workers in threads of their own).
-        signals = (signal.SIGTERM, signal.SIGINT) if _main_thread() else ()
-        for sig in signals:
-            loop.add_signal_handler(sig, self._signalled)
+        self._loop = asyncio.get_running_loop()
+        self._signals.install(self._loop)
         try:
             await self._start()
             self._http = HttpServer(
@@ -307,28 +305,29 @@ class Worker:
             await self._http.drain(self.settings.drain_timeout_s, self._forced)
         finally:
             await self._stop()
-            for sig in signals:
-                loop.remove_signal_handler(sig)
+            self._signals.remove()
 
-    def request_exit(self) -> None:
-        """Begin the graceful shutdown (SIGTERM's); a second call cuts its drain short. Safe
-        to call from any thread."""
+    def request_exit(self, *, force: bool = False) -> None:
+        """Begin the graceful shutdown, as SIGTERM does (``force``: as SIGQUIT does, cutting
+        the drain short). Safe to call from any thread."""
         loop = self._loop
         if loop is None or loop.is_closed():
-            self._signalled()
+            self._signals.received("request_exit", force)
             return
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:
             here = None
         if here is loop:
-            self._signalled()
+            self._signals.received("request_exit", force)
         else:
-            loop.call_soon_threadsafe(self._signalled)
+            loop.call_soon_threadsafe(self._signals.received, "request_exit", force)
 
-    def _signalled(self) -> None:
+    def _stop_requested(self, stop: Stop) -> None:
+        if stop is Stop.SAME:
+            return
         self._begin_drain()
-        if self._exit.is_set():
+        if stop is Stop.FORCE:
             self._forced.set()
         self._exit.set()
 
@@ -352,7 +351,7 @@ class Worker:
     async def _stop(self) -> None:
         self.dataplane.draining = True
         if self._grpc is not None:  # calls in flight finish (up to the drain timeout)
-            await self._grpc.stop(self.settings.drain_timeout_s)
+            await self._grpc.stop(0 if self._forced.is_set() else self.settings.drain_timeout_s)
             self._grpc = None
         if self._http is not None:
             self._http.close()
@@ -418,7 +417,3 @@ class Worker:
             sum(state.ready for state in states),
             f", {cold} loaded on demand (memory budget)" if cold else "",
         )
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()

@@ -8,17 +8,19 @@ from the backends come back whole too; large bodies go straight through the fron
 this lane takes the slow request classes, where hedging pays.
 
 This module owns the process: the `Dispatcher` (replica choice, hedging, retries, ejection,
-shedding), membership and health checks, the gRPC front, and the drain on SIGTERM.
+shedding), membership and health checks, the gRPC front, and the drain on SIGTERM or SIGINT
+(repeated within a few seconds, the same request to stop; SIGQUIT, or one after those seconds,
+cuts the drain short: `loops.StopSignals`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Any
 
 from tailserve.collector import freeze_held
+from tailserve.loops import Stop, StopSignals
 from tailserve.observability.tracing import Tracing, start_tracing
 from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.server import HttpServer
@@ -124,18 +126,21 @@ class Router:
         self.grpc_port = port
         log.info("router: gRPC on %s:%d, sent on to the workers over HTTP", self.config.host, port)
 
-    async def drain(self, timeout_s: float | None = None) -> None:
-        """Stop accepting, let the requests in flight finish (up to the timeout), close."""
+    async def drain(
+        self, timeout_s: float | None = None, forced: asyncio.Event | None = None
+    ) -> None:
+        """Stop accepting, let the requests in flight finish (up to the timeout, or until
+        ``forced`` is set), close."""
         self.draining = True
         timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
         # gRPC calls in flight finish too (up to the same timeout); new ones are refused.
         grpc_stop = None
         if self._grpc is not None:
-            grpc_stop = self.loop.create_task(self._grpc.stop(timeout))
+            grpc_stop = self.loop.create_task(_stop_grpc(self._grpc, timeout, forced))
             self._grpc = None
         if self._http is not None:
             # What is left after the timeout is cancelled: its copies are withdrawn.
-            await self._http.drain(timeout)
+            await self._http.drain(timeout, forced)
         if grpc_stop is not None:
             await grpc_stop
         for task in self._tasks:
@@ -147,15 +152,23 @@ class Router:
             self.tracing.shutdown()  # (what is still batched goes out first)
 
     async def serve(self) -> None:
-        """Run until SIGTERM or SIGINT, then drain."""
-        await self.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("router draining")
-        await self.drain()
+        """Run until SIGTERM or SIGINT, then drain (SIGQUIT cuts the drain short)."""
+        stop, forced = asyncio.Event(), asyncio.Event()
+
+        def act(decision: Stop) -> None:
+            if decision is Stop.FORCE:
+                forced.set()
+            stop.set()
+
+        signals = StopSignals(act, forcing="requests in flight fail")
+        signals.install(asyncio.get_running_loop())
+        try:
+            await self.start()
+            await stop.wait()
+            log.info("router draining")
+            await self.drain(forced=forced)
+        finally:
+            signals.remove()
 
     def knows(self, model: str) -> bool:
         # (Only models some backend lists become metric labels: a client cannot grow the
@@ -170,3 +183,20 @@ class Router:
     def state(self) -> dict[str, object]:
         """Each backend's routing state and the budgets' counters (``/router/backends``)."""
         return backends_state(self.dispatcher)
+
+
+async def _stop_grpc(server: Any, timeout_s: float, forced: asyncio.Event | None) -> None:
+    """Stop a grpc.aio server with ``timeout_s`` of grace, none once ``forced`` is set (a
+    second stop with less grace ends the first sooner: grpc.aio's rule)."""
+    stopping = asyncio.ensure_future(server.stop(timeout_s))
+    if forced is None:
+        await stopping
+        return
+    cut = asyncio.ensure_future(forced.wait())
+    try:
+        await asyncio.wait((stopping, cut), return_when=asyncio.FIRST_COMPLETED)
+        if cut.done():
+            await server.stop(0)
+        await stopping
+    finally:
+        cut.cancel()
