@@ -32,6 +32,7 @@ UID = 99  # the haproxy user of the haproxy:2.8 image
 COMPONENT = "frontdoor"
 CONFIG_DIR = "/usr/local/etc/haproxy"
 EJECTION = "grpc_ejection.lua"
+AWAIT = "await_server.lua"
 RESOLVERS = [
     "resolvers k8s",
     "    parse-resolv-conf",
@@ -80,6 +81,7 @@ def haproxy_config(values: Values) -> str:
         grpc_port=door["grpcPort"] if worker["grpcPort"] else 0,
         drain_timeout_s=door["drainTimeoutSeconds"],
         grpc_ejection=f"{CONFIG_DIR}/{EJECTION}",
+        await_server=f"{CONFIG_DIR}/{AWAIT}",
     )
     models = {str(m): float(slo) for m, slo in values["models"].items()}
     text = render_policy(listen, [], models, rules)
@@ -160,7 +162,12 @@ def _frontend(section: list[str]) -> list[str]:
 
 def ejection_script() -> str:
     """The Lua script that ejects a worker failing gRPC calls, as tailserve ships it."""
-    return (importlib.resources.files("tailserve.router") / EJECTION).read_text(encoding="utf-8")
+    return lua_script(EJECTION)
+
+
+def lua_script(name: str) -> str:
+    """One of the front door's Lua scripts, as tailserve ships it."""
+    return (importlib.resources.files("tailserve.router") / name).read_text(encoding="utf-8")
 
 
 def config_map(values: Values, config: str) -> Obj:
@@ -168,7 +175,7 @@ def config_map(values: Values, config: str) -> Obj:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(values, name(values, "frontdoor"), COMPONENT),
-        "data": {"haproxy.cfg": config, EJECTION: ejection_script()},
+        "data": {"haproxy.cfg": config, EJECTION: ejection_script(), AWAIT: lua_script(AWAIT)},
     }
 
 
@@ -184,13 +191,17 @@ def deployment(values: Values, config: str) -> Obj:
         ports.append({"name": "grpc", "containerPort": door["grpcPort"]})
     ports.append({"name": "metrics", "containerPort": door["metricsPort"]})
     health = {"httpGet": {"path": "/healthz", "port": "metrics"}, "timeoutSeconds": 1}
+    # Ready as `tailserve up`'s front door is: every backend a request may take has a worker
+    # up (HAProxy's own answer on the HTTP port); alive while HAProxy answers at all.
+    ready = {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "timeoutSeconds": 1}
     # Out of the Service first, then a soft stop (SIGUSR1: stop listening, finish what is in
     # flight within hard-stop-after), waited for here so that no SIGTERM (a hard stop) cuts it.
     drain = (
         f"sleep {door['preStopSleepSeconds']}; kill -USR1 1; "
         "while kill -0 1 2>/dev/null; do sleep 1; done"
     )
-    checksum = hashlib.sha256((config + ejection_script()).encode()).hexdigest()[:16]
+    scripts = ejection_script() + lua_script(AWAIT)
+    checksum = hashlib.sha256((config + scripts).encode()).hexdigest()[:16]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -232,7 +243,7 @@ def deployment(values: Values, config: str) -> Obj:
                             "image": door["image"],
                             "command": ["haproxy", "-f", f"{CONFIG_DIR}/haproxy.cfg"],
                             "ports": ports,
-                            "readinessProbe": {**health, "periodSeconds": 2},
+                            "readinessProbe": {**ready, "periodSeconds": 2},
                             "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
                             "lifecycle": {
                                 "preStop": {"exec": {"command": ["/bin/sh", "-c", drain]}}

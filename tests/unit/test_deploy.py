@@ -36,7 +36,7 @@ sys.path.insert(0, str(DEPLOY))
 
 import render as render_cli  # noqa: E402
 from kube import ValuesError, load, render  # noqa: E402
-from kube.frontdoor import CONFIG_DIR, EJECTION, ejection_script  # noqa: E402
+from kube.frontdoor import AWAIT, CONFIG_DIR, EJECTION, ejection_script, lua_script  # noqa: E402
 from kube.redis import CREATE_CLUSTER, UPDATE_NODE_IPS  # noqa: E402
 
 # The schemas every object must pass: the oldest Kubernetes still supported upstream when this
@@ -78,6 +78,7 @@ def container(deployment: Obj) -> Obj:
 def haproxy_check(config: str, tmp_path: Path) -> None:
     """HAProxy's check of a config, with the ConfigMap's other files where it loads them."""
     (tmp_path / EJECTION).write_text(ejection_script())
+    (tmp_path / AWAIT).write_text(lua_script(AWAIT))
     path = tmp_path / "haproxy.cfg"
     path.write_text(config.replace(f"{CONFIG_DIR}/", f"{tmp_path}/"))
     done = subprocess.run(
@@ -582,7 +583,9 @@ def test_the_front_door_follows_the_workers_dns_answers(tmp_path: Path) -> None:
     config = one(objects, "ConfigMap", "tailserve-frontdoor")["data"]["haproxy.cfg"]
     dns = StubDNS("tailserve-workers.tailserve.svc.cluster.local")
     config = config.replace("parse-resolv-conf", f"nameserver stub 127.0.0.1:{dns.port}")
-    (tmp_path / "haproxy.cfg").write_text(config)
+    (tmp_path / "haproxy.cfg").write_text(config.replace(f"{CONFIG_DIR}/", f"{tmp_path}/"))
+    (tmp_path / EJECTION).write_text(ejection_script())
+    (tmp_path / AWAIT).write_text(lua_script(AWAIT))
     workers = [http.server.ThreadingHTTPServer((ip, worker_port), _Echo) for ip in WORKER_IPS]
     for server in workers:
         threading.Thread(target=server.serve_forever, daemon=True).start()

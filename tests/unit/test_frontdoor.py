@@ -10,9 +10,10 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from tailserve.errors import ConfigError
-from tailserve.fleet.haproxy import find_binary, grpc_ejection_script
+from tailserve.fleet.haproxy import await_server_script, find_binary, grpc_ejection_script
 from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render, worker_backends
 from tailserve.router.frontdoor_grpc import MAX_NAME_BYTES, name_prefix
+from tailserve.router.frontdoor_policy import down_state
 
 MEMBERS = [Member("worker-0", "127.0.0.1", 9001, 9101), Member("worker-1", "127.0.0.1", 9002, 9102)]
 LISTEN = Listen(host="127.0.0.1", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201)
@@ -258,6 +259,7 @@ def test_haproxy_accepts_the_config(balance: str, jobs_in_process: bool, tmp_pat
             stats_port=9201,
             jobs_in_process=jobs_in_process,
             grpc_ejection=grpc_ejection_script(),
+            await_server=await_server_script(),
         ),
         MEMBERS,
         {"churn": 50.0, "sentiment": 200.0},
@@ -270,3 +272,52 @@ def test_haproxy_accepts_the_config(balance: str, jobs_in_process: bool, tmp_pat
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "[WARNING]" not in checked.stdout + checked.stderr
+
+
+def test_ready_means_every_shared_backend_has_a_worker_up_http_and_grpc() -> None:
+    config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
+    (ready,) = [
+        line
+        for line in backend(config, "frontend http")
+        if line.startswith("http-request return status 200") and "/v2/health/ready" in line
+    ]
+    for name in ("workers", "cold", "submit", "grpc", "grpc.cold", "grpc.affinity", "grpc.stream"):
+        assert f"{{ nbsrv({name}) gt 0 }}" in ready
+    grpc = backend(config, "frontend grpc")
+    (unready,) = [line for line in grpc if "ServerReady" in line]
+    assert "grpc-status 14" in unready and "{ nbsrv(grpc.stream) eq 0 }" in unready
+    no_grpc = render(
+        dataclasses.replace(LISTEN, grpc_port=0), MEMBERS, {"churn": 50.0}, FrontDoorPolicy()
+    )
+    assert "nbsrv(grpc" not in no_grpc
+
+
+def test_with_no_worker_up_a_request_waits_for_one_but_the_fleets_routes_do_not() -> None:
+    listen = dataclasses.replace(LISTEN, await_server="/run/await_server.lua")
+    config = render(listen, MEMBERS, {"churn": 50.0, "sentiment": 200.0}, FrontDoorPolicy())
+    assert "    lua-load /run/await_server.lua" in config.splitlines()
+    front = backend(config, "frontend http")
+    # As long as the longest queue wait (200 ms x 0.5) unless the request says its deadline.
+    assert "http-request lua.await_server workers,cold,submit 100 if door.down !door.own" in front
+    assert "acl door.own path /metrics /v2/fleet /dashboard /v2/jobs" in front
+    grpc = backend(config, "frontend grpc")
+    assert any(line.startswith("http-request lua.await_server grpc.cold,grpc,") for line in grpc)
+    assert "lua.await_server" not in render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
+
+
+def test_the_first_state_has_every_server_down_with_its_address_weight_and_check_port() -> None:
+    standby = Member("worker-2", "::1", 9003, 9103, serving=False)
+    config = render(LISTEN, [*MEMBERS, standby], {"churn": 50.0}, FrontDoorPolicy())
+    rows = [line.split() for line in down_state(config).splitlines()[2:] if line]
+    by_place = {(row[1], row[3]): row for row in rows}
+    # Every server of every backend that checks it; not the admin lane's, which has no
+    # checks to bring it up.
+    servers = sum(1 for line in config.splitlines() if line.strip().startswith("server "))
+    assert len(rows) == servers - 1
+    assert ("admin", "supervisor") not in by_place
+    churn = by_place[("m.churn", "worker-0")]
+    assert churn[4:9] == ["127.0.0.1", "0", "0", "1", "1"]  # address, stopped, weight 1
+    assert churn[12] == "0" and churn[18] == "9001"  # no health: a check must pass first
+    assert by_place[("m.churn", "worker-2")][4:9] == ["::1", "0", "0", "0", "0"]  # standby
+    grpc = by_place[("g.churn", "worker-1")]
+    assert grpc[18] == "9102" and grpc[21] == "9002"  # checked on its HTTP port

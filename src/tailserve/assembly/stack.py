@@ -47,7 +47,7 @@ from tailserve.assembly.scaling import Scaler, ScalingPlan
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet import gpus
 from tailserve.fleet.admin import AdminLane, Slot
-from tailserve.fleet.haproxy import HAProxy, grpc_ejection_script
+from tailserve.fleet.haproxy import HAProxy, await_server_script, grpc_ejection_script
 from tailserve.fleet.processes import (
     LOOPBACK,
     ManagedWorker,
@@ -397,6 +397,7 @@ class Supervisor:
             lane_port=self.lane.port if self.lane else 0,
             jobs_in_process=self.config.jobs_in_process,
             grpc_ejection=grpc_ejection_script(),
+            await_server=await_server_script(),
         )
 
     def _front_door_config(self) -> str:
@@ -481,11 +482,18 @@ class Supervisor:
         """Wait for the process to exit, noting meanwhile when it becomes ready."""
         readiness = asyncio.create_task(self._await_ready(worker, process))
         try:
-            return await process.wait()
+            code = await process.wait()
         finally:
             worker.ready = False
             readiness.cancel()
             await asyncio.gather(readiness, return_exceptions=True)
+        if not self._stopping.is_set():
+            # The front door's checks would take a second or two to see it: until then each
+            # request sent there fails its connection. Told now, it sends none there (and with
+            # no worker up, holds them) until the checks find it back.
+            with contextlib.suppress(OSError, UpstreamError, RuntimeError):
+                await self.front_door_process.set_down(worker.name, self.worker_backends())
+        return code
 
     async def _await_ready(
         self, worker: ManagedWorker, process: asyncio.subprocess.Process

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tailserve.errors import ConfigError, UpstreamError
+from tailserve.router.frontdoor_policy import down_state
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ def grpc_ejection_script() -> str:
     """The Lua script HAProxy loads to eject a worker failing gRPC calls (package data of
     `tailserve.router`, beside `router.frontdoor_grpc`, which calls it)."""
     return str(importlib.resources.files("tailserve.router") / "grpc_ejection.lua")
+
+
+def await_server_script() -> str:
+    """The Lua script HAProxy loads to hold a request while no worker is up (package data of
+    `tailserve.router`, beside `router.frontdoor`, which calls it)."""
+    return str(importlib.resources.files("tailserve.router") / "await_server.lua")
 
 
 class HAProxy:
@@ -112,6 +119,9 @@ class HAProxy:
         """Check ``config``, start HAProxy on it, and return once its worker process runs."""
         await self.check(config)
         os.replace(self.run_dir / f"{CONFIG_NAME}.new", self.config_path)
+        # Every worker down until its first check passes (a restart too: the state a reload
+        # kept may be stale by now).
+        self.state_path.write_text(down_state(config), encoding="utf-8")
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         self._draining = False
@@ -220,6 +230,16 @@ class HAProxy:
         answer = (await self.command(line)).strip()
         if answer:
             raise UpstreamError(f"the front door refused a weight for {server}: {answer}")
+
+    async def set_down(self, server: str, backends: list[str]) -> None:
+        """Mark ``server`` down in each of ``backends`` at once (its process is gone); its
+        checks go on, and bring it up once they pass."""
+        if not backends or not self.running:
+            return
+        line = "; ".join(f"@1 set server {backend}/{server} health down" for backend in backends)
+        answer = (await self.command(line)).strip()
+        if answer:
+            raise UpstreamError(f"the front door refused to mark {server} down: {answer}")
 
     async def command(self, text: str) -> str:
         """One command on the master's CLI socket, and its answer."""

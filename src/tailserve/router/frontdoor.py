@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from tailserve.router.frontdoor_grpc import backends as grpc_backends
 from tailserve.router.frontdoor_grpc import render_grpc
+from tailserve.router.frontdoor_grpc import shared_backends as grpc_shared_backends
 from tailserve.router.frontdoor_policy import (
     AFFINITY_HEADER,
     BALANCE,
@@ -81,6 +82,8 @@ JOBS_PATH = "/v2/jobs"
 # name, the fourth field of /v2/models/NAME/... and /v1/models/NAME:predict.
 COLD_BACKEND = "cold"
 MODEL_HASH = "hash path,field(4,/),field(1,:)"
+# The HTTP backends whatever the model: any model's requests may take them.
+SHARED_BACKENDS = ("workers", COLD_BACKEND, "submit")
 
 
 def render(
@@ -167,6 +170,7 @@ def _global(listen: Listen, policy: FrontDoorPolicy) -> list[str]:
         f"    hard-stop-after {_ms(listen.drain_timeout_s * 1000)}",
         *([f"    server-state-file {listen.state_file}"] if listen.state_file else []),
         *([f"    lua-load {listen.grpc_ejection}"] if _ejects_grpc(listen) else []),
+        *([f"    lua-load {listen.await_server}"] if listen.await_server else []),
         "",
     ]
 
@@ -221,9 +225,10 @@ def _frontend(
         '    http-request return status 200 content-type application/json string "{}" '
         "if { path /v2/health/live }",
         '    http-request return status 200 content-type application/json string "{}" '
-        "if { path /v2/health/ready } { nbsrv(workers) gt 0 }",
+        f"if {{ path /v2/health/ready }} {ready_condition(listen)}",
         "    http-request return status 503 content-type application/json "
-        'string "{\\"error\\": \\"no worker is ready\\"}" if { path /v2/health/ready }',
+        'string "{\\"error\\": \\"not every backend has a worker ready yet\\"}" '
+        "if { path /v2/health/ready }",
         # When the front door received the request (µs since the epoch): the worker makes the
         # front door's span of the request's trace from it (docs/observability.md).
         f"    http-request set-header {RECEIVED_HEADER} %[date(0,us)]",
@@ -237,6 +242,16 @@ def _frontend(
             "    option http-buffer-request",
             f"    http-request set-var(txn.affinity) req.hdr({AFFINITY_HEADER})",
             "    http-request set-var(txn.affinity) req.body if !{ var(txn.affinity) -m found }",
+        ]
+    if listen.await_server:
+        # No worker up (each restarting, or none ready yet): the request waits a while,
+        # within its deadline, rather than get a 503 at once. (Not the fleet's own routes.)
+        lines += [
+            *(f"    acl door.down nbsrv({name}) eq 0" for name in SHARED_BACKENDS),
+            f"    acl door.own path_beg /v2/health/ {' '.join(ADMIN_PREFIXES)}",
+            f"    acl door.own path {' '.join(ADMIN_PATHS)} {JOBS_PATH}",
+            f"    http-request lua.await_server {','.join(SHARED_BACKENDS)} "
+            f"{round(await_ms(models, policy))} if door.down !door.own",
         ]
     if listen.admin_port:
         paths = " ".join(ADMIN_PATHS)
@@ -338,6 +353,20 @@ def _jobs_backend(members: list[Member], policy: FrontDoorPolicy) -> list[str]:
     ]
     lines += [f"    server {m.name} {_address(m.host)}:{m.http_port}" for m in members]
     return [*lines, ""]
+
+
+def ready_condition(listen: Listen) -> str:
+    """The front door is ready when every backend a request may take has a worker up: a
+    model's requests go to its own backend where it is ready, else to the cold one, so with
+    these up, a request for any model that is ready somewhere is routed and served."""
+    shared = [*SHARED_BACKENDS, *grpc_shared_backends(listen)]
+    return " ".join(f"{{ nbsrv({name}) gt 0 }}" for name in shared)
+
+
+def await_ms(models: dict[str, float], policy: FrontDoorPolicy) -> float:
+    """How long a request with no deadline of its own waits for a worker to come up: as long
+    as the longest any model's may wait in a queue."""
+    return max(models.values(), default=1000.0) * policy.queue_share
 
 
 def worker_backends(listen: Listen, models: dict[str, float]) -> list[str]:

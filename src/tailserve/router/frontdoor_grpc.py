@@ -84,13 +84,18 @@ def backends(listen: Listen, models: dict[str, float]) -> list[str]:
     return [*named, COLD, "grpc", "grpc.affinity", "grpc.stream"]
 
 
+def shared_backends(listen: Listen) -> list[str]:
+    """The gRPC backends that every model's calls may take (whatever the model)."""
+    return [COLD, "grpc", "grpc.affinity", "grpc.stream"] if listen.grpc_port else []
+
+
 def render_grpc(
     listen: Listen, members: list[Member], models: dict[str, float], policy: FrontDoorPolicy
 ) -> list[str]:
     """The gRPC frontend and its backends, for ``models`` (name -> SLO p99 in ms)."""
     named = {m: slo for m, slo in sorted(models.items()) if grpc_routable(m)}
     fallback_ms = max(named.values(), default=1000.0) * policy.queue_share
-    lines = _frontend(listen, named, policy)
+    lines = _frontend(listen, named, policy, await_ms=fallback_ms)
     for model, slo_ms in named.items():
         lines += _backend(
             f"g.{model}",
@@ -131,7 +136,9 @@ def render_grpc(
     return lines + _stream_backend(members, policy)
 
 
-def _frontend(listen: Listen, models: dict[str, float], policy: FrontDoorPolicy) -> list[str]:
+def _frontend(
+    listen: Listen, models: dict[str, float], policy: FrontDoorPolicy, *, await_ms: float
+) -> list[str]:
     affinity = policy.balance == "affinity" or any(
         policy.policy_of(m) == "affinity" for m in models
     )
@@ -161,6 +168,21 @@ def _frontend(listen: Listen, models: dict[str, float], policy: FrontDoorPolicy)
         lines.append(
             f"    http-request set-var(txn.model) str({model}) if grpc.unary "
             f"{{ req.body,bytes(5,{size}),hex -m str {name_prefix(model)} }}"
+        )
+    # The front door's own readiness: a worker would answer ServerReady for itself alone.
+    asked = f"{{ path {SERVICE}ServerReady }}"
+    down = " || ".join(f"{asked} {{ nbsrv({name}) eq 0 }}" for name in shared_backends(listen))
+    lines.append(
+        f"    http-request return status 200 "
+        f'hdr grpc-status {GRPC_STATUS[503]} hdr grpc-message "the front door is not ready: '
+        f'not every backend has a worker ready yet" if {down}'
+    )
+    if listen.await_server:
+        # No worker up: a call waits a while, within its deadline, rather than fail at once.
+        shared = shared_backends(listen)
+        down = " || ".join(f"{{ nbsrv({name}) eq 0 }}" for name in shared)
+        lines.append(
+            f"    http-request lua.await_server {','.join(shared)} {round(await_ms)} if {down}"
         )
     lines.append("    use_backend grpc.affinity if grpc.keyed grpc.stream")
     lines.append("    use_backend grpc.stream if grpc.stream")

@@ -117,6 +117,9 @@ class Listen:
     # The Lua script that ejects a worker failing gRPC calls (`router.frontdoor_grpc`; "":
     # none, gRPC calls then eject no worker).
     grpc_ejection: str = ""
+    # The Lua script that holds a request while no worker is up, within its deadline
+    # (`router.frontdoor`; "": none, such a request gets a 503 at once).
+    await_server: str = ""
 
 
 def routable(model: str) -> bool:
@@ -145,3 +148,50 @@ def address(host: str) -> str:
 
 def ms(value: float) -> str:
     return f"{max(1, round(value))}ms"
+
+
+# The server state file's columns (HAProxy's `show servers state`, format 1).
+STATE_COLUMNS = (
+    "be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight "
+    "srv_iweight srv_time_since_last_change srv_check_status srv_check_result "
+    "srv_check_health srv_check_state srv_agent_state bk_f_forced_id srv_f_forced_id srv_fqdn "
+    "srv_port srvrecord srv_use_ssl srv_check_port srv_check_addr srv_agent_addr srv_agent_port"
+)
+_SERVER = re.compile(r"^\s+server (\S+) (\S+):(\d+)(.*)$")
+_CHECK_PORT = re.compile(r"\bcheck port (\d+)")
+
+
+def down_state(config: str) -> str:
+    """A server state file that has every server of ``config`` down until its first check
+    passes.
+
+    HAProxy takes a server for up until a check fails, and spreads a backend's first checks
+    over its check interval: for most of a second after it starts, a worker that is not
+    listening yet would count as up, and the ready route would say yes. Loaded at start
+    (``load-server-state-from-file``), this makes every server earn its place. A server is
+    found by its backend's and its own name; ids are not compared.
+    """
+    rows = []
+    backend, checked = "", False
+    for line in config.splitlines():
+        if line and not line[0].isspace():  # a section's head: servers count in a backend
+            backend = line.split()[1] if line.startswith("backend ") else ""
+            checked = False
+            continue
+        if line.strip().startswith("default-server ") and " check" in f" {line.strip()}":
+            checked = True
+        found = _SERVER.match(line)
+        # (A server with no checks, as the admin lane's, has nothing to bring it up.)
+        if not backend or found is None or not (checked or " check" in found.group(4)):
+            continue
+        name, host, port, rest = found.groups()
+        weight = 0 if " weight 0" in rest else SERVING_WEIGHT
+        check = _CHECK_PORT.search(rest)
+        check_port = check.group(1) if check else "0"
+        host = host.strip("[]")
+        # op state 0 (stopped), admin state 0, check health 0 (a check must pass to rise).
+        rows.append(
+            f"0 {backend} 0 {name} {host} 0 0 {weight} {weight} 0 1 0 0 0 0 0 0 - {port} - 0 "
+            f"{check_port} - - 0"
+        )
+    return "\n".join(["1", f"# {STATE_COLUMNS}", *rows, ""])
