@@ -53,10 +53,12 @@ def test_rejections_by_reason_and_cost_models() -> None:
     metrics.on_reject("m", "deadline")
     metrics.on_reject("m", "deadline")
     metrics.on_reject("m", "expired")
+    metrics.on_reject("m", "deadline", needless=True)
     metrics.watch_costs(lambda: [CostRow("m", "1", "len<=16", 0.002, 0.00001)])
     got = samples(metrics)
     rejected = "tailserve_rejected_requests_total"
-    assert got[(rejected, (("model", "m"), ("reason", "deadline")))] == 2
+    assert got[(rejected, (("model", "m"), ("reason", "deadline")))] == 3
+    assert got[("tailserve_false_refusals_total", (("model", "m"),))] == 1
     assert got[(rejected, (("model", "m"), ("reason", "expired")))] == 1
     labels = (("bucket", "len<=16"), ("model", "m"), ("version", "1"))
     assert got[("tailserve_cost_model_fixed_seconds", labels)] == 0.002

@@ -8,6 +8,9 @@ where that is longer. Refusing early keeps the admitted requests' latency under 
 
 The share is whole while the worker refuses next to nothing, and falls to ``admission_target``
 as refusals near a fifth of requests: the rest is headroom for the queues the worker cannot see.
+While the admitted requests are answered well within the SLO and the event loop has time to spare
+(the `RefusalAudit`'s verdict), the evidence says the prediction reads high: the wait ahead may
+take twice its allowance. A refusal made then all the same does not count towards the share.
 
 `shed` asks the same before a request is read, for the least request of its deadline. One it
 lets in is offered marked `Item.screened` and may queue for all of its time left: refusing it
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from tailserve.engine.batching import Item, Rejection
 from tailserve.engine.delays import Delays
 from tailserve.engine.queues import ClassQueue, ClassQueues
+from tailserve.engine.refusal_audit import RefusalAudit
 
 # The share of recent requests refused (a moving average over about 1/_REFUSAL_RATE requests)
 # at which the worker counts as overloaded: slow enough that a burst does not floor the share.
@@ -30,6 +34,11 @@ _REFUSAL_RATE = 0.01
 _OVERLOADED_AT = 0.2
 # Below this the share of refusals counts as none, and an admitted request has nothing to count.
 _REFUSALS_NONE = 1e-4
+# While the admitted requests are answered well within the SLO, the predicted wait may take this
+# many times its allowance: a prediction read high (a burst after the CPU was taken away for a
+# moment, counted at the loop's cost a request at lighter load) is overruled, an overload's is
+# not (its backlog grows without bound).
+_COMFORTABLE_STRETCH = 2.0
 # A shed this soon after an offer may count the work queued as that offer did.
 _HINT_S = 0.005
 # Under overload, a shed's refusal stands this long for any request with less time left: the
@@ -45,8 +54,12 @@ class Admission:
         *,
         max_queue: int,
         admission_target: float,
+        audit: RefusalAudit | None = None,
     ) -> None:
         self.queues = queues
+        self.audit = audit
+        # The latest time a decision was asked for (a refusal's count reads the audit then).
+        self._now = 0.0
         self.delays = delays
         self.max_queue = max_queue
         self.admission_target = admission_target
@@ -62,8 +75,10 @@ class Admission:
         """The share of its time left a request may spend queued."""
         return self._share
 
-    def queue_full(self) -> Rejection:
+    def queue_full(self, now: float | None = None) -> Rejection:
         """The refusal of any request while the queue holds ``max_queue``."""
+        if now is not None:
+            self._now = now
         self._count(refused=True)
         return Rejection("queue_full", f"queue is full ({self.max_queue} requests)", 1.0)
 
@@ -81,6 +96,7 @@ class Admission:
         Not ``count``: a refusal is not counted (the request will be offered another way).
         ``headroom``: the share of the allowance for the queue ahead it may take (a model's
         more accurate variants take less: engine/variants.py)."""
+        self._now = now
         delays = self.delays
         cost = queue.cost
         learnt = delays.learnt(now)
@@ -100,7 +116,7 @@ class Admission:
         own = own_work / (len(free_at) or 1)
         waits = learnt[1] + delays.loop_delay_s
         share = (1.0 if item.screened else self._share) * headroom
-        if ahead > (budget - waits - own) * share:
+        if ahead > (budget - waits - own) * share * self._trust():
             self._hint = (now, work)
             return self._unmeetable(budget, ahead + own, waits, count=count)
         self._hint = (now, work + own_work)  # (admitted: its rows are ahead of the next one)
@@ -118,6 +134,7 @@ class Admission:
         queue: bool = True,
     ) -> Rejection | None:
         """See `Batcher.shed`."""
+        self._now = now
         budget = deadline - now
         delays = self.delays
         if not queue:
@@ -164,7 +181,7 @@ class Admission:
     def _refused_unread(self, budget: float, queueing: float, waits: float) -> Rejection | None:
         """The shed's answer for a request with ``budget`` left, ``queueing`` ahead of it and
         ``waits`` besides."""
-        if queueing > (budget - waits) * self._share:
+        if queueing > (budget - waits) * self._share * self._trust():
             rejection = self._unmeetable(budget, queueing, waits)
             if self._share > self.admission_target + 1e-9:
                 return rejection
@@ -193,7 +210,17 @@ class Admission:
             wait,
         )
 
+    def _trust(self) -> float:
+        """How far the evidence stretches the allowance for the predicted wait: the admitted
+        requests answered well within the SLO say the prediction reads high."""
+        return _COMFORTABLE_STRETCH if self._needless() else 1.0
+
+    def _needless(self) -> bool:
+        return self.audit is not None and self.audit.needless(self._now, self.delays.loop_busy)
+
     def _count(self, *, refused: bool) -> None:
+        if refused and self._needless():
+            return  # a false refusal: the share stays (see the module's docstring)
         if not refused and self.refusals <= _REFUSALS_NONE:
             if self.refusals:  # (faded to nothing: the share is whole again)
                 self.refusals, self._share = 0.0, 1.0

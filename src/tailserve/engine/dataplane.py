@@ -253,6 +253,8 @@ class DataPlane:
             batch_size=stats.batch_size,
             cost_class=stats.cost_class,
         )
+        if request.received_at is not None and not request.inner:
+            served.scheduler.answered(time.monotonic() - request.received_at)
         return self._served(request, _response(served, request, wanted, outputs, parameters))
 
     def _served(self, request: InferRequest, response: InferResponse) -> InferResponse:
@@ -388,6 +390,7 @@ class DataPlane:
                 "inline_batches": scheduler.inline_batches,
                 "rejected": dict(scheduler.stats.rejected),
                 "refusals_reused": scheduler.stats.refusals_reused,
+                "false_refusals": scheduler.stats.false_refusals,
                 "recent_rejections": list(scheduler.stats.recent_rejections),
                 "admission_share": _share(scheduler.batcher),
                 "delays_ms": _delays(scheduler.batcher),

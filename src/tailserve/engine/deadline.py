@@ -30,6 +30,7 @@ from tailserve.engine.buckets import Bucket
 from tailserve.engine.cost import LinearCost
 from tailserve.engine.delays import Delays
 from tailserve.engine.queues import ClassQueue, ClassQueues
+from tailserve.engine.refusal_audit import RefusalAudit
 
 # From this share of its thread's time busy, the event loop counts as a bottleneck: a class
 # then waits for the rows arriving within up to _LOOP_WAIT_S (all of it at a saturated loop),
@@ -47,18 +48,21 @@ class DeadlineBatcher:
         max_queue: int,
         target_utilization: float = 0.8,
         admission_target: float = 0.3,
+        audit: RefusalAudit | None = None,
     ) -> None:
         self.max_rows = max_rows
         self.instances = instances
         self.target_utilization = target_utilization
-        # How busy the event loop's thread is (0..1).
-        self.loop_busy = 0.0
         # Whether the last request offered may change what `poll` answers (see `Batcher`).
         self.poll_soon = True
         self._delays = Delays()
         self._queues = ClassQueues(max_rows)
         self._admission = Admission(
-            self._queues, self._delays, max_queue=max_queue, admission_target=admission_target
+            self._queues,
+            self._delays,
+            max_queue=max_queue,
+            admission_target=admission_target,
+            audit=audit,
         )
 
     def __len__(self) -> int:
@@ -81,6 +85,15 @@ class DeadlineBatcher:
     @loop_backlog_s.setter
     def loop_backlog_s(self, value: float) -> None:
         self._delays.loop_backlog_s = value
+
+    @property
+    def loop_busy(self) -> float:
+        """How busy the event loop's thread is (0..1)."""
+        return self._delays.loop_busy
+
+    @loop_busy.setter
+    def loop_busy(self, value: float) -> None:
+        self._delays.loop_busy = value
 
     @property
     def overhead_s(self) -> float:
@@ -118,7 +131,7 @@ class DeadlineBatcher:
     ) -> Rejection | None:
         admission, queues = self._admission, self._queues
         if queues.queued >= admission.max_queue:
-            return admission.queue_full()
+            return admission.queue_full(now)
         queue = queues.by_key.get(item.bucket.key) or self._class(item.bucket)
         rejection = admission.admit(item, queue, now, free_at, count=final, headroom=headroom)
         if rejection is not None:

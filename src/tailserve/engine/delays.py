@@ -33,6 +33,8 @@ class Delays:
         self.loop_delay_s = 0.0
         # The loop's time the requests it holds still need (observability.loop_lag).
         self.loop_backlog_s = 0.0
+        # How busy the loop's thread is, 0..1 (its CPU time over wall time, moving average).
+        self.loop_busy = 0.0
         # A batch's hand-off overhead (moving average), and when it was last learnt.
         self.overhead_s = 0.0
         self._overhead_at = 0.0

@@ -26,6 +26,7 @@ from tailserve.engine.accounts import BatchObserver, BatchRecord, BatchStats, Lo
 from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
+from tailserve.engine.refusal_audit import RefusalAudit
 from tailserve.engine.stats import ModelStats
 from tailserve.engine.variants import VariantChooser, loop_pressure
 from tailserve.errors import (
@@ -88,6 +89,7 @@ class Scheduler:
         inline_below_s: float = 0.0,
         background: BackgroundLane | None = None,
         variants: VariantChooser | None = None,
+        audit: RefusalAudit | None = None,
     ) -> None:
         """``runtimes``: per instance, its runtime, or one per variant of the model (in the
         order of ``variants``, whose policy then chooses per request)."""
@@ -107,6 +109,8 @@ class Scheduler:
         self._batched = batched
         self._observer = observer
         self._clock = clock
+        # What the admitted requests met, to judge each refusal (engine/refusal_audit.py).
+        self.audit = audit
         self._loop = loop
         self.stats = ModelStats()
         # Workers asleep: idle (an arrival may give them a batch), or busy (it cannot).
@@ -180,10 +184,18 @@ class Scheduler:
         self.stats.refusals_reused += 1
         self._batcher.refused()
 
+    def answered(self, latency_s: float) -> None:
+        """An admitted request was answered ``latency_s`` after it arrived."""
+        if self.audit is not None:
+            self.audit.on_answer(latency_s, self._clock())
+
     def _count_rejection(self, reason: str) -> None:
         self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        busy = self._loop.busy if self._loop is not None else 0.0
+        needless = self.audit is not None and self.audit.needless(self._clock(), busy)
+        self.stats.false_refusals += needless
         if self._observer is not None:
-            self._observer.on_reject(self._model, reason)
+            self._observer.on_reject(self._model, reason, needless=needless)
 
     def _read_loop(self) -> None:
         """Tell the batcher how late and how busy the event loop is now."""

@@ -27,6 +27,7 @@ from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
 from tailserve.engine.deadline import DeadlineBatcher
 from tailserve.engine.pipeline import Pipeline, PipelineHost, PipelineObserver
+from tailserve.engine.refusal_audit import RefusalAudit
 from tailserve.engine.retrieval import RetrievalIndex
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.validation import InputPlan
@@ -209,10 +210,12 @@ class VersionBuilder:
                 instances=config.instances.count,
                 target_utilization=config.batching.target_utilization,
             )
+        audit = RefusalAudit(config.slo.p99_ms / 1e3)
         scheduler = Scheduler(
             model=config.name,
             runtimes=instances,
-            batcher=batcher_for(config, policy),
+            batcher=batcher_for(config, policy, audit),
+            audit=audit,
             batched=config.batched,
             observer=self._observer,
             loop=self._loop,
@@ -305,7 +308,7 @@ def background_lane(config: ModelConfig) -> BackgroundLane:
     )
 
 
-def batcher_for(config: ModelConfig, policy: str) -> Batcher:
+def batcher_for(config: ModelConfig, policy: str, audit: RefusalAudit | None = None) -> Batcher:
     batching = config.batching
     if policy == "none":
         return NoBatching(batching.max_queue_size)
@@ -321,4 +324,5 @@ def batcher_for(config: ModelConfig, policy: str) -> Batcher:
         max_queue=batching.max_queue_size,
         target_utilization=batching.target_utilization,
         admission_target=batching.admission_target,
+        audit=audit,
     )

@@ -39,6 +39,8 @@ class ModelStats:
     recent_rejections: deque[str] = field(default_factory=lambda: deque(maxlen=8))
     # Of the refusals (in ``rejected``), those made on an earlier shed's word (overload).
     refusals_reused: int = 0
+    # Of the refusals, those made while the admitted requests were comfortably within the SLO.
+    false_refusals: int = 0
 
     def on_success(self, seconds: float, queue_s: float) -> None:
         self.success.add(seconds)

@@ -331,6 +331,12 @@ class Metrics:
             "expired (in the queue).",
             ["model", "reason"],
         )
+        self.false_refusals = LoopCounter(
+            "tailserve_false_refusals",
+            "Refusals made while the model's admitted requests had a p99 within half the SLO "
+            "over the last second and the event loop time to spare: not needed.",
+            ["model"],
+        )
         self.deadline_misses = LoopCounter(
             "tailserve_deadline_misses", "Requests answered after their deadline.", ["model"]
         )
@@ -449,6 +455,7 @@ class Metrics:
             self.batch_time,
             self.batch_predicted,
             self.rejected,
+            self.false_refusals,
             self.deadline_misses,
             self.variant_requests,
             self.loop_lag,
@@ -567,8 +574,10 @@ class Metrics:
         key = (entity, result)
         self.feature_lookups.values[key] = self.feature_lookups.values.get(key, 0) + count
 
-    def on_reject(self, model: str, reason: str) -> None:
+    def on_reject(self, model: str, reason: str, *, needless: bool = False) -> None:
         self.rejected.inc(model, reason)
+        if needless:
+            self.false_refusals.inc(model)
 
     def on_job(self, model: str, outcome: str, seconds: float | None) -> None:
         self.jobs_finished.inc(model, outcome)
