@@ -18,7 +18,8 @@ from test_up import churn_request
 from support.observability import expressions, series
 from support.servers import wait_for
 from support.up import tailserve_up
-from tailserve.observability.metrics import LoopCounter, LoopHistogram, Metrics
+from tailserve.observability.loop_metrics import LoopCounter, LoopHistogram
+from tailserve.observability.metrics import Metrics
 from tailserve.router.metrics import RouterMetrics
 
 Page = dict[str, list[tuple[str, dict[str, str], float]]]

@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 import numpy as np
@@ -26,6 +25,7 @@ from tailserve.engine.accounts import BatchObserver, BatchRecord, BatchStats, Lo
 from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, Item, Rejection
 from tailserve.engine.buckets import Bucket, pad_parts
+from tailserve.engine.instances import Instance
 from tailserve.engine.refusal_audit import RefusalAudit
 from tailserve.engine.stats import ModelStats
 from tailserve.engine.variants import VariantChooser, loop_pressure
@@ -48,23 +48,6 @@ _LOOKAHEAD = 2
 _MAX_HANDOFF_S = 0.02
 _MIN_WINDOW_S = 0.0005
 _Reply = tuple[Arrays, BatchStats]  # a request's rows of the outputs, and how it was served
-
-
-class _Instance:
-    """One model instance: its runtime (one per variant of the model), its own thread, and the
-    batches handed to it."""
-
-    def __init__(self, model: str, index: int, runtimes: Sequence[Runtime]) -> None:
-        self.index = index
-        self.runtimes = runtimes
-        # Whether its cheap batches may run on the loop's thread (runtimes/base.py).
-        self.steady = all(getattr(runtime, "steady", False) for runtime in runtimes)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}-{index}")
-        self.outstanding = 0
-        # When its handed-over batches should be done (0: idle); the last one's prediction.
-        self.free_at = 0.0
-        self.predicted = 0.0
-        self.tasks: set[asyncio.Task[None]] = set()
 
 
 class _Pending:
@@ -117,7 +100,7 @@ class Scheduler:
         self._waiters: set[asyncio.Future[None]] = set()
         self._busy_waiters: set[asyncio.Future[None]] = set()
         self._workers: list[asyncio.Task[None]] = []
-        self._instances = [_Instance(model, i, forms) for i, forms in enumerate(instances)]
+        self._instances = [Instance(model, i, forms) for i, forms in enumerate(instances)]
         # How long the loop takes to pick a finished batch's results up (moving average).
         self._handoff_s = 0.0005
         self._closing = False
@@ -330,11 +313,11 @@ class Scheduler:
 
     # --- the instance loop ---------------------------------------------------------------
 
-    def _free_times(self, now: float, polling: _Instance | None = None) -> list[float]:
+    def _free_times(self, now: float, polling: Instance | None = None) -> list[float]:
         # A batch that overruns its prediction reads as "free now": the estimate, not a promise.
         return [now if i is polling else max(i.free_at, now) for i in self._instances]
 
-    async def _worker(self, instance: _Instance) -> None:
+    async def _worker(self, instance: Instance) -> None:
         while True:
             now = self._clock()
             if instance.outstanding:
@@ -382,7 +365,7 @@ class Scheduler:
             else:
                 await self._sleep(poll.wait_until)
 
-    def _run_background(self, instance: _Instance, now: float) -> bool:
+    def _run_background(self, instance: Instance, now: float) -> bool:
         """Give an idle instance a batch of the background lane while no online request is
         queued; whether it took one."""
         if not self.background or instance.outstanding or len(self._batcher):
@@ -396,7 +379,7 @@ class Scheduler:
         self._submit(instance, batch, now)
         return True
 
-    def _submit(self, instance: _Instance, batch: list[Item], now: float) -> bool:
+    def _submit(self, instance: Instance, batch: list[Item], now: float) -> bool:
         """Run ``batch`` on ``instance``: answers True when it ran there and then, on the loop
         (cheap, and nothing in the instance's thread), False when handed to the thread."""
         bucket = batch[0].bucket
@@ -470,7 +453,7 @@ class Scheduler:
                 _resolve(waiter)
 
     async def _run(
-        self, instance: _Instance, batch: list[Item], bucket: Bucket, rows: int, predicted: float
+        self, instance: Instance, batch: list[Item], bucket: Bucket, rows: int, predicted: float
     ) -> None:
         loop = asyncio.get_running_loop()
         dispatched = self._clock()
@@ -490,7 +473,7 @@ class Scheduler:
         self._answer(batch, bucket, rows, predicted, outputs, started, ended, dispatched)
 
     def _run_inline(
-        self, instance: _Instance, batch: list[Item], bucket: Bucket, rows: int, predicted: float
+        self, instance: Instance, batch: list[Item], bucket: Bucket, rows: int, predicted: float
     ) -> None:
         dispatched = self._clock()
         try:

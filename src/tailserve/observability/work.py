@@ -17,7 +17,7 @@ from tailserve.engine.accounts import BatchRecord
 from tailserve.observability.efficiency import batch_cost
 
 if TYPE_CHECKING:
-    from tailserve.observability.metrics import LoopHistogram
+    from tailserve.observability.loop_metrics import LoopHistogram
 
 # A row's share of a request's latency: from 1 µs (a large request) to 10 s.
 PER_ROW_BUCKETS = (

@@ -14,13 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tailserve.observability.metrics import (
-    CONTENT_TYPE,
-    LATENCY_BUCKETS,
-    LoopCounter,
-    LoopHistogram,
-    _LoopCollector,
-)
+from tailserve.observability.loop_metrics import LoopCollector, LoopCounter, LoopHistogram
+from tailserve.observability.metrics import CONTENT_TYPE, LATENCY_BUCKETS
 from tailserve.router.backends import Backend
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
@@ -99,7 +94,7 @@ class RouterMetrics:
             ["backend", "reason"],
         )
         self.registry.register(
-            _LoopCollector(
+            LoopCollector(
                 [
                     self.requests,
                     self.latency,
