@@ -133,3 +133,40 @@ def test_samples_on_a_fake_clock_learn_the_loop_cpu_a_request_costs() -> None:
     assert lag.busy == pytest.approx(0.8, rel=0.01)
     assert lag.lag_s == pytest.approx(0.001, rel=0.01)
     assert lag.backlog_s == pytest.approx(30 * 0.0001, rel=0.01)
+
+
+async def sleeps_and_wakes() -> tuple[bool, int, float]:
+    """Whether the timer sleeps after the server's counts stood still, how many samples it took
+    asleep, and how soon ten samples came once the counts moved."""
+    counts = [0]
+    samples: list[float] = []
+    woken = asyncio.Event()
+    moved_at = [0.0]
+
+    def sampled(late: float) -> None:
+        samples.append(time.monotonic())
+        if moved_at[0] and sum(t >= moved_at[0] for t in samples) >= 10:
+            woken.set()
+
+    lag = LoopLag(requests=lambda: (0, counts[0], 0), on_sample=sampled)
+    lag.start()
+    try:
+        # The behaviour is one of time: a second and a half with nothing answered.
+        await asyncio.sleep(1.5)
+        slept = lag.asleep
+        asleep_from = time.monotonic()
+        await asyncio.sleep(0.5)
+        quiet = sum(t >= asleep_from for t in samples)
+        moved_at[0] = time.monotonic()
+        counts[0] += 1  # a request answered: the next (slow) tick wakes the timer
+        await asyncio.wait_for(woken.wait(), timeout=5.0)
+        return slept, quiet, time.monotonic() - moved_at[0]
+    finally:
+        lag.stop()
+
+
+def test_an_idle_loop_sleeps_and_a_request_wakes_it() -> None:
+    slept, quiet, took = asyncio.run(sleeps_and_wakes())
+    assert slept  # a second with nothing answered: asleep
+    assert quiet == 0  # asleep: not a sample in half a second (a 5 ms timer takes 100)
+    assert took < 2.0  # the slow tick (once a second) saw the count move; then every 5 ms

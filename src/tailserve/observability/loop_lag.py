@@ -16,6 +16,11 @@ batch, encode and write the requests ahead of it; neither the lag (one turn of t
 model's queue (its batches run in a fraction of a millisecond) shows that wait, and admission
 let requests in that then spent 70-100 ms inside the worker against a 50 ms SLO.
 
+An idle worker sleeps: after a second with no request in flight and none answered or refused
+(the server's counts unchanged), the timer ticks once a second instead, until a tick sees the
+counts move (a request, or a scrape of `/metrics`), and it ticks every few milliseconds again.
+Idle, the samples would only say that nothing happens, 200 times a second.
+
 A refusal counts as a quarter of a request (churn: 22-24 µs of the loop against 84 µs for a
 served request, at 8,000 req/s). Counted as nothing, as it once was, the loop's time spent on
 refusals was charged to the few requests answered: a worker refusing most of what came read a
@@ -39,6 +44,9 @@ REFUSAL_WEIGHT = 0.25
 # 1 / (1 - this)).
 _MAX_REFUSING = 0.9
 _HOST_EVERY_S = 0.25
+# Unchanged counts for this long put the timer to sleep; asleep, it ticks this often.
+_IDLE_AFTER_S = 1.0
+_ASLEEP_INTERVAL_S = 1.0
 
 
 class LoopLag:
@@ -74,6 +82,11 @@ class LoopLag:
         # The machine's idle CPU (observability/host_cpu.py), read every _HOST_EVERY_S.
         self.host = HostCpu()
         self._host_due = 0.0
+        # The server's counts at the last tick, and since when they have not moved (None:
+        # they moved at the last tick); asleep: ticking once a second (see the docstring).
+        self._counts: tuple[int, int, int] | None = None
+        self._still_since: float | None = None
+        self.asleep = False
 
     @property
     def host_idle(self) -> float:
@@ -112,16 +125,38 @@ class LoopLag:
         self.refusing += 0.05 * (min(_MAX_REFUSING, refusing) - self.refusing)
 
     def _schedule(self) -> None:
-        self._due = time.monotonic() + self.interval_s
-        self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
+        interval = _ASLEEP_INTERVAL_S if self.asleep else self.interval_s
+        self._due = time.monotonic() + interval
+        self._handle = asyncio.get_running_loop().call_later(interval, self._tick)
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if self._idle(now):
+            self._schedule()  # asleep: no sample, nothing learnt from an idle second
+            return
         self.sample(now, time.thread_time(), late=max(0.0, now - self._due))
         if now >= self._host_due:
             self._host_due = now + _HOST_EVERY_S
             self.host.sample()
         self._schedule()
+
+    def _idle(self, now: float) -> bool:
+        """Whether the server's counts have not moved for `_IDLE_AFTER_S` (then the timer
+        sleeps); a tick that sees them move wakes it, and the CPU read restarts from there."""
+        if self.requests is None:
+            return False
+        counts = self.requests()
+        if counts != self._counts or counts[0]:
+            self._counts, self._still_since = counts, None
+            if self.asleep:
+                self.asleep = False
+                self._cpu, self._wall = time.thread_time(), now
+                self._answered, self._refused = counts[1], counts[2]
+            return False
+        if self._still_since is None:
+            self._still_since = now
+        self.asleep = now - self._still_since >= _IDLE_AFTER_S
+        return self.asleep
 
     def sample(self, now: float, cpu: float, *, late: float) -> None:
         """One tick: the loop ran it ``late`` seconds after it was due, at ``now``, its thread
