@@ -140,7 +140,9 @@ def test_identical_concurrent_requests_run_the_model_once(tmp_path: Path) -> Non
 
 def test_a_hit_is_answered_while_the_model_is_too_busy_for_a_miss(tmp_path: Path) -> None:
     config = cached_config()
-    config.update(parameters={"delay": 0.05}, max_batch_size=4, batching={"max_queue_size": 64})
+    # 200 ms a batch: the backlog lasts long enough to be seen even when the eight requests
+    # trickle in from a busy machine (at 50 ms each ran alone as it came, under xdist).
+    config.update(parameters={"delay": 0.2}, max_batch_size=4, batching={"max_queue_size": 64})
     write_model(tmp_path, "m", config)
     with run_worker(Settings(repository=str(tmp_path))) as running:
         url = running.url
@@ -151,9 +153,9 @@ def test_a_hit_is_answered_while_the_model_is_too_busy_for_a_miss(tmp_path: Path
             count: int = httpx.get(stats_url).json()["model_stats"][0]["batching"]["queued"]
             return count
 
-        tight = {"X-Deadline-Ms": "100"}
+        tight = {"X-Deadline-Ms": "300"}  # more than a batch alone, less than the queue
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            # Eight 4-row misses, ~50 ms a batch: ~400 ms of work queued ahead.
+            # Eight 4-row misses, ~200 ms a batch: ~1.6 s of work queued ahead.
             misses = [
                 {
                     "inputs": [
@@ -168,7 +170,13 @@ def test_a_hit_is_answered_while_the_model_is_too_busy_for_a_miss(tmp_path: Path
                 for i in range(8)
             ]
             backlog = [
-                pool.submit(httpx.post, f"{url}/v2/models/m/infer", json=m, timeout=30)
+                pool.submit(
+                    httpx.post,
+                    f"{url}/v2/models/m/infer",
+                    json=m,
+                    headers={"X-Deadline-Ms": "10000"},  # room to wait out the whole backlog
+                    timeout=30,
+                )
                 for m in misses
             ]
             wait_for(lambda: queued() >= 4, what="a backlog to build")
