@@ -9,55 +9,17 @@ import contextlib
 import os
 import queue
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
-from tritonclient.utils import triton_to_np_dtype as tensor_dtype
 
+from support.churn import grpc_inputs
 from support.servers import free_port, wait_for
-from support.up import STARTED, UpProcess
+from support.up import STARTED, UpProcess, tailserve_up
 from tailserve.examples.churn import FIELDS, sample_rows
-
-
-@contextlib.contextmanager
-def started_up(repository: Path, log_dir: Path, *extra: str) -> Iterator[UpProcess]:
-    """`tailserve up` as a process, from the moment it starts (not once it says ready)."""
-    port = free_port()
-    log_path = log_dir / f"up-{port}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "tailserve.cli",
-        "up",
-        "--repository",
-        str(repository),
-        "--port",
-        str(port),
-        *extra,
-    ]
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        yield running
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-                for pid in running.every_pid():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
 
 
 def first_ready(client: httpx.Client, up: UpProcess, timeout: float = 90.0) -> None:
@@ -81,26 +43,20 @@ def churn_body() -> dict[str, object]:
     }
 
 
-def grpc_inputs() -> list[triton_grpc.InferInput]:
-    sample = sample_rows(1, 3)
-    inputs = []
-    for f in FIELDS:
-        tensor = triton_grpc.InferInput(f.name, [1, 1], f.datatype)
-        tensor.set_data_from_numpy(
-            np.asarray(sample[f.name], dtype=tensor_dtype(f.datatype)).reshape(1, 1)
-        )
-        inputs.append(tensor)
-    return inputs
-
-
 @pytest.mark.timeout(180)
 def test_every_request_sent_at_the_first_ready_is_served(
     churn_repository: Path, tmp_path: Path
 ) -> None:
     grpc_port = free_port()
     with (
-        started_up(
-            churn_repository, tmp_path, "--workers", "2", "--grpc-port", str(grpc_port)
+        tailserve_up(
+            churn_repository,
+            tmp_path,
+            "--workers",
+            "2",
+            "--grpc-port",
+            str(grpc_port),
+            wait_ready=False,
         ) as up,
         httpx.Client(timeout=30) as client,
     ):
@@ -114,10 +70,10 @@ def test_every_request_sent_at_the_first_ready_is_served(
         try:
             assert grpc.is_server_ready()
             assert grpc.is_model_ready("churn")
-            reply = grpc.infer("churn", grpc_inputs())
+            reply = grpc.infer("churn", grpc_inputs(1))
             answers: queue.Queue[object] = queue.Queue()
             grpc.start_stream(callback=lambda result, error: answers.put(error or result))
-            grpc.async_stream_infer("churn", grpc_inputs())
+            grpc.async_stream_infer("churn", grpc_inputs(1))
             streamed = answers.get(timeout=20)
             grpc.stop_stream()
         finally:
@@ -133,7 +89,7 @@ def test_a_request_with_no_worker_up_waits_for_one_within_its_deadline(
     churn_repository: Path, tmp_path: Path
 ) -> None:
     with (
-        started_up(churn_repository, tmp_path, "--workers", "1", "--grpc-port", "0") as up,
+        tailserve_up(churn_repository, tmp_path, "--workers", "1", wait_ready=False) as up,
         httpx.Client(timeout=30) as client,
     ):
         first_ready(client, up)

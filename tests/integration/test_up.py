@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
-from tritonclient.utils import triton_to_np_dtype as tensor_dtype
 
+from support.churn import grpc_inputs
 from support.servers import async_wait_for, free_port, wait_for
 from support.up import tailserve_up
 from tailserve.assembly.stack import FleetConfig, Supervisor
@@ -98,14 +97,7 @@ def test_up_serves_inference_through_the_front_door_from_every_worker(
             wait_for(both_have_answered, timeout=10, what="both workers to answer")
         assert replicas == set(up.worker_pids())
         # gRPC clients reach the same workers through the front door's gRPC port.
-        sample = sample_rows(2, 5)
-        inputs = []
-        for f in FIELDS:
-            tensor = triton_grpc.InferInput(f.name, [2, 1], f.datatype)
-            tensor.set_data_from_numpy(
-                np.asarray(sample[f.name], dtype=tensor_dtype(f.datatype)).reshape(2, 1)
-            )
-            inputs.append(tensor)
+        inputs = grpc_inputs(2, seed=5)
         with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
             assert client.is_server_ready() and client.is_model_ready("churn")
             scores = client.infer("churn", inputs).as_numpy("churn_probability")

@@ -32,3 +32,15 @@ def columns(rows: int, seed: int = 3) -> dict[str, np.ndarray[Any, Any]]:
             dtype = np.float32 if datatype == "FP32" else np.int64
             out[name] = np.asarray(values, dtype=dtype).reshape(-1, 1)
     return out
+
+
+def grpc_inputs(rows: int, seed: int = 3) -> list[Any]:
+    """The same rows as `tritonclient.grpc` inputs."""
+    import tritonclient.grpc as triton_grpc
+
+    inputs = []
+    for name, values in columns(rows, seed).items():
+        tensor = triton_grpc.InferInput(name, list(values.shape), FIELDS[name])
+        tensor.set_data_from_numpy(values)
+        inputs.append(tensor)
+    return inputs

@@ -39,7 +39,12 @@ class UpProcess(WorkerProcess):
 
 @contextlib.contextmanager
 def tailserve_up(
-    repository: Path, log_dir: Path, *extra: str, session: bool = False, shell: str = ""
+    repository: Path,
+    log_dir: Path,
+    *extra: str,
+    session: bool = False,
+    shell: str = "",
+    wait_ready: bool = True,
 ) -> Iterator[UpProcess]:
     """``tailserve up`` as a real process, once it says every worker is ready (``session``: in
     a process group of its own, as a shell's job; ``shell``: run by this bash script, which
@@ -69,11 +74,12 @@ def tailserve_up(
         )
     running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
     try:
-        wait_for(
-            lambda: process.poll() is not None or READY.search(running.log()) is not None,
-            timeout=90,
-            what="tailserve up to report its workers ready",
-        )
+        if wait_ready:  # (else from the moment it starts)
+            wait_for(
+                lambda: process.poll() is not None or READY.search(running.log()) is not None,
+                timeout=90,
+                what="tailserve up to report its workers ready",
+            )
         assert process.poll() is None, f"up exited with {process.returncode}:\n{running.log()}"
         yield running
     finally:
