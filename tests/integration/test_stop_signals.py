@@ -22,7 +22,7 @@ import pytest
 
 from support.models import doubler_config, write_model
 from support.servers import wait_for
-from support.up import UpProcess, tailserve_up
+from support.up import UpProcess, alive, tailserve_up
 
 # Waits in predict until the gate file exists (warm-up runs with it open).
 HELD = """
@@ -112,14 +112,6 @@ def outcome(future: Future[httpx.Response]) -> int | str:
 def slots(up: UpProcess) -> dict[str, int]:
     """Every process the supervisor keeps (the workers and the hedging lane), by name."""
     return {name: int(pid) for name, pid in SLOT.findall(up.log())}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def assert_drained(up: UpProcess, code: int, replies: list[httpx.Response]) -> None:

@@ -21,7 +21,7 @@ import tritonclient.grpc as triton_grpc
 
 from support.churn import grpc_inputs
 from support.servers import async_wait_for, free_port, wait_for
-from support.up import tailserve_up
+from support.up import alive, tailserve_up
 from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.processes import ManagedWorker
@@ -51,14 +51,6 @@ def grpc_calls(worker_url: str) -> float:
     text = httpx.get(f"{worker_url}/metrics").text
     prefix = 'tailserve_requests_total{model="churn",protocol="grpc",status="200"} '
     return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_up_serves_inference_through_the_front_door_from_every_worker(

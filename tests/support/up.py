@@ -37,6 +37,15 @@ class UpProcess(WorkerProcess):
         return [int(pid) for pid in FRONT_DOOR.findall(self.log())]
 
 
+def alive(pid: int) -> bool:
+    """Whether a process of that pid still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def tailserve_up(
     repository: Path,

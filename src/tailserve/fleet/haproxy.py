@@ -224,22 +224,26 @@ class HAProxy:
     async def set_weight(self, server: str, backends: list[str], weight: int) -> None:
         """``server``'s weight in each of ``backends``, at once (the runtime API: no reload).
         Weight 0 takes it out of the rotation; its checks go on."""
-        if not backends or not self.running:
-            return
-        line = "; ".join(f"@1 set weight {backend}/{server} {weight}" for backend in backends)
-        answer = (await self.command(line)).strip()
-        if answer:
-            raise UpstreamError(f"the front door refused a weight for {server}: {answer}")
+        await self._in_each(
+            backends, f"set weight {{}}/{server} {weight}", f"a weight for {server}"
+        )
 
     async def set_down(self, server: str, backends: list[str]) -> None:
         """Mark ``server`` down in each of ``backends`` at once (its process is gone); its
         checks go on, and bring it up once they pass."""
+        await self._in_each(
+            backends, f"set server {{}}/{server} health down", f"marking {server} down"
+        )
+
+    async def _in_each(self, backends: list[str], template: str, what: str) -> None:
+        """One runtime command a backend (``template`` with the backend's name for ``{}``),
+        sent together; an answer is a refusal."""
         if not backends or not self.running:
             return
-        line = "; ".join(f"@1 set server {backend}/{server} health down" for backend in backends)
+        line = "; ".join("@1 " + template.format(backend) for backend in backends)
         answer = (await self.command(line)).strip()
         if answer:
-            raise UpstreamError(f"the front door refused to mark {server} down: {answer}")
+            raise UpstreamError(f"the front door refused {what}: {answer}")
 
     async def command(self, text: str) -> str:
         """One command on the master's CLI socket, and its answer."""
