@@ -548,8 +548,19 @@ class Supervisor:
                     reply = await direct.request(frame_request("GET", path, direct.origin), 2.0)
                     if reply.status == 200:
                         await until_ok(door, path, self.config.ready_interval_s / 5)
+                        # (The route answers from the cold backend too: wait for its own.)
+                        await self._until_up(f"m.{model}")
         finally:
             await asyncio.gather(direct.close(), door.close())
+
+    async def _until_up(self, backend: str) -> None:
+        """Wait until the front door has a server up in ``backend`` (one it does not have:
+        at once)."""
+        door = self.front_door_process
+        while True:
+            if not door.running or await door.servers_up(backend):
+                return
+            await asyncio.sleep(self.config.ready_interval_s / 5)
 
     async def _classify(self) -> None:
         """Every few seconds, the models whose cost models say they are slow take the lane."""

@@ -245,6 +245,15 @@ class HAProxy:
         if answer:
             raise UpstreamError(f"the front door refused {what}: {answer}")
 
+    async def servers_up(self, backend: str) -> int:
+        """How many of ``backend``'s servers are up (a backend it does not have: counted as
+        up, 1, so that no one waits on it)."""
+        text = await self.command(f"@1 show servers state {backend}")
+        rows = [line.split() for line in text.splitlines()[1:] if line and line[0] != "#"]
+        if not rows:
+            return 1
+        return sum(1 for row in rows if len(row) > 5 and row[5] == "2")  # srv_op_state running
+
     async def command(self, text: str) -> str:
         """One command on the master's CLI socket, and its answer."""
         reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
