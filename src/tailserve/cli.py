@@ -25,6 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    if argv is None and handler is _serve:
+        from tailserve.assembly.hugepages import restart_with_huge_pages
+
+        restart_with_huge_pages()  # returns where it need not (see its module)
     try:
         return handler(args)
     except TailserveError as exc:

@@ -1,8 +1,9 @@
 """The command line: examples, serve's errors for what it cannot start with, and a default
-start of the examples that logs no error."""
+start of the examples that logs no error and stays lean."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -93,7 +94,11 @@ def test_serve_and_up_take_the_same_log_levels(tmp_path: Path) -> None:
         assert "invalid choice: 'verbose' (choose from 'debug', 'info'" in done.stderr
 
 
-def test_a_default_start_of_the_examples_logs_no_error(
+# One worker of the examples, warmed: its resident set (it was ~2 GB with ORT's arenas).
+LEAN_WORKER_BYTES = 400 * 2**20
+
+
+def test_a_default_start_of_the_examples_logs_no_error_and_stays_lean(
     example_repository: Path, tmp_path: Path
 ) -> None:
     # No --redis-url: the ranker, which reads its inputs from the feature store, is left out.
@@ -101,6 +106,17 @@ def test_a_default_start_of_the_examples_logs_no_error(
         assert httpx.get(f"{running.url}/v2/health/ready").status_code == 200
         churn = httpx.get(f"{running.url}/v2/models/churn/ready")
         assert churn.status_code == 200
+        pid = running.process.pid
+        # `serve` started itself again, same pid, with huge pages for malloc (hugepages.py).
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        resident = pages * os.sysconf("SC_PAGE_SIZE")
+        assert resident <= LEAN_WORKER_BYTES, f"{resident / 2**20:.0f} MiB resident"
+        page = httpx.get(f"{running.url}/metrics").text
+        sentiment = _sample(page, 'tailserve_model_memory_bytes{model="sentiment"}')
+        files = sum(f.stat().st_size for f in (example_repository / "sentiment" / "1").iterdir())
+        assert files <= sentiment <= resident - 32 * 2**20
         assert running.terminate() == 0
     log = running.log()
     records = [m for m in map(LOG_LINE.match, log.splitlines()) if m is not None]
@@ -111,3 +127,9 @@ def test_a_default_start_of_the_examples_logs_no_error(
     assert len(left_out) == 1, log
     assert left_out[0]["level"] == "INFO"
     assert "not served" in left_out[0]["message"] and "--redis-url" in left_out[0]["message"]
+
+
+def _sample(page: str, series: str) -> float:
+    lines = [line for line in page.splitlines() if line.startswith(series + " ")]
+    assert len(lines) == 1, f"{series} not in the metrics"
+    return float(lines[0].split()[1])

@@ -1,5 +1,6 @@
 """ONNX Runtime's I/O binding path (the GPU's), run here with the CPU provider: the same answers
-as ``session.run``; string inputs, which ORT cannot bind, keep ``session.run``."""
+as ``session.run``; string inputs, which ORT cannot bind, keep ``session.run``. And its CPU
+arena: off unless asked for, the same answers either way."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from onnx import TensorProto, helper
 from tailserve.errors import ModelLoadError
 from tailserve.modelconfig import parse_model_config
 from tailserve.runtimes import Runtime, RuntimeContext, create_runtime
+from tailserve.runtimes.onnx import OnnxRuntime
 
 
 def two_output_graph(path: Path) -> None:
@@ -122,3 +124,19 @@ def test_string_inputs_keep_session_run(tmp_path: Path, caplog: pytest.LogCaptur
 def test_an_unknown_io_binding_setting_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"parameters\.io_binding': 'yes' is not auto"):
         runtime(tmp_path, io_binding="yes")
+
+
+def test_the_cpu_arena_is_off_unless_asked_for_and_answers_do_not_change(tmp_path: Path) -> None:
+    auto = runtime(tmp_path / "auto")
+    kept = runtime(tmp_path / "kept", memory_arena=True)
+    assert isinstance(auto, OnnxRuntime) and isinstance(kept, OnnxRuntime)
+    assert (auto.memory_arena, kept.memory_arena) == (False, True)
+    for rows in (1, 64, 3):
+        inputs = batch(rows, rows)
+        want = kept.predict(inputs)["scaled"]
+        np.testing.assert_array_equal(auto.predict(inputs)["scaled"], want)
+
+
+def test_an_unknown_memory_arena_setting_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"parameters\.memory_arena': 'on' is not auto"):
+        runtime(tmp_path, memory_arena="on")

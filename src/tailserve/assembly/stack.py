@@ -43,6 +43,7 @@ from tailserve.assembly.commands import (
     repository_models,
     worker_command,
 )
+from tailserve.assembly.hugepages import with_huge_pages
 from tailserve.assembly.scaling import Scaler, ScalingPlan
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet import gpus
@@ -587,11 +588,11 @@ class Supervisor:
         finally:
             await asyncio.gather(*(pool.close() for pool in pools.values()))
 
-    def _worker_env(self, worker: ManagedWorker) -> dict[str, str] | None:
+    def _worker_env(self, worker: ManagedWorker) -> dict[str, str]:
         extra = dict(worker.env)
         # The token travels in the environment, where `ps` does not show it to other users.
         if self.config.admin_token is not None:
             extra["TAILSERVE_ADMIN_TOKEN"] = self.config.admin_token
         if self.config.redis_password is not None:
             extra["TAILSERVE_REDIS_PASSWORD"] = self.config.redis_password
-        return {**os.environ, **extra} if extra else None
+        return with_huge_pages({**os.environ, **extra})

@@ -8,6 +8,10 @@ set alone under-reads a model loaded where another was just unloaded (the freed 
 reused, so the process does not grow); malloc's count does not see memory mapped outside it
 (Python's own small-object arenas). Other threads allocate meanwhile, so a measure made under
 traffic is noisy; the catalogue keeps the last one, never less than the artifact bytes.
+
+Before the second measure the C library is asked to give its free memory back
+(`release_free_memory`): a warm-up's largest batches free buffers that glibc keeps in its
+per-thread arenas, which would otherwise count as the model's and stay resident.
 """
 
 from __future__ import annotations
@@ -73,6 +77,28 @@ def _mallinfo2() -> Callable[[], _MallInfo2] | None:
 
 
 _MALLINFO2 = _mallinfo2()
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        function: Any = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_size_t]
+    return cast("Callable[[int], int]", function)
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Hand the C library's free memory back to the system (glibc's ``malloc_trim``, every
+    arena); nothing where the C library has no such call."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 

@@ -40,8 +40,14 @@ from tailserve.errors import (
 )
 from tailserve.modelconfig import ModelConfig, load_model_config
 from tailserve.repository.discovery import choose_versions, model_dirs, versions_on_disk
-from tailserve.repository.footprint import Memory, artifact_bytes, memory_now
+from tailserve.repository.footprint import (
+    Memory,
+    artifact_bytes,
+    memory_now,
+    release_free_memory,
+)
 from tailserve.repository.residency import Eviction, Residency
+from tailserve.runtimes import import_backend
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +301,7 @@ class ModelManager(Generic[S]):
             state.status, state.reason, state.cold = ModelStatus.UNLOADING, "", evicted
             self._notify(state)
             await asyncio.gather(*(self._builder.retire(v) for v in old.values()))
+            release_free_memory()
             state.status = ModelStatus.UNAVAILABLE
             state.reason = COLD_REASON if evicted else ""
             self.residency.unloaded(name)
@@ -365,6 +372,7 @@ class ModelManager(Generic[S]):
             state.status = ModelStatus.LOADING
             try:
                 config, chosen = self._read(name)
+                import_backend(config.runtime)  # the library is the process's, not the model's
                 before, began = self._memory(), self._clock()
                 fresh: dict[int, S] = {}
                 try:
@@ -376,6 +384,7 @@ class ModelManager(Generic[S]):
                     await asyncio.gather(*(self._builder.retire(v) for v in fresh.values()))
                     raise
                 seconds = self._clock() - began
+                release_free_memory()
                 grown = before.growth_to(self._memory())
             except TailserveError as exc:
                 state.reason = exc.message
@@ -400,6 +409,7 @@ class ModelManager(Generic[S]):
                 self.residency.cost(name) / 2**20,
             )
             await asyncio.gather(*(self._builder.retire(v) for v in old.values()))
+            release_free_memory()
 
     async def _within_budget(self, state: ModelState[S]) -> None:
         """Unload the least wanted models until ``state``'s model fits, load it, and
