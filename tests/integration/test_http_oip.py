@@ -6,6 +6,7 @@ import concurrent.futures
 import gzip
 import re
 import struct
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -327,7 +328,14 @@ def test_concurrent_requests_share_batches_and_get_their_own_rows(worker: Runnin
 def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(
     worker: RunningWorker, path: str, kwargs: dict[str, Any], status: int, message: str
 ) -> None:
-    reply = httpx.post(f"{worker.url}{path}", **kwargs)
+    # The interpreter's own recursion limit (a test run before, as hypothesis's, may leave it
+    # raised; this worker shares the test's interpreter).
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        reply = httpx.post(f"{worker.url}{path}", **kwargs)
+    finally:
+        sys.setrecursionlimit(limit)
     assert reply.status_code == status, reply.text
     assert message in reply.json()["error"]
     assert_still_serving(worker.url)
