@@ -8,8 +8,10 @@ and then given what a cluster changes:
 - each backend holds `serverSlots` server slots filled from the workers' headless Service's
   DNS answers (`server-template ... resolvers k8s init-addr none`): only ready workers are in
   them, and HAProxy needs no DNS to start or to check the config;
-- gRPC's backends (``g.<model>``, ``grpc*``) fill their slots with the workers' gRPC port,
-  and HAProxy loads the gRPC ejection script (`router/grpc_ejection.lua`) from the ConfigMap;
+- gRPC's unary backends (``g.<model>``, ``grpc``, ``grpc.cold``, ``grpc.affinity``) fill
+  their slots with the workers' HTTP port (a unary call goes over HTTP/1.1,
+  `tailserve.protocols.grpc.over_http1`), ``grpc.stream`` with their gRPC port over HTTP/2;
+  HAProxy loads the gRPC ejection script (`router/grpc_ejection.lua`) from the ConfigMap;
 - the global section has no master-worker process nor state file (the pod is the unit), and
   its connection limit follows the container's file descriptor limit;
 - HAProxy's Prometheus exporter and a /healthz for the kubelet, on the metrics port;
@@ -94,7 +96,7 @@ def haproxy_config(values: Values) -> str:
             section = _global(values, rules, section)
         elif head == "frontend http":
             section = _frontend(section)
-        elif head.startswith(("backend g.", "backend grpc")):
+        elif head == "backend grpc.stream":
             section = [
                 *section,
                 f"    server-template g 1-{slots} {workers}:{worker['grpcPort']} proto h2 "

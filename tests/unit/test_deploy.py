@@ -231,10 +231,12 @@ def test_the_front_door_mirrors_tailserve_up() -> None:
         line.startswith("http-error status 503 content-type application/json") for line in lines
     )
     assert "http-request use-service prometheus-exporter if { path /metrics }" in lines
-    assert any(
-        line.startswith("server-template g 1-32 ") and ":8001 proto h2 check port 8000" in line
-        for line in lines
-    )
+    # Streams over HTTP/2 to the gRPC port; unary calls over HTTP/1.1 to the HTTP port.
+    sections = config.split("\nbackend ")
+    (stream,) = [s for s in sections if s.startswith("grpc.stream\n")]
+    assert ":8001 proto h2 check port 8000" in stream and "server-template g 1-32 " in stream
+    (churn,) = [s for s in sections if s.startswith("g.churn\n")]
+    assert "server-template w 1-32 " in churn and ":8000 " in churn and "proto h2" not in churn
     # gRPC by model, with its ejection script from the ConfigMap.
     assert "use_backend g.churn if { var(txn.model) -m str churn } { nbsrv(g.churn) gt 0 }" in lines
     assert f"lua-load {CONFIG_DIR}/{EJECTION}" in lines

@@ -101,7 +101,7 @@ def test_affinity_hashes_the_header_else_the_body_with_bounded_load() -> None:
     assert "option http-buffer-request" in front
 
 
-def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_to_the_workers_grpc_ports() -> None:
+def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_calls_to_the_workers_http_ports() -> None:
     config = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy())
     front = backend(config, "frontend http")
     assert (
@@ -109,8 +109,11 @@ def test_the_fleets_routes_go_to_the_admin_lane_and_grpc_to_the_workers_grpc_por
         "{ path_beg /v2/cache/ /v2/repository/ /dashboard/ }"
     ) in front
     assert "server supervisor 127.0.0.1:9200" in backend(config, "backend admin")
-    grpc = backend(config, "backend grpc")
-    assert "server worker-0 127.0.0.1:9101 proto h2 check port 9001 check-proto h1" in grpc
+    # A unary call goes over HTTP/1.1 to the worker's HTTP port, a stream over HTTP/2 to its
+    # gRPC port.
+    assert "server worker-0 127.0.0.1:9001 check" in backend(config, "backend grpc")
+    stream = backend(config, "backend grpc.stream")
+    assert "server worker-0 127.0.0.1:9101 proto h2 check port 9001 check-proto h1" in stream
     assert "bind 127.0.0.1:8081 proto h2" in backend(config, "frontend grpc")
 
 
@@ -125,7 +128,7 @@ def test_a_grpc_call_with_an_affinity_key_goes_by_it() -> None:
     )
     affinity = backend(config, "backend grpc.affinity")
     assert "balance hdr(x-affinity-key)" in affinity and "hash-type consistent" in affinity
-    assert any(line.startswith("server worker-1 127.0.0.1:9102 proto h2") for line in affinity)
+    assert any(line.startswith("server worker-1 127.0.0.1:9002 check") for line in affinity)
     assert "balance random(2)" in backend(config, "backend grpc")
     # A model whose policy is affinity: the key, else the message, as over HTTP.
     keyed = render(LISTEN, MEMBERS, {"churn": 50.0}, FrontDoorPolicy(balance="affinity"))
@@ -167,7 +170,7 @@ def test_each_model_has_a_grpc_backend_with_the_admission_and_ejection_of_http()
     assert "http-response lua.grpc_outcome 5" in churn
     (defaults,) = [line for line in churn if line.startswith("default-server")]
     assert "maxconn 8 maxqueue 20" in defaults
-    assert "server worker-0 127.0.0.1:9101 proto h2 check port 9001 check-proto h1" in churn
+    assert "server worker-0 127.0.0.1:9001 check" in churn
     # The door's refusals are gRPC statuses, saying why.
     assert (
         'http-error status 503 hdr grpc-status 14 hdr grpc-message "no worker can take the '
@@ -320,4 +323,6 @@ def test_the_first_state_has_every_server_down_with_its_address_weight_and_check
     assert churn[12] == "0" and churn[18] == "9001"  # no health: a check must pass first
     assert by_place[("m.churn", "worker-2")][4:9] == ["::1", "0", "0", "0", "0"]  # standby
     grpc = by_place[("g.churn", "worker-1")]
-    assert grpc[18] == "9102" and grpc[21] == "9002"  # checked on its HTTP port
+    assert grpc[18] == "9002" and grpc[21] == "0"  # a unary call: to its HTTP port
+    stream = by_place[("grpc.stream", "worker-1")]
+    assert stream[18] == "9102" and stream[21] == "9002"  # checked on its HTTP port

@@ -156,6 +156,7 @@ class Worker:
             reply_memo=memo,
             jobs=self.jobs,
             tracing=self.tracing,
+            grpc=self._grpc_bridge(),
             slow_fault=(
                 SlowFault(settings.fault_slow_fraction, settings.fault_slow_factor)
                 if settings.fault_slow_fraction > 0
@@ -373,6 +374,17 @@ class Worker:
             self.recorder.close()
         if self.tracing is not None:
             self.tracing.shutdown()  # (what is still batched goes out first)
+
+    def _grpc_bridge(self) -> Any:
+        """Unary gRPC calls on the HTTP port, as the front door forwards them (None where
+        grpcio is not installed). Its service's calls are not counted twice in the loop's
+        backlog: the HTTP server counts them."""
+        try:
+            from tailserve.protocols.grpc.over_http1 import GrpcOverHttp1
+            from tailserve.protocols.grpc.service import InferenceService
+        except ImportError:
+            return None
+        return GrpcOverHttp1(InferenceService(self.dataplane, self.metrics, self.tracing))
 
     async def _start_grpc(self) -> None:
         """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none). A worker that

@@ -174,9 +174,13 @@ class Servicer(Protocol):
     async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
 
 
-def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
-    """The service's methods, each parsing its request (bytes that are no such message:
-    INVALID_ARGUMENT) and answering errors as statuses (`_guarded`)."""
+Parse = Callable[[bytes], Any]
+
+
+def unary_methods(servicer: Servicer) -> dict[str, tuple[Handler, Parse]]:
+    """The service's unary methods by name: each handler answering errors as statuses
+    (`_guarded`), and the parser of its request (bytes that are no such message: a
+    `_Malformed` the handler answers INVALID_ARGUMENT)."""
     methods: dict[str, tuple[Handler, Any]] = {
         "ServerLive": (servicer.server_live, schema.ServerLiveRequest),
         "ServerReady": (servicer.server_ready, schema.ServerReadyRequest),
@@ -185,25 +189,28 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         "ModelMetadata": (servicer.model_metadata, schema.ModelMetadataRequest),
         "ModelInfer": (servicer.model_infer, schema.ModelInferRequest),
     }
+    return {name: (_guarded(handler), _parser(kind)) for name, (handler, kind) in methods.items()}
+
+
+def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
+    """The service's methods for grpcio's server (`unary_methods`, and the stream)."""
     table = {
         name: grpc.unary_unary_rpc_method_handler(
-            _guarded(handler),
-            request_deserializer=_parser(kind),
-            response_serializer=_serialize,
+            handler, request_deserializer=parse, response_serializer=serialize
         )
-        for name, (handler, kind) in methods.items()
+        for name, (handler, parse) in unary_methods(servicer).items()
     }
     stream = getattr(servicer, "model_stream_infer", None)
     if stream is not None:  # (the worker's; the routing lane's gateway has none)
         table["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
             stream,
             request_deserializer=_parser(schema.ModelInferRequest),
-            response_serializer=_serialize,
+            response_serializer=serialize,
         )
     return grpc.method_handlers_generic_handler(schema.SERVICE, table)
 
 
-def _serialize(message: Any) -> bytes:
+def serialize(message: Any) -> bytes:
     data: bytes = message.SerializeToString()
     return data
 

@@ -6,6 +6,9 @@ return ``(status, headers, body)``; errors from the data plane become ``{"error"
 the status `errors.status_of` gives. What needs no waiting is answered in `answer_now`, with
 no task: an unknown route, an inference whose reply the reply memo holds (cache/replies.py),
 and one refused before it is decoded because its model is too busy for its deadline.
+
+Given a gRPC bridge (`protocols.grpc.over_http1`), a POST under its prefix is a unary gRPC
+call the front door forwarded over HTTP/1.1: the bridge answers it, counted as gRPC.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import orjson
 
@@ -44,6 +47,7 @@ from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.replay import Replayer
 from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.routes import Route, Router
+from tailserve.protocols.http.server import Trailed
 from tailserve.protocols.refusals import refusal_reason
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,18 @@ _IDENTITY = (None, b"", b"identity")
 T = TypeVar("T")
 # Routes whose requests may be refused before they are decoded (`_shed`).
 _SHED = frozenset(("infer", "predict_v1"))
+
+
+class GrpcBridge(Protocol):
+    """Unary gRPC calls over HTTP/1.1 (`protocols.grpc.over_http1`)."""
+
+    prefix: str
+
+    async def answer(self, request: HttpRequest) -> Reply | Trailed: ...
+
+
+# The route of a gRPC call over HTTP/1.1 (not in the route table: no OpenAPI operation).
+GRPC_ROUTE = Route("POST", "/inference.GRPCInferenceService/{method}", "grpc", "A gRPC call.")
 
 
 class SlowFault:
@@ -103,8 +119,10 @@ class HttpApp:
         reply_memo: ReplyMemo | None = None,
         jobs: jobs.JobsApi | None = None,
         tracing: Tracing | None = None,
+        grpc: GrpcBridge | None = None,
     ) -> None:
         self.dataplane = dataplane
+        self._grpc = grpc
         self.tracing = tracing
         self.jobs = jobs
         # Not with the test-only fault: it delays replies, a kept one as much as any.
@@ -129,6 +147,9 @@ class HttpApp:
         refused before it is decoded. None: `answer` is called."""
         route, params, path_known = self._router.match(request.method, request.path)
         if route is None:
+            if self._grpc is not None and request.path.startswith(self._grpc.prefix):
+                request.route = GRPC_ROUTE
+                return None
             if path_known:
                 allow = (b"allow", self._router.allowed(request.path).encode())
                 message = f"method not allowed: {request.method} {request.path}"
@@ -151,8 +172,10 @@ class HttpApp:
             return self._counted(request, route, *refused)
         return None
 
-    async def answer(self, request: HttpRequest) -> Reply:
+    async def answer(self, request: HttpRequest) -> Reply | Trailed:
         route: Route = request.route
+        if route is GRPC_ROUTE and self._grpc is not None:
+            return await self._grpc.answer(request)
         handler = self._handlers.get(route.handler)
         if handler is None:
             handler = self._handlers[route.handler] = getattr(self, "_" + route.handler)

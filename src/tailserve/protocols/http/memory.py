@@ -39,6 +39,7 @@ from tailserve.transport.base import Callback, PoolState
 from tailserve.transport.http1 import Response
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
+Trailed = tuple[int, list[tuple[bytes, bytes]], bytes, list[tuple[bytes, bytes]]]
 _JSON = [(b"content-type", b"application/json")]
 
 
@@ -47,7 +48,7 @@ class Application(Protocol):
 
     def answer_now(self, request: HttpRequest) -> Reply | None: ...
 
-    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply]: ...
+    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply | Trailed]: ...
 
 
 class _Site:
@@ -227,14 +228,16 @@ class MemoryPool:
                 raise
             result = ConnectionLost(f"connection to {self.origin} closed")
         else:
-            status, headers, body = reply
-            headers = [*headers, (b"content-length", str(len(body)).encode())]
+            status, headers, body = reply[:3]
+            # (No wire: a reply's trailers come after its headers.)
+            trailers = reply[3] if len(reply) == 4 else []
+            headers = [*headers, (b"content-length", str(len(body)).encode()), *trailers]
             result = Response(status, headers, body)
             kept = ticket.request is not None and ticket.request.keep_alive
         self._release(ticket, kept=kept)
         self._end(ticket, result)
 
-    async def _answer(self, app: Application, ticket: MemoryTicket) -> Reply:
+    async def _answer(self, app: Application, ticket: MemoryTicket) -> Reply | Trailed:
         try:
             request = ticket.request = _parse(ticket.data)
         except httptools.HttpParserError:

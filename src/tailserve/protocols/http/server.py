@@ -5,7 +5,9 @@ piece and two per reply, and a task; that was most of the gap between a cache hi
 reply (docs/worker.md, "The HTTP server"). Here a request is read whole into an `HttpRequest`
 and handed to the application in one call, which may answer at once (`Application.answer_now`:
 a route that does not exist, a request refused under load) or return a coroutine, run as a
-task; its ``(status, headers, body)`` is written as one buffer.
+task; its ``(status, headers, body)`` is written as one buffer. A reply with trailers,
+``(status, headers, body, trailers)`` (gRPC's status, `protocols.grpc.over_http1`), goes out
+chunked: the body as one chunk, then the trailers.
 
 HTTP/1.1 as clients use it: keep-alive (an idle connection closes after ``keep_alive_s``; a
 request whose head is not whole, or whose body stops coming, for ``read_timeout_s`` gets a 408),
@@ -50,6 +52,8 @@ access = logging.getLogger("tailserve.access")
 
 Headers = list[tuple[bytes, bytes]]
 Reply = tuple[int, Headers, bytes]
+# A reply with trailers after its body (sent chunked).
+Trailed = tuple[int, Headers, bytes, Headers]
 
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
@@ -87,7 +91,7 @@ class Application(Protocol):
     def answer_now(self, request: HttpRequest) -> Reply | None:
         """The reply, if it needs no waiting (else None: `answer` is called)."""
 
-    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply]: ...
+    def answer(self, request: HttpRequest) -> Coroutine[Any, Any, Reply | Trailed]: ...
 
 
 class HttpServer:
@@ -445,7 +449,7 @@ class _Connection(HeadReading, asyncio.Protocol):
         """Run the application's answer and write it from the same task: a done callback
         would wait a turn of the event loop, behind every other connection's reads."""
         try:
-            reply = await self._server.app.answer(request)
+            reply: Reply | Trailed = await self._server.app.answer(request)
         except asyncio.CancelledError:
             if not request.disconnected:
                 self.abort()  # cancelled with the client still there: a forced close
@@ -468,8 +472,16 @@ class _Connection(HeadReading, asyncio.Protocol):
             and not (self._ended and not self._queue)
         )
 
-    def _write(self, request: HttpRequest, status: int, headers: Headers, body: bytes) -> None:
-        """The reply; to a HEAD request its head alone (with the length GET would send)."""
+    def _write(
+        self,
+        request: HttpRequest,
+        status: int,
+        headers: Headers,
+        body: bytes,
+        trailers: Headers | None = None,
+    ) -> None:
+        """The reply; to a HEAD request its head alone (with the length GET would send).
+        With ``trailers``, chunked: the body as one chunk, then the trailers."""
         transport = self._transport
         if transport is None or self._closed:
             return
@@ -479,13 +491,23 @@ class _Connection(HeadReading, asyncio.Protocol):
         for name, value in headers:
             if name not in _FRAMING:
                 parts += (name, b": ", value, b"\r\n")
-        parts.append(b"content-length: %d\r\n" % len(body))
+        if trailers is None:
+            parts.append(b"content-length: %d\r\n" % len(body))
+        else:
+            parts.append(b"transfer-encoding: chunked\r\n")
         if not keep_alive:
             parts.append(b"connection: close\r\n")
         elif request.version == "1.0":  # kept open only when said so, for a 1.0 client
             parts.append(b"connection: keep-alive\r\n")
         parts.append(b"\r\n")
-        if request.method != "HEAD":
+        if trailers is not None:
+            if body:
+                parts += (b"%x\r\n" % len(body), body, b"\r\n")
+            parts.append(b"0\r\n")
+            for name, value in trailers:
+                parts += (name, b": ", value, b"\r\n")
+            parts.append(b"\r\n")
+        elif request.method != "HEAD":
             parts.append(body)
         transport.write(b"".join(parts))
         self._idle_since = time.monotonic()
