@@ -1,0 +1,418 @@
+"""A lean worker, side by side with another source tree (the main it started from): memory,
+CPU a request, CPU at rest, and gRPC against HTTP through the stack.
+
+Every section runs each tree in turn (``--baseline SRC``: a `git worktree` of that main, its
+workers started with PYTHONPATH=SRC/..., the same interpreter and packages):
+
+1. memory: one worker on the example repository (`tailserve examples`), warmed and ready: its
+   resident set, and each model's `tailserve_model_memory_bytes` beside what the model really
+   adds (the resident set of a worker of the repository without it, subtracted); then
+   `tailserve up --workers 2` on the same repository: the resident sets of its whole process
+   tree (supervisor, HAProxy, workers).
+2. idle: that worker left alone for ``--idle-s`` (60) seconds once ready: its CPU over them, as
+   a share of one core.
+3. cpu: churn and sentiment each alone in a worker (result cache off, no variants: every
+   request computed by the whole model), sent unique inputs by `tailserve bench` at a fixed
+   rate about half of what one worker serves within the SLO (``--rate churn=1000,
+   sentiment=400``), over HTTP/JSON, HTTP/binary and gRPC unary: the worker's CPU (user +
+   system, every thread, /proc) over the requests sent. ``--rounds`` (3) alternating rounds;
+   each round's ratio of this tree to the baseline is printed.
+4. capacity: one worker of the example churn model as shipped (its cache on, unique inputs),
+   its SLO capacity (p99 <= 50 ms, no error) searched by wrk2 over 64 connections, the trees
+   in turns.
+5. stack: `tailserve up --workers 2` on churn alone (cache off): SLO capacity over HTTP/JSON
+   (wrk2) and over gRPC unary calls (h2load: the same message every call, which the cache off
+   computes each time); then at a tenth of the HTTP capacity, wrk2's p50 and the front door's
+   own CPU a request (HAProxy's process).
+
+    python benchmarks/lean.py --baseline /tmp/main/src [--this SRC]
+        [--only memory,idle,cpu,capacity,stack]
+        [--rounds 3] [--idle-s 60] [--cpu-s 15] [--step-s 5] [--rate churn=1000,sentiment=400]
+
+Needs wrk2 (WRK2=... or on the PATH) and h2load (Debian's nghttp2-client). Check with `ps` that
+nothing else runs. Prints one table a section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import _h2load
+import _harness as h
+import _wrk2
+
+SLO_MS = {"churn": 50.0, "sentiment": 100.0}
+WORKLOADS = {"churn": "churn-unique.yaml", "sentiment": "sentiment-skewed.yaml"}
+PROTOCOLS = {"http-json": "v2-json", "http-binary": "v2-binary", "grpc-unary": "grpc"}
+SECTIONS = ("memory", "idle", "cpu", "capacity", "stack")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class Tree:
+    name: str
+    src: str | None  # None: this checkout's installed package
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, PYTHONPATH=self.src) if self.src else dict(os.environ)
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def started(command: list[str], url: str, tree: Tree) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process of ``tree`` (in a session of its own) until the block ends."""
+    process = subprocess.Popen(command, env=tree.env(), start_new_session=True, **h.QUIET)
+    try:
+        h.wait_ready(url, process)
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@contextlib.contextmanager
+def worker(repository: Path, tree: Tree, grpc: bool = True) -> Iterator[tuple[str, int, str]]:
+    """One worker: its URL, pid and gRPC address."""
+    port, grpc_port = h.free_port(), h.free_port() if grpc else 0
+    command = h.worker(repository, port, "--grpc-port", str(grpc_port))
+    url = f"http://127.0.0.1:{port}"
+    with started(command, url, tree) as process:
+        yield url, process.pid, f"127.0.0.1:{grpc_port}"
+
+
+@contextlib.contextmanager
+def stack(repository: Path, tree: Tree) -> Iterator[tuple[str, int, str]]:
+    """`tailserve up --workers 2` with gRPC: its URL, the supervisor's pid, gRPC's address."""
+    port, grpc_port = h.free_port(), h.free_port()
+    command = h.up_command(repository, port, "--workers", "2", "--grpc-port", str(grpc_port))
+    url = f"http://127.0.0.1:{port}"
+    with started(command, url, tree) as process:
+        serving(url, 2)
+        yield url, process.pid, f"127.0.0.1:{grpc_port}"
+
+
+def serving(url: str, workers: int, timeout: float = 180.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fleet: dict[str, Any] = h.get_json(f"{url}/v2/fleet")
+        if sum(1 for w in fleet["workers"] if w["ready"] and w["state"] == "serving") >= workers:
+            return fleet
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}: {workers} workers did not come to serve")
+
+
+def resident(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    except (OSError, IndexError):
+        return 0
+
+
+def tree_of(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        found.append(pid)
+        queue += parents.get(pid, [])
+    return found
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """A gauge's samples by their model label."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            model = labels.split('model="', 1)[1].split('"', 1)[0]
+            out[model] = float(value)
+    return out
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:,.0f} MiB"
+
+
+def ratio(this: float, base: float) -> str:
+    return f"{this / base:.2f}x" if base else "-"
+
+
+# --- sections -------------------------------------------------------------------------------
+
+
+def memory(trees: list[Tree], examples: Path, work: Path) -> None:
+    print("\n## memory: one worker on the example repository, ready")
+    without: dict[str, Path] = {}
+    for model in ("sentiment", "churn"):
+        target = work / f"without-{model}"
+        if not target.exists():
+            shutil.copytree(examples, target)
+            shutil.rmtree(target / model)
+        without[model] = target
+    rows = []
+    for tree in trees:
+        with worker(examples, tree) as (url, pid, _):
+            time.sleep(2.0)
+            whole = resident(pid)
+            claimed = metric(url, "tailserve_model_memory_bytes")
+        real = {}
+        for model, repository in without.items():
+            with worker(repository, tree) as (_, pid, _):
+                time.sleep(2.0)
+                real[model] = whole - resident(pid)
+        with stack(examples, tree) as (url, root, _):
+            time.sleep(2.0)
+            total = sum(resident(pid) for pid in tree_of(root))
+        rows.append((tree, whole, claimed, real, total))
+        print(f"  {tree.name}: worker {mib(whole)}, up --workers 2 {mib(total)}")
+    print("\n| | " + " | ".join(t.name for t, *_ in rows) + " |")
+    print("| --- |" + " ---: |" * len(rows))
+    print("| one worker, resident | " + " | ".join(mib(r[1]) for r in rows) + " |")
+    print("| `up --workers 2`, whole tree | " + " | ".join(mib(r[4]) for r in rows) + " |")
+    for model in without:
+        cells = [f"{mib(r[2].get(model, 0))} / {mib(r[3][model])}" for r in rows]
+        print(f"| {model}: metric / measured | " + " | ".join(cells) + " |")
+
+
+def idle(trees: list[Tree], examples: Path, seconds: float) -> None:
+    print(f"\n## idle: one worker on the example repository, {seconds:.0f} s untouched")
+    cells = []
+    for tree in trees:
+        with worker(examples, tree) as (_, pid, _):
+            time.sleep(5.0)  # past the start's own work
+            before = h.cpu_seconds(pid)
+            time.sleep(seconds)
+            share = (h.cpu_seconds(pid) - before) / seconds
+        cells.append(f"{share * 100:.2f}% of a core")
+        print(f"  {tree.name}: {cells[-1]}")
+    print("\n| | " + " | ".join(t.name for t in trees) + " |")
+    print("| --- |" + " ---: |" * len(trees))
+    print("| idle worker's CPU | " + " | ".join(cells) + " |")
+
+
+def computed_repository(examples: Path, into: Path, models: list[str]) -> Path:
+    """The models alone, their result caches off and their variants gone."""
+    for name in models:
+        target = into / name
+        if target.exists():
+            continue
+        shutil.copytree(examples / name, target)
+        path = target / "model.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["cache"] = {}
+        config.pop("variants", None)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return into
+
+
+def bench_cpu(
+    model: str, protocol: str, url: str, grpc: str, pid: int, rate: float, seconds: float, out: Path
+) -> float:
+    """The worker's CPU a request (µs) over a `tailserve bench` run at ``rate``."""
+    wire = PROTOCOLS[protocol]
+    repository = out / "computed"
+    spec = h.workload(
+        WORKLOADS[model],
+        out,
+        name=f"{model}-{protocol}",
+        target=grpc if wire == "grpc" else url,
+        protocol=wire,
+        model_config=str(repository / model / "model.yaml"),
+        schedule={"kind": "poisson", "rate": rate},
+        duration_s=seconds,
+        warmup_s=2.0,
+    )
+    before = h.cpu_seconds(pid)
+    result = h.bench(spec, out / f"{model}-{protocol}.json", echo=False)
+    used = h.cpu_seconds(pid) - before
+    sent = result["overall"]["count"] + rate * 2.0  # the warm-up's requests too
+    return used / max(1.0, sent) * 1e6
+
+
+def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace) -> None:
+    print("\n## cpu: the worker's CPU a request at about half its capacity, µs")
+    repository = computed_repository(examples, work / "computed", ["churn", "sentiment"])
+    figures: dict[tuple[str, str, str], list[float]] = {}
+    for round_no in range(args.rounds):
+        order = trees if round_no % 2 == 0 else trees[::-1]
+        for model in ("churn", "sentiment"):
+            single = work / f"only-{model}"
+            if not single.exists():
+                single.mkdir()
+                shutil.copytree(repository / model, single / model)
+            for protocol in PROTOCOLS:
+                for tree in order:
+                    with worker(single, tree) as (url, pid, grpc):
+                        used = bench_cpu(
+                            model, protocol, url, grpc, pid, args.rates[model], args.cpu_s, work
+                        )
+                    figures.setdefault((model, protocol, tree.name), []).append(used)
+                line = " ".join(
+                    f"{t.name} {figures[(model, protocol, t.name)][-1]:,.0f}" for t in trees
+                )
+                print(f"  round {round_no + 1}, {model} {protocol}: {line}")
+    names = [t.name for t in trees]
+    print("\n| model, protocol | " + " | ".join(names) + " | ratio each round |")
+    print("| --- |" + " ---: |" * len(names) + " --- |")
+    for model in ("churn", "sentiment"):
+        for protocol in PROTOCOLS:
+            runs = [figures[(model, protocol, n)] for n in names]
+            cells = [f"{statistics.median(r):,.0f}" for r in runs]
+            ratios = ""
+            if len(runs) == 2:
+                ratios = ", ".join(ratio(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+            print(f"| {model}, {protocol} | " + " | ".join(cells) + f" | {ratios} |")
+
+
+def capacity(trees: list[Tree], examples: Path, work: Path, step_s: float) -> None:
+    print("\n## capacity: one worker of churn as shipped, wrk2, p99 <= 50 ms, 64 connections")
+    single = work / "churn-shipped"
+    if not single.exists():
+        single.mkdir()
+        shutil.copytree(examples / "churn", single / "churn")
+    found = {}
+    for tree in trees:
+        print(f"  {tree.name}:")
+        with worker(single, tree, grpc=False) as (url, _, _):
+            found[tree.name] = _wrk2.slo_capacity(url, step_s, SLO_MS["churn"], start_rps=2000)
+    print("\n| | " + " | ".join(found) + " |")
+    print("| --- |" + " ---: |" * len(found))
+    values = list(found.values())
+    cells = [f"{v:,.0f} req/s" for v in values]
+    print("| SLO capacity | " + " | ".join(cells) + f" | {ratio(values[0], values[-1])} |")
+
+
+def stack_section(trees: list[Tree], examples: Path, work: Path, step_s: float) -> None:
+    print("\n## stack: `up --workers 2`, churn with its cache off: HTTP/JSON and gRPC unary")
+    repository = work / "stack-churn"
+    if not repository.exists():
+        repository.mkdir()
+        shutil.copytree(work / "computed" / "churn", repository / "churn")
+    workload = h.WORKLOADS / WORKLOADS["churn"]
+    message = _h2load.infer_message(workload, repository / "churn" / "model.yaml")
+    rows = {}
+    for tree in trees:
+        print(f"  {tree.name}:")
+        with stack(repository, tree) as (url, root, grpc):
+            http = _wrk2.slo_capacity(url, step_s, SLO_MS["churn"], start_rps=2000)
+            calls = _h2load.slo_capacity(
+                grpc, message, step_s, SLO_MS["churn"], start_rps=2000, metrics_url=f"{url}/metrics"
+            )
+            hop = haproxy_pid(root)
+            rate = max(50.0, http / 10)
+            before = h.cpu_seconds(hop) if hop else 0.0
+            light = _wrk2.run(url, rate, 15, connections=16)
+            hop_us = (h.cpu_seconds(hop) - before) / max(1, light.total) * 1e6 if hop else 0.0
+        rows[tree.name] = (http, calls, light.quantile(0.5), hop_us, rate)
+    names = list(rows)
+    print("\n| | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    print("| HTTP/JSON capacity (wrk2) | " + " | ".join(f"{r[0]:,.0f}" for r in rows.values()))
+    print("| gRPC unary capacity (h2load) | " + " | ".join(f"{r[1]:,.0f}" for r in rows.values()))
+    print(
+        "| gRPC / HTTP | "
+        + " | ".join(f"{r[1] / r[0]:.2f}x" if r[0] else "-" for r in rows.values())
+    )
+    print(
+        "| p50 at a tenth of HTTP's capacity | "
+        + " | ".join(f"{r[2]:.2f} ms ({r[4]:,.0f} req/s)" for r in rows.values())
+    )
+    print("| front door CPU a request | " + " | ".join(f"{r[3]:,.0f} µs" for r in rows.values()))
+
+
+def haproxy_pid(root: int) -> int | None:
+    for pid in tree_of(root):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "haproxy":
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                return int(children[-1]) if children else pid
+        except OSError:
+            continue
+    return None
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def rates(text: str) -> dict[str, float]:
+    out = {"churn": 1000.0, "sentiment": 400.0}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        out[name] = float(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="another tree's src folder (PYTHONPATH)")
+    parser.add_argument("--this", help="this tree's src folder, if not the installed one")
+    parser.add_argument("--only", default=",".join(SECTIONS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--idle-s", type=float, default=60.0)
+    parser.add_argument("--cpu-s", type=float, default=15.0)
+    parser.add_argument("--step-s", type=float, default=5.0)
+    parser.add_argument("--rate", type=rates, default=rates(""), dest="rates")
+    parser.add_argument("--work", type=Path, help="a folder kept between runs (examples)")
+    args = parser.parse_args()
+    if not os.environ.get("WRK2") and Path("/work/tools/wrk2").is_file():
+        os.environ["WRK2"] = "/work/tools/wrk2"
+    trees = [Tree("this", str(Path(args.this).resolve()) if args.this else None)]
+    if args.baseline:
+        trees.append(Tree("baseline", str(Path(args.baseline).resolve())))
+    only = set(args.only.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        examples = work / "examples"
+        if not (examples / "churn" / "model.yaml").exists():
+            h.examples(examples)
+        computed_repository(examples, work / "computed", ["churn", "sentiment"])
+        sections: dict[str, Callable[[], None]] = {
+            "memory": lambda: memory(trees, examples, work),
+            "idle": lambda: idle(trees, examples, args.idle_s),
+            "cpu": lambda: cpu(trees, examples, work, args),
+            "capacity": lambda: capacity(trees, examples, work, args.step_s),
+            "stack": lambda: stack_section(trees, examples, work, args.step_s),
+        }
+        for name in SECTIONS:
+            if name in only:
+                sections[name]()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
