@@ -20,7 +20,7 @@ import time
 
 from tailserve.engine.batching import Batcher, Item, SizeOrTimeout
 from tailserve.engine.buckets import Bucket
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline_batcher import DeadlineBatcher
 
 BUCKET = Bucket("all", "all")
 SLO_S = 0.050

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import _wrk2
 from _harness import cpu_seconds, examples, free_port, one_model, serving, worker
-from tailserve.fleet.haproxy import find_binary
+from tailserve.frontdoor.haproxy import find_binary
 
 QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 

@@ -1,4 +1,4 @@
-"""The measuring floor: the worker's own HTTP server (tailserve.protocols.http.server, on
+"""The measuring floor: the worker's own HTTP server (tailserve.transport.server, on
 uvloop) answering every request with one fixed reply, no model and no cache. What the load
 generator measures against it, at a given rate on a given machine, is the least any server on
 that stack can show there: the rest of a worker's figure is the worker's.
@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from tailserve.loops import run
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import HttpServer, Reply
+from tailserve.process.loops import run
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import HttpServer, Reply
 
 REPLY = (
     b'{"model_name":"fixed","model_version":"1","outputs":'

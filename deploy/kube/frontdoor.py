@@ -1,7 +1,7 @@
 """The front door on Kubernetes: HAProxy 2.8 with tailserve's own policy, its workers found by
 DNS.
 
-The config is `tailserve up`'s (`tailserve.router.frontdoor.render`: the defaults, the model
+The config is `tailserve up`'s (`tailserve.frontdoor.render.render`: the defaults, the model
 routing, every backend's balancing, admission, checks and ejection), rendered with no members
 and then given what a cluster changes:
 
@@ -11,7 +11,7 @@ and then given what a cluster changes:
 - gRPC's unary backends (``g.<model>``, ``grpc``, ``grpc.cold``, ``grpc.affinity``) fill
   their slots with the workers' HTTP port (a unary call goes over HTTP/1.1,
   `tailserve.protocols.grpc.over_http1`), ``grpc.stream`` with their gRPC port over HTTP/2;
-  HAProxy loads the gRPC ejection script (`router/grpc_ejection.lua`) from the ConfigMap;
+  HAProxy loads the gRPC ejection script (`frontdoor/grpc_ejection.lua`) from the ConfigMap;
 - the global section has no master-worker process nor state file (the pod is the unit), and
   its connection limit follows the container's file descriptor limit;
 - HAProxy's Prometheus exporter and a /healthz for the kubelet, on the metrics port;
@@ -27,8 +27,8 @@ import importlib.resources
 
 from kube.common import Obj, fqdn, labels, metadata, name, restricted
 from kube.values import Values, ValuesError
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen
-from tailserve.router.frontdoor import render as render_policy
+from tailserve.frontdoor.render import FrontDoorPolicy, Listen
+from tailserve.frontdoor.render import render as render_policy
 
 UID = 99  # the haproxy user of the haproxy:2.8 image
 COMPONENT = "frontdoor"
@@ -169,7 +169,7 @@ def ejection_script() -> str:
 
 def lua_script(name: str) -> str:
     """One of the front door's Lua scripts, as tailserve ships it."""
-    return (importlib.resources.files("tailserve.router") / name).read_text(encoding="utf-8")
+    return (importlib.resources.files("tailserve.frontdoor") / name).read_text(encoding="utf-8")
 
 
 def config_map(values: Values, config: str) -> Obj:

@@ -41,6 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tailserve {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
+    _add_serve_command(commands)
+    _add_examples_command(commands)
+    from tailserve.loadgen import bench_command as bench
+
+    bench.add_parser(commands)
+    from tailserve.router import route_command as route
+
+    route.add_parser(commands)
+    from tailserve.assembly import up as fleet
+
+    fleet.add_parser(commands)
+    _add_cache_commands(commands)
+    _add_optimize_command(commands)
+    return parser
+
+
+def _add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = _add_command(commands, "serve", "one worker: load, warm and serve a repository")
     serve.add_argument("--repository", help="model repository folder")
     serve.add_argument(
@@ -50,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: no gRPC)")
+    _redis_options(serve)
+    _worker_options(serve)
+    _observing_options(serve)
+    _work_options(serve)
+    serve.add_argument("--config", type=Path, help="YAML file of settings")
+    serve.set_defaults(handler=_serve)
+
+
+def _redis_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--redis-url",
         help="Redis for shared state (default: none, in memory); redis+cluster://HOST:PORT: a "
@@ -79,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("lean", "redis-py"),
         help="the cache's MGET/SET path on a single Redis (lean)",
     )
+
+
+def _worker_options(serve: argparse.ArgumentParser) -> None:
+    """Who the worker is, who may administer it, what it accepts and how it stops."""
     serve.add_argument("--worker-id", help="name in cache lineage (default host:pid)")
     serve.add_argument(
         "--admin-token",
@@ -104,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="unready while any model failed to load (one left out for want of --redis-url "
         "did not fail)",
     )
+
+
+def _observing_options(serve: argparse.ArgumentParser) -> None:
+    """Logs, traces and the event loop's own tuning."""
     serve.add_argument(
         "--log-level", choices=LOG_LEVELS, help="the least severe level logged (info)"
     )
@@ -141,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--fault-slow-factor", type=float, help="TEST ONLY: how many times slower (20)"
     )
+
+
+def _work_options(serve: argparse.ArgumentParser) -> None:
+    """Jobs and the models' memory budget."""
     serve.add_argument(
         "--jobs-concurrency",
         type=int,
@@ -169,9 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME,...",
         help="models that never unload for the memory budget",
     )
-    serve.add_argument("--config", type=Path, help="YAML file of settings")
-    serve.set_defaults(handler=_serve)
 
+
+def _add_examples_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     examples = _add_command(commands, "examples", "write the example model repository")
     examples.add_argument("directory", type=Path, help="the folder to write it to")
     examples.add_argument(
@@ -196,19 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="write no models: only load the ranker's features of DIRECTORY into --redis-url",
     )
     examples.set_defaults(handler=_examples)
-
-    from tailserve.loadgen import command as bench
-
-    bench.add_parser(commands)
-    from tailserve.router import command as route
-
-    route.add_parser(commands)
-    from tailserve.assembly import up as fleet
-
-    fleet.add_parser(commands)
-    _add_cache_commands(commands)
-    _add_optimize_command(commands)
-    return parser
 
 
 def _add_command(
@@ -265,7 +290,7 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from tailserve.assembly.worker import Worker
-    from tailserve.loops import run
+    from tailserve.process.loops import run
 
     worker = Worker(settings)
     run(worker.serve())
@@ -361,7 +386,7 @@ def _precompute(args: argparse.Namespace) -> int:
 
     from tailserve.errors import ConfigError
     from tailserve.jobs.precompute import Job, precompute, summary
-    from tailserve.loops import run
+    from tailserve.process.loops import run
 
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     parameters = {}
@@ -405,7 +430,7 @@ def _precompute(args: argparse.Namespace) -> int:
 
 def _warm(args: argparse.Namespace) -> int:
     from tailserve.jobs.warm import summary, warm
-    from tailserve.loops import run
+    from tailserve.process.loops import run
 
     report = run(
         warm(

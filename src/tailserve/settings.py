@@ -25,7 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class Settings:
     repository: str | None = None
     # Loopback unless asked for another address; beyond it the admin routes need a token
-    # (admin.py).
+    # (transport/admin_access.py).
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -84,7 +84,7 @@ class Settings:
     gil_switch_interval_ms: float = 0.5
     # Full garbage collections (which stop the event loop while they walk everything the
     # worker holds, a result cache most of all) run this often from the event loop, not when
-    # the interpreter's counters say (every few seconds under load; collector.py).
+    # the interpreter's counters say (every few seconds under load; process/collector.py).
     # 0 leaves them to the interpreter.
     gc_full_interval_s: float = 30.0
     # Jobs this worker runs at once (0: it takes none, though it still accepts them), and how

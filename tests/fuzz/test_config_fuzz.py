@@ -1,4 +1,4 @@
-"""Properties of the model.yaml loader (modelconfig.py, pipelineconfig.py): any document, and
+"""Properties of the model.yaml loader (modelconfig/): any document, and
 any mutation of a valid one, loads or gives a ConfigError naming the file, never another
 exception."""
 

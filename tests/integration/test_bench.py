@@ -25,8 +25,8 @@ from tailserve.loadgen.plan import build_plan
 from tailserve.loadgen.runner import Runner
 from tailserve.loadgen.sending import Link
 from tailserve.loadgen.workload import parse_workload
-from tailserve.loops import run
 from tailserve.observability.trace_log import read_trace
+from tailserve.process.loops import run
 from tailserve.settings import Settings
 
 

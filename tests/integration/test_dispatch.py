@@ -1,5 +1,5 @@
 """The dispatcher's policies end to end (hedging, retries, ejection, shedding, deadlines), each
-test run twice: over the in-process transport (protocols/http/memory.py) and over loopback HTTP
+test run twice: over the in-process transport (transport/in_memory.py) and over loopback HTTP
 to the worker's own server. Replicas hold a request until the test releases it, so nothing
 here waits on a guess of how long something takes."""
 

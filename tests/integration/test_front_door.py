@@ -20,10 +20,10 @@ from support.models import doubler_config, write_model
 from support.servers import async_wait_for
 from support.stub import StubApp, run_stub
 from tailserve.assembly.stack import FleetConfig, Supervisor
-from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.load import parse_stat
 from tailserve.fleet.processes import free_ports
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+from tailserve.frontdoor.haproxy import HAProxy
+from tailserve.frontdoor.render import FrontDoorPolicy, Listen, Member, render
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.5]}]}
 

@@ -1,4 +1,4 @@
-"""gRPC through the front door as gRPC (`router.frontdoor_grpc`): HAProxy alone, with the
+"""gRPC through the front door as gRPC (`frontdoor.render_grpc`): HAProxy alone, with the
 rendered config and its Lua ejection script, in front of two real workers that serve different
 models: each call goes to a worker where its model is ready, a busy model's calls are refused at
 the door as gRPC statuses, streams take no admission slot, and a worker failing calls is
@@ -22,10 +22,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from support.fleet import held
 from support.models import doubler_config, write_model
 from support.servers import RunningWorker, async_wait_for, free_port, run_worker
-from tailserve.fleet.haproxy import HAProxy, grpc_ejection_script
 from tailserve.fleet.load import parse_stat
 from tailserve.fleet.processes import free_ports
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+from tailserve.frontdoor.haproxy import HAProxy, grpc_ejection_script
+from tailserve.frontdoor.render import FrontDoorPolicy, Listen, Member, render
 from tailserve.settings import Settings
 
 BROKEN = """

@@ -368,6 +368,13 @@ def test_openapi_covers_every_route(worker: RunningWorker) -> None:
         assert route.method.lower() in document["paths"][route.template], route.template
 
 
+def test_every_route_has_a_handler_of_its_name(worker: RunningWorker) -> None:
+    handlers = worker.worker.app.handlers
+    assert set(handlers) == {route.handler for route in ROUTES}
+    for name, handler in handlers.items():
+        assert handler.__name__ == f"_{name}"
+
+
 def test_metrics_are_prometheus_histograms(worker: RunningWorker) -> None:
     httpx.post(f"{worker.url}/v2/models/doubler/infer", json=infer_body([1.0]))
     text = httpx.get(f"{worker.url}/metrics").text

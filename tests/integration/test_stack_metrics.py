@@ -20,7 +20,7 @@ from support.servers import wait_for
 from support.up import tailserve_up
 from tailserve.observability.loop_metrics import LoopCounter, LoopHistogram
 from tailserve.observability.metrics import Metrics
-from tailserve.router.metrics import RouterMetrics
+from tailserve.router.router_metrics import RouterMetrics
 
 Page = dict[str, list[tuple[str, dict[str, str], float]]]
 

@@ -194,7 +194,7 @@ import asyncio
 import os
 import signal
 
-from tailserve.loops import StopSignals, run
+from tailserve.process.loops import StopSignals, run
 
 
 async def main() -> None:

@@ -26,7 +26,7 @@ from tailserve.assembly.stack import FleetConfig, Supervisor
 from tailserve.examples.churn import FIELDS, sample_rows
 from tailserve.fleet.processes import ManagedWorker
 from tailserve.fleet.restarts import Backoff
-from tailserve.router.frontdoor import FrontDoorPolicy
+from tailserve.frontdoor.render import FrontDoorPolicy
 
 
 def churn_request(rows: int = 2, seed: int = 5) -> dict[str, Any]:

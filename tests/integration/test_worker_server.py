@@ -1,4 +1,4 @@
-"""The worker's HTTP/1.1 server (protocols/http/server.py) on a loopback port, driven over raw
+"""The worker's HTTP/1.1 server (transport/server.py) on a loopback port, driven over raw
 connections with a small application: pipelined requests answered in order, keep-alive and its
 idle timeout, HTTP/1.0, HEAD, 100-continue, bodies over the limit, malformed requests, a client
 that hangs up (its work cancelled) and a drain."""
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import MAX_HEAD_BYTES, MAX_QUEUED_BYTES, HttpServer, Reply
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import MAX_HEAD_BYTES, MAX_QUEUED_BYTES, HttpServer, Reply
 
 LIMIT = 1000
 BIG = b"b" * (20 * 1024 * 1024)

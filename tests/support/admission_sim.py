@@ -32,7 +32,7 @@ import numpy as np
 
 from tailserve.engine.batching import Item
 from tailserve.engine.buckets import Bucket
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline_batcher import DeadlineBatcher
 from tailserve.observability.loop_lag import LoopLag
 
 BUCKET = Bucket("all", "all")

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from tailserve.assembly.stack import FleetConfig, Supervisor
-from tailserve.fleet.haproxy import HAProxy
 from tailserve.fleet.load import parse_stat
+from tailserve.frontdoor.haproxy import HAProxy
 
 
 @contextlib.asynccontextmanager

@@ -9,11 +9,11 @@ from typing import Any, Protocol
 
 import orjson
 
-from tailserve.protocols.http.memory import MemoryNetwork
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import HttpServer
 from tailserve.transport import http1
 from tailserve.transport.base import Connect
+from tailserve.transport.in_memory import MemoryNetwork
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import HttpServer
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 _JSON = [(b"content-type", b"application/json")]

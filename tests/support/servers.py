@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 
 from tailserve.assembly.worker import Worker
-from tailserve.loops import run
 from tailserve.observability.tracing import Tracing
+from tailserve.process.loops import run
 from tailserve.settings import Settings
 
 

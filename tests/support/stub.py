@@ -23,7 +23,7 @@ import orjson
 import uvicorn
 
 from support.servers import wait_for
-from tailserve.loops import run
+from tailserve.process.loops import run
 
 CONFIG = {
     "name": "m",

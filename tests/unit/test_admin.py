@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tailserve.admin import AdminAccess, admin_access, is_loopback
+from tailserve.transport.admin_access import AdminAccess, admin_access, is_loopback
 
 LOOPBACK = ["127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost", "LOCALHOST", "::ffff:127.0.0.1"]
 BEYOND = [

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from tailserve.collector import FullCollections
+from tailserve.process.collector import FullCollections
 
 
 class _Node:

@@ -13,7 +13,7 @@ import pytest
 from tailserve.engine.batching import Item
 from tailserve.engine.buckets import Bucket
 from tailserve.engine.cost import LinearCost
-from tailserve.engine.deadline import _LOOP_WAIT_S, DeadlineBatcher
+from tailserve.engine.deadline_batcher import _LOOP_WAIT_S, DeadlineBatcher
 from tailserve.engine.queues import ClassQueue
 
 SHORT, LONG = Bucket("short", "len<=16"), Bucket("long", "len<=512")

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from tailserve.cli import build_parser
-from tailserve.fleet.haproxy import find_binary
+from tailserve.frontdoor.haproxy import find_binary
 from tailserve.settings import load_settings
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

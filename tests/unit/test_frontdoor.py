@@ -10,10 +10,10 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from tailserve.errors import ConfigError
-from tailserve.fleet.haproxy import await_server_script, find_binary, grpc_ejection_script
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render, worker_backends
-from tailserve.router.frontdoor_grpc import MAX_NAME_BYTES, name_prefix
-from tailserve.router.frontdoor_policy import down_state
+from tailserve.frontdoor.haproxy import await_server_script, find_binary, grpc_ejection_script
+from tailserve.frontdoor.policy import down_state
+from tailserve.frontdoor.render import FrontDoorPolicy, Listen, Member, render, worker_backends
+from tailserve.frontdoor.render_grpc import MAX_NAME_BYTES, name_prefix
 
 MEMBERS = [Member("worker-0", "127.0.0.1", 9001, 9101), Member("worker-1", "127.0.0.1", 9002, 9102)]
 LISTEN = Listen(host="127.0.0.1", port=8080, grpc_port=8081, admin_port=9200, stats_port=9201)

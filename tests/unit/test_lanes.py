@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tailserve.router.frontdoor import FrontDoorPolicy, Listen, Member, render
+from tailserve.frontdoor.render import FrontDoorPolicy, Listen, Member, render
 from tailserve.router.lanes import predicted_ms, slow_models
 
 

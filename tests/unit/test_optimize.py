@@ -14,6 +14,7 @@ import yaml
 
 from tailserve.errors import ConfigError
 from tailserve.modelconfig import Variant, load_model_config, parse_model_config
+from tailserve.optimize.accuracy import accuracy, auc, default_metric, max_abs_error, measure
 from tailserve.optimize.candidates import (
     TORCH_INT8,
     Candidate,
@@ -25,7 +26,6 @@ from tailserve.optimize.candidates import (
 from tailserve.optimize.choose import Result, choose, speedups
 from tailserve.optimize.datasets import load_npz
 from tailserve.optimize.measure import time_batches
-from tailserve.optimize.metrics import accuracy, auc, default_metric, max_abs_error, measure
 from tailserve.optimize.modelyaml import header, rewrite, variants_block
 
 # --- metrics ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from tailserve.engine.batching import Item
 from tailserve.engine.buckets import Bucket
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline_batcher import DeadlineBatcher
 from tailserve.engine.refusal_audit import RefusalAudit
 
 SLO_S = 0.050

@@ -11,13 +11,13 @@ import pytest
 
 from tailserve.errors import ConfigError
 from tailserve.protocols.http.app import SlowFault
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.router.app import classify, framer
 from tailserve.router.config import RouterConfig, parse_backend, parse_model_balance
 from tailserve.router.hedging import HedgeBudget
 from tailserve.router.keys import body_key, cost_class
 from tailserve.router.membership import Membership, parse_members, write_members
+from tailserve.router.router_app import classify, framer
 from tailserve.router.upstreams import ANY
+from tailserve.transport.request import HttpRequest
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from tailserve.engine.batching import Batcher, Item, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, Pad
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline_batcher import DeadlineBatcher
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import (
     DeadlineExceeded,

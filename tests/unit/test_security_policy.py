@@ -13,9 +13,9 @@ import tailserve
 from tailserve.cache.redis import connect, redacted, secured_url, without_password
 from tailserve.engine.messages import InferRequest
 from tailserve.errors import ConfigError, InvalidInput, shown
-from tailserve.protocols.http.headers import request_options
-from tailserve.protocols.http.request import HttpRequest
+from tailserve.protocols.http.headers import read_options, request_options
 from tailserve.settings import load_settings
+from tailserve.transport.request import HttpRequest
 
 SOURCE = Path(tailserve.__file__).parent
 
@@ -25,7 +25,7 @@ def _options(*headers: tuple[bytes, bytes]) -> InferRequest:
         "POST", b"/v2/models/m/infer", list(headers), b"", received_at=0.0, max_body_bytes=1
     )
     infer = InferRequest(model="m", inputs=[])
-    request_options(request, infer)
+    request_options(request, infer, read_options(request))
     return infer
 
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from tailserve.loops import STOP_GRACE_S, Stop, StopRequests, StopSignals
+from tailserve.process.loops import STOP_GRACE_S, Stop, StopRequests, StopSignals
 
 
 def test_a_signal_repeated_within_the_window_is_the_same_request() -> None:
@@ -49,7 +49,7 @@ def test_stop_signals_hand_each_decision_on_and_log_it(caplog: pytest.LogCapture
     now = [10.0]
     acted: list[Stop] = []
     signals = StopSignals(acted.append, forcing="killing the workers", clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="tailserve.loops"):
+    with caplog.at_level(logging.INFO, logger="tailserve.process.loops"):
         assert signals.received("SIGTERM") is Stop.DRAIN
         now[0] = 10.003
         assert signals.received("SIGTERM") is Stop.SAME

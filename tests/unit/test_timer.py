@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from tailserve.loadgen.timer import LoopTimer, PreciseTimer, Timer, fine_timer_available, timer
-from tailserve.loops import run
+from tailserve.process.loops import run
 
 
 def test_linux_has_the_fine_timer() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tailserve.assembly.commands import lane_command, worker_command
+from tailserve.assembly.child_commands import lane_command, worker_command
 from tailserve.assembly.up import add_parser, fleet_config
 from tailserve.errors import (
     ConfigError,

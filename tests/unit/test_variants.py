@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tailserve.engine.buckets import Bucket
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline_batcher import DeadlineBatcher
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.variants import VariantChooser, loop_pressure
 from tailserve.errors import DeadlineUnmeetable

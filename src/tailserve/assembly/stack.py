@@ -2,8 +2,8 @@
 door in front.
 
 Start: choose free loopback ports for each worker (HTTP, and gRPC when the stack serves it),
-start the admin lane (the fleet's own routes, `fleet.admin`), write the front door's config
-(`router.frontdoor`) and start HAProxy on it (`fleet.haproxy`), then start each worker
+start the admin lane (the fleet's own routes, `fleet.admin_lane`), write the front door's config
+(`frontdoor.render`) and start HAProxy on it (`frontdoor.haproxy`), then start each worker
 (`tailserve serve`). Nothing waits for models to load: HAProxy checks each model's readiness on
 each worker and sends a model's requests only where it is ready. The supervisor watches
 readiness too, to report it (`/v2/fleet`) and to say once that the fleet is ready.
@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailserve.admin import AdminAccess, admin_access
-from tailserve.assembly.commands import (
+from tailserve.assembly.child_commands import (
     descriptor_limit,
     lane_command,
     repository_models,
@@ -47,8 +46,7 @@ from tailserve.assembly.hugepages import with_huge_pages
 from tailserve.assembly.scaling import Scaler, ScalingPlan
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.fleet import gpus
-from tailserve.fleet.admin import AdminLane, Slot
-from tailserve.fleet.haproxy import HAProxy, await_server_script, grpc_ejection_script
+from tailserve.fleet.admin_lane import AdminLane, Slot
 from tailserve.fleet.processes import (
     LOOPBACK,
     ManagedWorker,
@@ -61,10 +59,8 @@ from tailserve.fleet.processes import (
     until_ready,
 )
 from tailserve.fleet.restarts import Backoff, RestartPolicy, front_door_backoff
-from tailserve.loops import STOP_SIGNALS, Stop, StopSignals
-from tailserve.protocols.http.server import HttpServer
-from tailserve.router.config import backend_url
-from tailserve.router.frontdoor import (
+from tailserve.frontdoor.haproxy import HAProxy, await_server_script, grpc_ejection_script
+from tailserve.frontdoor.render import (
     SERVING_WEIGHT,
     FrontDoorPolicy,
     Listen,
@@ -72,8 +68,12 @@ from tailserve.router.frontdoor import (
     render,
     worker_backends,
 )
+from tailserve.process.loops import STOP_SIGNALS, Stop, StopSignals
+from tailserve.router.config import backend_url
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS, slow_models
+from tailserve.transport.admin_access import AdminAccess, admin_access
 from tailserve.transport.http1 import Pool, frame_request
+from tailserve.transport.server import HttpServer
 
 log = logging.getLogger(__name__)
 

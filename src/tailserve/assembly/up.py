@@ -20,16 +20,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tailserve.assembly.commands import repository_models
+from tailserve.assembly.child_commands import repository_models
 from tailserve.assembly.scaling import ScalingPlan
 from tailserve.cache.redis import parse_url, without_password
 from tailserve.errors import ConfigError
 from tailserve.fleet.autoscaler import ScalingConfig
 from tailserve.fleet.gpus import detect_gpus, parse_gpus
-from tailserve.router.command import add_trace_arguments, trace_flags
+from tailserve.frontdoor.render import BALANCE, FrontDoorPolicy
 from tailserve.router.config import parse_model_balance
-from tailserve.router.frontdoor import BALANCE, FrontDoorPolicy
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS
+from tailserve.router.route_command import add_trace_arguments, trace_flags
 from tailserve.settings import LOG_LEVELS
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ def handle(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from tailserve.assembly.stack import Supervisor
-    from tailserve.loops import run
+    from tailserve.process.loops import run
 
     run(Supervisor(fleet_config(args, os.environ)).run())
     return 0

@@ -17,33 +17,33 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tailserve.admin import AdminAccess, admin_access
 from tailserve.cache.redis import RedisTier, connect, node_url, parse_url, secured_url
 from tailserve.cache.replies import ReplyMemo
 from tailserve.cache.resp import LeanRedis
 from tailserve.cache.tiered import ResultCache
-from tailserve.collector import FullCollections, freeze_held
 from tailserve.engine import traffic
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.pipeline_host import DataPlaneHost
-from tailserve.engine.served import ServedPipeline, VersionBuilder
+from tailserve.engine.served import Served, ServedPipeline, VersionBuilder
 from tailserve.errors import ConfigError
 from tailserve.jobs.desk import JobDesk
 from tailserve.jobs.records import id_prefix
 from tailserve.jobs.runner import JobRunner, RunnerConfig
 from tailserve.jobs.store import JobStore, MemoryJobStore
 from tailserve.jobs.webhook import Webhooks
-from tailserve.loops import Stop, StopSignals
 from tailserve.modelconfig import FeaturesConfig
 from tailserve.observability.loop_lag import LoopLag
 from tailserve.observability.metrics import CostRow, Metrics
 from tailserve.observability.trace_log import TraceRecorder
 from tailserve.observability.tracing import CacheMarks, StageMarks, Tracing, start_tracing
+from tailserve.process.collector import FullCollections, freeze_held
+from tailserve.process.loops import Stop, StopSignals
 from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.app import HttpApp, SlowFault
-from tailserve.protocols.http.server import HttpServer
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
+from tailserve.transport.admin_access import AdminAccess, admin_access
+from tailserve.transport.server import HttpServer
 
 if TYPE_CHECKING:
     from tailserve.cache.feature_store import FeatureStore
@@ -55,22 +55,7 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, settings: Settings, *, tracing: Tracing | None = None) -> None:
-        if not settings.repository:
-            raise ConfigError("no model repository given (--repository DIR)")
-        if not Path(settings.repository).is_dir():
-            raise ConfigError(f"model repository {settings.repository} is not a folder")
-        self.settings = settings
-        if settings.redis_url:  # redis+cluster://... is redis://... on a cluster
-            url, cluster = parse_url(settings.redis_url, cluster=settings.redis_cluster)
-            url = secured_url(
-                url,
-                password=settings.redis_password,
-                password_file=settings.redis_password_file,
-                ca_file=settings.redis_tls_ca_file,
-                cert_file=settings.redis_tls_cert_file,
-                key_file=settings.redis_tls_key_file,
-            )
-            self.settings = settings.replace(redis_url=url, redis_cluster=cluster)
+        self.settings = settings = _checked(settings)
         self._subscriptions = 0
         self.metrics = Metrics()
         self.loop_lag = LoopLag(on_sample=self.metrics.loop_lag.child().observe)
@@ -93,34 +78,7 @@ class Worker:
             self.cache.observer = CacheMarks(self.metrics)
         # Made when the first model that reads the feature store loads.
         self.feature_store: FeatureStore | None = None
-        builder = VersionBuilder(
-            observer=self.metrics,
-            loop=self.loop_lag,
-            cache=self.cache,
-            feature_resolver=self._feature_resolver if settings.redis_url else None,
-            drain_timeout_s=settings.drain_timeout_s,
-        )
-        self.manager = ModelManager(
-            Path(settings.repository),
-            builder,
-            on_ready_change=self.metrics.set_model_ready,
-            budget_bytes=int(settings.model_memory_mb * 2**20),
-            pinned=settings.pinned(),
-            eviction="traffic" if settings.model_eviction == "traffic" else "lru",
-            observer=self.metrics,
-        )
-        residency = self.manager.residency
-        self.metrics.watch_residency(lambda: (residency.budget, residency.resident()))
-        self.dataplane = DataPlane(
-            self.manager, strict_readiness=settings.strict_readiness, cache=self.cache
-        )
-        self.dataplane.on_served = self.metrics.on_served
-        self.metrics.watch_slos(self._slos)
-        builder.pipeline_host = DataPlaneHost(self.dataplane)
-        builder.pipeline_observer = (
-            self.metrics if self.tracing is None else StageMarks(self.metrics)
-        )
-        self.metrics.watch_costs(self._cost_rows)
+        self.manager, self.dataplane = self._data_plane()
         memo = (
             ReplyMemo(int(settings.reply_memo_mb * 2**20)) if settings.reply_memo_mb > 0 else None
         )
@@ -129,25 +87,77 @@ class Worker:
         if settings.trace_file:
             self.recorder = TraceRecorder(Path(settings.trace_file), sample=settings.trace_sample)
         self.admin_access = admin_access(settings.host, settings.admin_token)
-        self.job_store = self._job_store()
-        self.job_runner = JobRunner(
-            self.job_store,
+        self.job_store, self.job_runner, self.jobs = self._jobs()
+        self.app = self._http_app(memo)
+        self._loading: asyncio.Task[None] | None = None
+        self._http: HttpServer | None = None
+        # Set by the request to stop (SIGTERM, SIGINT, `request_exit`); `_forced` by SIGQUIT
+        # or a signal after the grace window, which cuts the drain short.
+        self._exit = asyncio.Event()
+        self._forced = asyncio.Event()
+        self._signals = StopSignals(self._stop_requested, forcing="requests in flight fail")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._grpc: Any = None  # grpc.aio.Server, while it serves
+        self._grpc_service: InferenceService | None = None
+        self.loaded = asyncio.Event()
+
+    def _data_plane(self) -> tuple[ModelManager[Served], DataPlane]:
+        """The models (their builder and catalogue) and the data plane over them."""
+        settings = self.settings
+        assert settings.repository is not None  # (`_checked`)
+        builder = VersionBuilder(
+            observer=self.metrics,
+            loop=self.loop_lag,
+            cache=self.cache,
+            feature_resolver=self._feature_resolver if settings.redis_url else None,
+            drain_timeout_s=settings.drain_timeout_s,
+        )
+        manager = ModelManager(
+            Path(settings.repository),
+            builder,
+            on_ready_change=self.metrics.set_model_ready,
+            budget_bytes=int(settings.model_memory_mb * 2**20),
+            pinned=settings.pinned(),
+            eviction="traffic" if settings.model_eviction == "traffic" else "lru",
+            observer=self.metrics,
+        )
+        residency = manager.residency
+        self.metrics.watch_residency(lambda: (residency.budget, residency.resident()))
+        dataplane = DataPlane(manager, strict_readiness=settings.strict_readiness, cache=self.cache)
+        dataplane.on_served = self.metrics.on_served
+        self.metrics.watch_slos(self._slos)
+        builder.pipeline_host = DataPlaneHost(dataplane)
+        builder.pipeline_observer = (
+            self.metrics if self.tracing is None else StageMarks(self.metrics)
+        )
+        self.metrics.watch_costs(self._cost_rows)
+        return manager, dataplane
+
+    def _jobs(self) -> tuple[JobStore, JobRunner, JobDesk]:
+        """The job store, the runner that works its jobs, and the desk that takes them."""
+        store = self._job_store()
+        runner = JobRunner(
+            store,
             self.dataplane,
             worker=self.worker_id,
-            config=RunnerConfig(concurrency=settings.jobs_concurrency),
+            config=RunnerConfig(concurrency=self.settings.jobs_concurrency),
             webhooks=Webhooks(on_outcome=self._webhook_outcome),
             loop=self.loop_lag,
             observer=self.metrics,
         )
-        self.jobs = JobDesk(
-            self.job_store,
+        desk = JobDesk(
+            store,
             self.dataplane,
             # In-process jobs live in this worker: their ids name it, for the front door.
-            id_prefix="" if self.job_store.durable else id_prefix(self.worker_id),
-            pressed=self.job_runner.pressed,
+            id_prefix="" if store.durable else id_prefix(self.worker_id),
+            pressed=runner.pressed,
         )
-        self.metrics.jobs_running.set_function(lambda: self.job_runner.running)
-        self.app = HttpApp(
+        self.metrics.jobs_running.set_function(lambda: runner.running)
+        return store, runner, desk
+
+    def _http_app(self, memo: ReplyMemo | None) -> HttpApp:
+        settings = self.settings
+        return HttpApp(
             self.dataplane,
             self.metrics,
             admin_token=settings.admin_token,
@@ -163,17 +173,6 @@ class Worker:
                 else None
             ),
         )
-        self._loading: asyncio.Task[None] | None = None
-        self._http: HttpServer | None = None
-        # Set by the request to stop (SIGTERM, SIGINT, `request_exit`); `_forced` by SIGQUIT
-        # or a signal after the grace window, which cuts the drain short.
-        self._exit = asyncio.Event()
-        self._forced = asyncio.Event()
-        self._signals = StopSignals(self._stop_requested, forcing="requests in flight fail")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._grpc: Any = None  # grpc.aio.Server, while it serves
-        self._grpc_service: InferenceService | None = None
-        self.loaded = asyncio.Event()
 
     def _redis_client(self, **options: Any) -> Any:
         assert self.settings.redis_url is not None
@@ -429,3 +428,24 @@ class Worker:
             sum(state.ready for state in states),
             f", {cold} loaded on demand (memory budget)" if cold else "",
         )
+
+
+def _checked(settings: Settings) -> Settings:
+    """The settings a worker can start with: a repository that is a folder, and the Redis URL
+    with its password and TLS files in it (redis+cluster://... as redis://... on a cluster)."""
+    if not settings.repository:
+        raise ConfigError("no model repository given (--repository DIR)")
+    if not Path(settings.repository).is_dir():
+        raise ConfigError(f"model repository {settings.repository} is not a folder")
+    if not settings.redis_url:
+        return settings
+    url, cluster = parse_url(settings.redis_url, cluster=settings.redis_cluster)
+    url = secured_url(
+        url,
+        password=settings.redis_password,
+        password_file=settings.redis_password_file,
+        ca_file=settings.redis_tls_ca_file,
+        cert_file=settings.redis_tls_cert_file,
+        key_file=settings.redis_tls_key_file,
+    )
+    return settings.replace(redis_url=url, redis_cluster=cluster)

@@ -18,11 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from tailserve.cache.breaker import Breaker, BreakerState
+from tailserve.cache.write_behind import Write, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class InProcessStore:
             self.bytes -= len(key) + len(entry[0])
 
 
-class InProcessTier:
+class InProcessTier(WriteBehind):
     def __init__(
         self,
         store: InProcessStore,
@@ -175,18 +175,13 @@ class InProcessTier:
         on_skip: Callable[[str, str, int], None] | None = None,
         write_window_s: float = 0.005,
     ) -> None:
+        super().__init__(
+            breaker or Breaker(clock=time.monotonic, on_change=on_breaker),
+            write_window_s=write_window_s,
+            on_skip=on_skip,
+        )
         self.store = store
         self.budget_s = budget_s
-        self.breaker = breaker or Breaker(clock=time.monotonic, on_change=on_breaker)
-        self.write_window_s = write_window_s
-        self._on_skip = on_skip
-        self._writes: list[tuple[str, bytes, int]] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.skips: Counter[tuple[str, str]] = Counter()
-
-    @property
-    def skipped(self) -> int:
-        return sum(n for (operation, _), n in self.skips.items() if operation == "lookup")
 
     async def connect(self) -> bool:
         try:
@@ -218,39 +213,8 @@ class InProcessTier:
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return list(await asyncio.gather(*(self.get(key) for key in keys)))
 
-    def put(self, key: str, value: bytes, ttl_s: float) -> None:
-        if self.breaker.state is not BreakerState.CLOSED:
-            self._skip("write", "breaker")
-            return
-        if not self._writes:
-            asyncio.get_running_loop().call_later(self.write_window_s, self._flush_writes)
-        self._writes.append((key, value, max(1, int(ttl_s * 1000))))
-
-    async def put_now(self, items: Sequence[tuple[str, bytes, float]]) -> None:
-        await self.store.set_many([(k, v, max(1, int(t * 1000))) for k, v, t in items])
-
-    def forget_writes(self, prefix: str) -> int:
-        kept = [write for write in self._writes if not write[0].startswith(prefix)]
-        dropped = len(self._writes) - len(kept)
-        self._writes[:] = kept
-        return dropped
-
-    async def flush(self) -> None:
-        self._flush_writes()
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _flush_writes(self) -> None:
-        batch, self._writes = self._writes, []
-        if batch:
-            self._own(self._send(batch))
-
-    async def _send(self, batch: list[tuple[str, bytes, int]]) -> None:
-        try:
-            await self.store.set_many(batch)
-        except Exception as exc:
-            self._failed("SET", exc)
-            self._skip("write", "error", len(batch))
+    async def _set_many(self, batch: Sequence[Write]) -> None:
+        await self.store.set_many(batch)
 
     async def lease(self, key: str, owner: str, ttl_s: float) -> bool | None:
         if not self.breaker.allow():
@@ -281,24 +245,9 @@ class InProcessTier:
         await self.store.publish(channel, message)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
-
-    def _skip(self, operation: str, reason: str, count: int = 1) -> None:
-        if count:
-            self.skips[operation, reason] += count
-            if self._on_skip is not None:
-                self._on_skip(operation, reason, count)
+        await self._cancel_tasks()
 
     def _failed(self, what: str, exc: BaseException) -> None:
         if self.breaker.state is BreakerState.CLOSED:
             log.warning("store %s failed: %s: %s", what, type(exc).__name__, exc)
         self.breaker.failure()
-
-    def _own(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

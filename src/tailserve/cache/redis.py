@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from tailserve.cache.breaker import Breaker, BreakerState
 from tailserve.cache.resp import LeanRedis
+from tailserve.cache.write_behind import Write, WriteBehind
 from tailserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float = 0.25, **extra
     return Redis.from_url(url, **options)
 
 
-class RedisTier:
+class RedisTier(WriteBehind):
     def __init__(
         self,
         client: Any,
@@ -181,6 +181,11 @@ class RedisTier:
         write_window_s: float = 0.005,
         fast: LeanRedis | None = None,
     ) -> None:
+        super().__init__(
+            breaker or Breaker(clock=time.monotonic, on_change=on_breaker),
+            write_window_s=write_window_s,
+            on_skip=on_skip,
+        )
         self.client = client
         # The hot path's MGET and SET pipeline go through this lean connection when given
         # (a single Redis; a cluster's slot routing stays with redis-py).
@@ -189,29 +194,11 @@ class RedisTier:
         # The event loop's own lag is added to the budget: a busy worker must not blame Redis
         # for the time its reply waited to be read.
         self._lag = loop_lag or (lambda: 0.0)
-        self.write_window_s = write_window_s
         self.cluster = cluster
-        self.breaker = breaker or Breaker(clock=time.monotonic, on_change=on_breaker)
         # A cluster call failed: the slot map may name a node that is gone (_probe_cluster).
         self._stale_slots = False
         self._on_latency = on_latency
         self._pending: list[tuple[str, asyncio.Future[bytes | None]]] = []
-        self._writes: list[tuple[str, bytes, int]] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._on_skip = on_skip
-        # What was done without: (operation, reason) -> keys.
-        self.skips: Counter[tuple[str, str]] = Counter()
-
-    @property
-    def skipped(self) -> int:
-        """Lookups answered as misses without Redis's answer (whatever the reason)."""
-        return sum(n for (operation, _), n in self.skips.items() if operation == "lookup")
-
-    def _skip(self, operation: str, reason: str, count: int = 1) -> None:
-        if count:
-            self.skips[operation, reason] += count
-            if self._on_skip is not None:
-                self._on_skip(operation, reason, count)
 
     async def connect(self) -> bool:
         """Open a connection ahead of the first lookup (whose budget a connection set-up would
@@ -328,51 +315,9 @@ class RedisTier:
             if not future.done():
                 future.set_result(value)
 
-    # --- writes -----------------------------------------------------------------------------
+    # --- writes (the rest: write_behind.py) -------------------------------------------------
 
-    def put(self, key: str, value: bytes, ttl_s: float) -> None:
-        """Store in the background, never waiting: writes gathered over ``write_window_s`` go
-        in one pipeline (each round trip costs the client ~150 µs of CPU; a write is needed
-        only by the next reader, so a few ms late costs nothing)."""
-        if self.breaker.state is not BreakerState.CLOSED:  # probes are for lookups
-            self._skip("write", "breaker")
-            return
-        if not self._writes:
-            asyncio.get_running_loop().call_later(self.write_window_s, self._flush_writes)
-        self._writes.append((key, value, max(1, int(ttl_s * 1000))))
-
-    async def put_now(self, items: Sequence[tuple[str, bytes, float]]) -> None:
-        """Store and wait (precompute jobs); raises on failure."""
-        await self._set_many([(k, v, max(1, int(t * 1000))) for k, v, t in items])
-
-    def forget_writes(self, prefix: str) -> int:
-        """Drop the writes still waiting to go out under ``prefix`` (an invalidation: they
-        would put back what it has just removed). Answers how many."""
-        kept = [write for write in self._writes if not write[0].startswith(prefix)]
-        dropped = len(self._writes) - len(kept)
-        self._writes[:] = kept  # (the flush timer takes whatever the list holds then)
-        return dropped
-
-    async def flush(self) -> None:
-        """Send the writes waiting for their window now, and wait for all this tier runs in
-        the background (writes, leases given back): before a drain closes it, say."""
-        self._flush_writes()
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _flush_writes(self) -> None:
-        batch, self._writes = self._writes, []
-        if batch:
-            self._own(self._pipeline(batch))
-
-    async def _pipeline(self, batch: list[tuple[str, bytes, int]]) -> None:
-        try:
-            await self._set_many(batch)
-        except Exception as exc:
-            self._failed("SET", exc)
-            self._skip("write", "error", len(batch))
-
-    async def _set_many(self, batch: Sequence[tuple[str, bytes, int]]) -> None:
+    async def _set_many(self, batch: Sequence[Write]) -> None:
         """SET ... PX of each (key, value, milliseconds), in one pipeline."""
         if self.fast is not None:
             await self.fast.set_many(batch)
@@ -453,17 +398,8 @@ class RedisTier:
         self._stale_slots = self.cluster  # (the next probe reads the slot map afresh)
         self.breaker.failure()
 
-    def _own(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        await self._cancel_tasks()
         with contextlib.suppress(Exception):
             await self.client.aclose()
         if self.fast is not None:

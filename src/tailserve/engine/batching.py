@@ -6,7 +6,7 @@ a deadline it cannot meet), and `poll`s it whenever an instance is free or somet
 the answer is a batch to run now, requests to fail because their deadline has passed, or the
 time to look again. Keeping the rules here lets them be tested with a fake clock and swapped:
 
-- `DeadlineBatcher` (engine/deadline.py): cost classes, earliest deadline first, admission.
+- `DeadlineBatcher` (engine/deadline_batcher.py): cost classes, earliest deadline first, admission.
 - `SizeOrTimeout`: a batch goes when full or when its oldest request has waited long enough
   (what Triton, MLServer and TorchServe do).
 - `NoBatching`: every request alone.

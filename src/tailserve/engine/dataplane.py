@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -221,28 +221,13 @@ class DataPlane:
             return outputs, stats
 
         parameters: dict[str, Any] = {"model_version": str(served.version)}
+        stats: BatchStats | None
         if view is None or self.cache is None:
             outputs, stats = await compute()
         else:
-            key = view.keys.key(request.inputs, request.parameters)
-            budget_s = deadline - (request.received_at or deadline)
-
-            def pressed() -> bool:
-                return served.scheduler.pressed(
-                    budget_s if budget_s > 0 else config.slo.p99_ms / 1e3
-                )
-
-            answer = await self.cache.serve(view, key, cache_mode(request), compute, pressed)
-            outputs, stats = answer.outputs, answer.extra
-            if answer.value is not None and on_hit is not None:
-                on_hit(Hit(view, key, answer.value))
-            parameters["cache"] = answer.source
-            if answer.lineage is not None and stats is None:
-                lineage = answer.lineage
-                parameters["cache_computed_at"] = lineage.computed_at
-                parameters["cache_computed_by"] = lineage.computed_by
-                if lineage.variant:
-                    parameters["variant"] = lineage.variant
+            outputs, stats = await self._cached(
+                served, request, deadline, compute, on_hit, parameters
+            )
         if stats is None:  # answered from the cache: no queue, no batch
             stats = _CACHED
         elif stats.variant:
@@ -256,6 +241,38 @@ class DataPlane:
         if request.received_at is not None and not request.inner:
             served.scheduler.answered(time.monotonic() - request.received_at)
         return self._served(request, _response(served, request, wanted, outputs, parameters))
+
+    async def _cached(
+        self,
+        served: ServedVersion,
+        request: InferRequest,
+        deadline: float,
+        compute: Callable[[], Awaitable[tuple[Outputs, BatchStats]]],
+        on_hit: Callable[[Hit], None] | None,
+        parameters: dict[str, Any],
+    ) -> tuple[Outputs, BatchStats | None]:
+        """``compute`` through the result cache: the outputs, and the batch's stats (None: an
+        answer from the cache); where the answer came from goes into ``parameters``."""
+        view, cache = served.cache, self.cache
+        assert view is not None and cache is not None
+        key = view.keys.key(request.inputs, request.parameters)
+        budget_s = deadline - (request.received_at or deadline)
+        slo_s = served.config.slo.p99_ms / 1e3
+
+        def pressed() -> bool:
+            return served.scheduler.pressed(budget_s if budget_s > 0 else slo_s)
+
+        answer = await cache.serve(view, key, cache_mode(request), compute, pressed)
+        if answer.value is not None and on_hit is not None:
+            on_hit(Hit(view, key, answer.value))
+        parameters["cache"] = answer.source
+        if answer.lineage is not None and answer.extra is None:
+            lineage = answer.lineage
+            parameters["cache_computed_at"] = lineage.computed_at
+            parameters["cache_computed_by"] = lineage.computed_by
+            if lineage.variant:
+                parameters["variant"] = lineage.variant
+        return answer.outputs, answer.extra
 
     def _served(self, request: InferRequest, response: InferResponse) -> InferResponse:
         if self.on_served is not None and request.received_at is not None and not request.inner:

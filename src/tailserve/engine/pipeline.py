@@ -36,7 +36,7 @@ from tailserve.engine.retrieval import RetrievalIndex
 from tailserve.engine.validation import InputPlan
 from tailserve.errors import DeadlineExceeded, InvalidInput, Unavailable
 from tailserve.modelconfig import ModelConfig
-from tailserve.pipelineconfig import PipelineConfig, PipelineStep, dependencies_of
+from tailserve.modelconfig.pipeline import PipelineConfig, PipelineStep, dependencies_of
 from tailserve.tensors import Tensor, datatype_of
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The batch scheduler of one model version: a batcher and one worker task per instance.
 
 The scheduler owns the asyncio side of batching; *what* to run and *when* is the batcher's call
-(`engine.batching`, `engine.deadline`). Padding, merging a batch, running the model and
+(`engine.batching`, `engine.deadline_batcher`). Padding, merging a batch, running the model and
 splitting the result happen in an executor thread, so the event loop only moves futures.
 
 Except for a batch the cost model predicts to take at most ``inline_below_s`` on a ``steady``

@@ -25,7 +25,7 @@ from tailserve.engine.accounts import BatchObserver, LoopState
 from tailserve.engine.background import BackgroundLane
 from tailserve.engine.batching import Batcher, NoBatching, SizeOrTimeout
 from tailserve.engine.buckets import Bucket, BucketRule
-from tailserve.engine.deadline import DeadlineBatcher
+from tailserve.engine.deadline_batcher import DeadlineBatcher
 from tailserve.engine.pipeline import Pipeline, PipelineHost, PipelineObserver
 from tailserve.engine.refusal_audit import RefusalAudit
 from tailserve.engine.retrieval import RetrievalIndex
@@ -35,7 +35,7 @@ from tailserve.engine.variants import VariantChooser
 from tailserve.engine.warmup import load_and_warm
 from tailserve.errors import ModelNotServed, TailserveError, Unavailable
 from tailserve.modelconfig import FeatureInput, FeaturesConfig, ModelConfig, served_variants
-from tailserve.pipelineconfig import PipelineStep, fallback_fields
+from tailserve.modelconfig.pipeline import PipelineStep, fallback_fields
 from tailserve.runtimes import Runtime, RuntimeContext
 
 if TYPE_CHECKING:

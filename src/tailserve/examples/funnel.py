@@ -28,7 +28,7 @@ import numpy as np
 
 from tailserve.examples.churn import write_config
 from tailserve.examples.ranker import CATALOG, ITEMS, TASTE, USERS
-from tailserve.pipelineconfig import fallback_fields
+from tailserve.modelconfig.pipeline import fallback_fields
 
 MODEL = "funnel"
 RERANK = "rerank"

@@ -266,7 +266,7 @@ def load_features(
     """Load the ranker's synthetic features into the Redis at ``redis_url`` (~150,000 rows,
     pipelined), and the funnel's retrieval vectors made from them (as many again); how many
     rows of each entity. Raises ``Unavailable`` when Redis fails."""
-    from tailserve.loops import run
+    from tailserve.process.loops import run
 
     return run(_load(Path(model_dir), redis_url, cluster))
 

@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 
 from tailserve.fleet.dashboard_series import History, parse_pages
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import Headers, Reply
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import Headers, Reply
 
 log = logging.getLogger(__name__)
 

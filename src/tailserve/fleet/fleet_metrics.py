@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from tailserve.fleet.admin import Fleet
+    from tailserve.fleet.admin_lane import Fleet
 
 # Every state a worker slot may be in (fleet.processes.ManagedWorker.state): each is exported,
 # 0 or not, so a graph of them has every line from the start.

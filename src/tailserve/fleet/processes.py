@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from tailserve.errors import UpstreamError
-from tailserve.fleet.admin import Slot
+from tailserve.fleet.admin_lane import Slot
 from tailserve.router.config import backend_url
 from tailserve.router.lanes import predicted_ms
 from tailserve.transport.http1 import Pool, frame_request

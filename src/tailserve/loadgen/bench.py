@@ -28,7 +28,6 @@ import msgspec
 import orjson
 import yaml
 
-from tailserve.collector import freeze_held
 from tailserve.errors import ConfigError
 from tailserve.loadgen.capacity import CapacitySearch, Step
 from tailserve.loadgen.plan import Plan, build_plan
@@ -38,7 +37,8 @@ from tailserve.loadgen.sending import Link
 from tailserve.loadgen.stats import generator_account, summarize
 from tailserve.loadgen.timer import fine_timer_available
 from tailserve.loadgen.workload import Schedule, Workload, parse_workload
-from tailserve.loops import run as run_loop
+from tailserve.process.collector import freeze_held
+from tailserve.process.loops import run as run_loop
 
 # Generator processes start together this long after the slowest has built its plan.
 _START_LEAD_S = 0.2

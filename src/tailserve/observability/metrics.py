@@ -7,7 +7,7 @@ collector turns them into Prometheus families when `/metrics` is scraped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -197,201 +197,17 @@ class _ResidencyCollector(Collector):
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.request_latency = LoopHistogram(
-            "tailserve_request_duration_seconds",
-            "Time from request received to response ready.",
-            ["model", "protocol", "outcome"],
-            LATENCY_BUCKETS,
-        )
-        self.requests = LoopCounter(
-            "tailserve_requests",
-            "Requests answered, by HTTP status.",
-            ["model", "protocol", "status"],
-        )
-        self.queue_time = LoopHistogram(
-            "tailserve_queue_duration_seconds",
-            "Time a request waited in its model's batch queue.",
-            ["model"],
-            LATENCY_BUCKETS,
-        )
-        self.compute_time = LoopHistogram(
-            "tailserve_compute_duration_seconds",
-            "Time one batch spent in the runtime (merge, predict, split), by cost class: what "
-            "tailserve_batch_predicted_seconds predicts.",
-            ["model", "bucket"],
-            LATENCY_BUCKETS,
-        )
-        self.batch_size = LoopHistogram(
-            "tailserve_batch_size_rows",
-            "Rows in each batch run, by cost class.",
-            ["model", "bucket"],
-            BATCH_BUCKETS,
-        )
-        self.batch_time = LoopHistogram(
-            "tailserve_batch_duration_seconds",
-            "Time from a batch's dispatch until its results were back, by cost class.",
-            ["model", "bucket"],
-            LATENCY_BUCKETS,
-        )
-        self.batch_predicted = LoopHistogram(
-            "tailserve_batch_predicted_seconds",
-            "What the cost model predicted each batch would take, by cost class.",
-            ["model", "bucket"],
-            LATENCY_BUCKETS,
-        )
-        self.rejected = LoopCounter(
-            "tailserve_rejected_requests",
-            "Requests refused or dropped by the batcher: queue_full, deadline (at admission), "
-            "expired (in the queue).",
-            ["model", "reason"],
-        )
-        self.false_refusals = LoopCounter(
-            "tailserve_false_refusals",
-            "Refusals made while the model's admitted requests had a p99 within half the SLO "
-            "over the last second and the event loop time to spare: not needed.",
-            ["model"],
-        )
-        self.deadline_misses = LoopCounter(
-            "tailserve_deadline_misses", "Requests answered after their deadline.", ["model"]
-        )
-        self.variant_requests = LoopCounter(
-            "tailserve_variant_requests",
-            "Requests a model with variants computed, by the variant that ran them.",
-            ["model", "variant"],
-        )
-        self.loop_lag = LoopHistogram(
-            "tailserve_event_loop_lag_seconds",
-            "How late the event loop ran a timer: the wait of anything ready to run.",
-            [],
-            LATENCY_BUCKETS,
-        )
-        self.gc_full_pause = LoopHistogram(
-            "tailserve_gc_full_pause_seconds",
-            "Full garbage collections the event loop ran (every --gc-full-interval-s), by how "
-            "long they stopped it.",
-            [],
-            LATENCY_BUCKETS,
-        )
-        self.cache_lookups = LoopCounter(
-            "tailserve_cache_lookups",
-            "Result cache lookups by tier (l1, l2) and result (hit, stale, stale_overloaded = "
-            "past the grace window, served because the model was overloaded; misses: cold = "
-            "never seen, expired, evicted at L1; miss, expired at L2).",
-            ["model", "tier", "result"],
-        )
-        self.cache_computations = LoopCounter(
-            "tailserve_cache_computations",
-            "Results computed on a cache miss: first = never computed here before, recompute = "
-            "computed before but expired or evicted (the recomputation rate's numerator).",
-            ["model", "kind"],
-        )
-        self.cache_coalesced = LoopCounter(
-            "tailserve_cache_coalesced_requests",
-            "Requests answered by waiting for an identical request in flight.",
-            ["model"],
-        )
-        self.cache_evictions = LoopCounter(
-            "tailserve_cache_evictions", "Results evicted from L1 for room.", ["model"]
-        )
-        self.feature_lookups = LoopCounter(
-            "tailserve_feature_lookups",
-            "Entity feature rows looked up, by entity and result (hit in the in-process feature "
-            "cache; cold, expired, evicted: read from the store).",
-            ["entity", "result"],
-        )
-        self.cache_l2_latency = LoopHistogram(
-            "tailserve_cache_l2_duration_seconds",
-            "Round-trip time of each batched Redis lookup (MGET).",
-            [],
-            LATENCY_BUCKETS,
-        )
-        self.cache_l2_skipped = LoopCounter(
-            "tailserve_cache_l2_skipped",
-            "Keys the L2 did without Redis for, by operation (lookup: answered as a miss; write: "
-            "not stored) and reason (breaker: open, Redis not asked; budget: no answer in time; "
-            "error: Redis or the connection failed).",
-            ["operation", "reason"],
-        )
-        self.jobs_finished = LoopCounter(
-            "tailserve_jobs_finished",
-            "Jobs this worker ended, by outcome: succeeded, failed, released (given back to "
-            "its queue: the worker stopping, the model unloading).",
-            ["model", "outcome"],
-        )
-        self.job_duration = LoopHistogram(
-            "tailserve_job_duration_seconds",
-            "From a job's submission until this worker finished it (succeeded or failed).",
-            ["model"],
-            JOB_BUCKETS,
-        )
-        self.stage_time = LoopHistogram(
-            "tailserve_pipeline_stage_seconds",
-            "The time each step of a pipeline took, by pipeline and stage.",
-            ["pipeline", "stage"],
-            LATENCY_BUCKETS,
-        )
-        self.stage_degradations = LoopCounter(
-            "tailserve_pipeline_degradations",
-            "Pipeline steps that ran late and degraded as declared, by pipeline, stage and how "
-            "(fewer: fewer rows passed on; variant: a cheaper variant; fallback: the declared "
-            "fallback instead of the step's answer).",
-            ["pipeline", "stage", "how"],
-        )
-        self.model_load_time = LoopHistogram(
-            "tailserve_model_load_seconds",
-            "Time to load and warm a model (every chosen version), at start, on demand or by "
-            "request.",
-            ["model"],
-            LOAD_BUCKETS,
-        )
-        self.model_unload_time = LoopHistogram(
-            "tailserve_model_unload_seconds",
-            "Time to unload a model (its queued requests drained), by reason: budget (to make "
-            "room for another) or request (the repository API).",
-            ["model", "reason"],
-            LOAD_BUCKETS,
-        )
-        self.cold_requests = LoopCounter(
-            "tailserve_cold_requests",
-            "Requests that found their model unloaded for the memory budget, by outcome: waited "
-            "(for its load, then served), refused (the load would end past the deadline), late "
-            "(the load outlasted the deadline), failed (the load failed).",
-            ["model", "outcome"],
-        )
-        loop_metrics: list[LoopHistogram | LoopCounter] = [
-            self.stage_time,
-            self.stage_degradations,
-            self.request_latency,
-            self.requests,
-            self.queue_time,
-            self.compute_time,
-            self.batch_size,
-            self.batch_time,
-            self.batch_predicted,
-            self.rejected,
-            self.false_refusals,
-            self.deadline_misses,
-            self.variant_requests,
-            self.loop_lag,
-            self.gc_full_pause,
-            self.cache_lookups,
-            self.cache_computations,
-            self.cache_coalesced,
-            self.cache_evictions,
-            self.cache_l2_latency,
-            self.cache_l2_skipped,
-            self.feature_lookups,
-            self.jobs_finished,
-            self.job_duration,
-            self.model_load_time,
-            self.model_unload_time,
-            self.cold_requests,
-        ]
+        # The series the event loop updates (`loop_metrics`), exported by one collector.
+        self._series: list[LoopHistogram | LoopCounter] = []
+        self._request_series()
+        self._refusal_series()
+        self._loop_series()
+        self._cache_series()
+        self._job_and_model_series()
         # Debt, efficiency, latency a row and the SLOs (observability/work.py).
         self.work = WorkMetrics(LoopHistogram)
-        loop_metrics += self.work.histograms()
         self.registry.register(self.work.slo)
-        self.registry.register(LoopCollector(loop_metrics))
+        self.registry.register(LoopCollector([*self._series, *self.work.histograms()]))
         # Read when scraped: the cost models, the cache's sizes and breaker, the reply memo
         # (the worker names them with the watch_* methods).
         self._costs = _CostCollector()
@@ -410,6 +226,194 @@ class Metrics:
         )
         self.jobs_running = Gauge(
             "tailserve_jobs_running", "Jobs this worker holds now.", registry=self.registry
+        )
+
+    def _histogram(
+        self, name: str, documentation: str, labels: list[str], buckets: Sequence[float]
+    ) -> LoopHistogram:
+        series = LoopHistogram(name, documentation, labels, buckets)
+        self._series.append(series)
+        return series
+
+    def _counter(self, name: str, documentation: str, labels: list[str]) -> LoopCounter:
+        series = LoopCounter(name, documentation, labels)
+        self._series.append(series)
+        return series
+
+    def _request_series(self) -> None:
+        """Requests, their latency, and the batches that served them."""
+        self.request_latency = self._histogram(
+            "tailserve_request_duration_seconds",
+            "Time from request received to response ready.",
+            ["model", "protocol", "outcome"],
+            LATENCY_BUCKETS,
+        )
+        self.requests = self._counter(
+            "tailserve_requests",
+            "Requests answered, by HTTP status.",
+            ["model", "protocol", "status"],
+        )
+        self.queue_time = self._histogram(
+            "tailserve_queue_duration_seconds",
+            "Time a request waited in its model's batch queue.",
+            ["model"],
+            LATENCY_BUCKETS,
+        )
+        self.compute_time = self._histogram(
+            "tailserve_compute_duration_seconds",
+            "Time one batch spent in the runtime (merge, predict, split), by cost class: what "
+            "tailserve_batch_predicted_seconds predicts.",
+            ["model", "bucket"],
+            LATENCY_BUCKETS,
+        )
+        self.batch_size = self._histogram(
+            "tailserve_batch_size_rows",
+            "Rows in each batch run, by cost class.",
+            ["model", "bucket"],
+            BATCH_BUCKETS,
+        )
+        self.batch_time = self._histogram(
+            "tailserve_batch_duration_seconds",
+            "Time from a batch's dispatch until its results were back, by cost class.",
+            ["model", "bucket"],
+            LATENCY_BUCKETS,
+        )
+        self.batch_predicted = self._histogram(
+            "tailserve_batch_predicted_seconds",
+            "What the cost model predicted each batch would take, by cost class.",
+            ["model", "bucket"],
+            LATENCY_BUCKETS,
+        )
+
+    def _refusal_series(self) -> None:
+        """Requests refused, late, and the variants that computed them."""
+        self.rejected = self._counter(
+            "tailserve_rejected_requests",
+            "Requests refused or dropped by the batcher: queue_full, deadline (at admission), "
+            "expired (in the queue).",
+            ["model", "reason"],
+        )
+        self.false_refusals = self._counter(
+            "tailserve_false_refusals",
+            "Refusals made while the model's admitted requests had a p99 within half the SLO "
+            "over the last second and the event loop time to spare: not needed.",
+            ["model"],
+        )
+        self.deadline_misses = self._counter(
+            "tailserve_deadline_misses", "Requests answered after their deadline.", ["model"]
+        )
+        self.variant_requests = self._counter(
+            "tailserve_variant_requests",
+            "Requests a model with variants computed, by the variant that ran them.",
+            ["model", "variant"],
+        )
+
+    def _loop_series(self) -> None:
+        """The event loop: its lag and the full collections it ran."""
+        self.loop_lag = self._histogram(
+            "tailserve_event_loop_lag_seconds",
+            "How late the event loop ran a timer: the wait of anything ready to run.",
+            [],
+            LATENCY_BUCKETS,
+        )
+        self.gc_full_pause = self._histogram(
+            "tailserve_gc_full_pause_seconds",
+            "Full garbage collections the event loop ran (every --gc-full-interval-s), by how "
+            "long they stopped it.",
+            [],
+            LATENCY_BUCKETS,
+        )
+
+    def _cache_series(self) -> None:
+        """The result cache's tiers and the feature cache."""
+        self.cache_lookups = self._counter(
+            "tailserve_cache_lookups",
+            "Result cache lookups by tier (l1, l2) and result (hit, stale, stale_overloaded = "
+            "past the grace window, served because the model was overloaded; misses: cold = "
+            "never seen, expired, evicted at L1; miss, expired at L2).",
+            ["model", "tier", "result"],
+        )
+        self.cache_computations = self._counter(
+            "tailserve_cache_computations",
+            "Results computed on a cache miss: first = never computed here before, recompute = "
+            "computed before but expired or evicted (the recomputation rate's numerator).",
+            ["model", "kind"],
+        )
+        self.cache_coalesced = self._counter(
+            "tailserve_cache_coalesced_requests",
+            "Requests answered by waiting for an identical request in flight.",
+            ["model"],
+        )
+        self.cache_evictions = self._counter(
+            "tailserve_cache_evictions", "Results evicted from L1 for room.", ["model"]
+        )
+        self.feature_lookups = self._counter(
+            "tailserve_feature_lookups",
+            "Entity feature rows looked up, by entity and result (hit in the in-process feature "
+            "cache; cold, expired, evicted: read from the store).",
+            ["entity", "result"],
+        )
+        self.cache_l2_latency = self._histogram(
+            "tailserve_cache_l2_duration_seconds",
+            "Round-trip time of each batched Redis lookup (MGET).",
+            [],
+            LATENCY_BUCKETS,
+        )
+        self.cache_l2_skipped = self._counter(
+            "tailserve_cache_l2_skipped",
+            "Keys the L2 did without Redis for, by operation (lookup: answered as a miss; write: "
+            "not stored) and reason (breaker: open, Redis not asked; budget: no answer in time; "
+            "error: Redis or the connection failed).",
+            ["operation", "reason"],
+        )
+
+    def _job_and_model_series(self) -> None:
+        """Jobs, pipeline steps, and models loaded and unloaded."""
+        self.jobs_finished = self._counter(
+            "tailserve_jobs_finished",
+            "Jobs this worker ended, by outcome: succeeded, failed, released (given back to "
+            "its queue: the worker stopping, the model unloading).",
+            ["model", "outcome"],
+        )
+        self.job_duration = self._histogram(
+            "tailserve_job_duration_seconds",
+            "From a job's submission until this worker finished it (succeeded or failed).",
+            ["model"],
+            JOB_BUCKETS,
+        )
+        self.stage_time = self._histogram(
+            "tailserve_pipeline_stage_seconds",
+            "The time each step of a pipeline took, by pipeline and stage.",
+            ["pipeline", "stage"],
+            LATENCY_BUCKETS,
+        )
+        self.stage_degradations = self._counter(
+            "tailserve_pipeline_degradations",
+            "Pipeline steps that ran late and degraded as declared, by pipeline, stage and how "
+            "(fewer: fewer rows passed on; variant: a cheaper variant; fallback: the declared "
+            "fallback instead of the step's answer).",
+            ["pipeline", "stage", "how"],
+        )
+        self.model_load_time = self._histogram(
+            "tailserve_model_load_seconds",
+            "Time to load and warm a model (every chosen version), at start, on demand or by "
+            "request.",
+            ["model"],
+            LOAD_BUCKETS,
+        )
+        self.model_unload_time = self._histogram(
+            "tailserve_model_unload_seconds",
+            "Time to unload a model (its queued requests drained), by reason: budget (to make "
+            "room for another) or request (the repository API).",
+            ["model", "reason"],
+            LOAD_BUCKETS,
+        )
+        self.cold_requests = self._counter(
+            "tailserve_cold_requests",
+            "Requests that found their model unloaded for the memory budget, by outcome: waited "
+            "(for its load, then served), refused (the load would end past the deadline), late "
+            "(the load outlasted the deadline), failed (the load failed).",
+            ["model", "outcome"],
         )
 
     def watch_costs(self, source: Callable[[], Iterable[CostRow]]) -> None:

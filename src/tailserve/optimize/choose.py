@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 from tailserve.errors import ConfigError
 from tailserve.modelconfig import Metric, Variant
+from tailserve.optimize.accuracy import higher_is_better
 from tailserve.optimize.candidates import BASELINE, GRAPH, NAMES
-from tailserve.optimize.metrics import higher_is_better
 
 MIN_SPEEDUP = 1.1
 GRAPH_OPTIMISED = NAMES[GRAPH]

@@ -2,7 +2,7 @@
 
 1. Load the full model (``fp32``) as a worker would and score the held-out inputs with it.
 2. Make the variants (candidates.py), and take model.yaml's other variants as they are.
-3. Score each on the same inputs against ``fp32`` (metrics.py), then time them all, taking turns.
+3. Score each on the same inputs against ``fp32`` (accuracy.py), then time them all, taking turns.
 4. Choose which to keep and their order (choose.py); write ``MODEL_DIR/optimize/report.{md,json}``,
    the plot, and (unless told not to) model.yaml's ``variants`` block.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from tailserve.errors import ConfigError, ModelExecutionError, TailserveError
 from tailserve.modelconfig import Metric, ModelConfig, Variant, load_model_config
-from tailserve.optimize import datasets, measure, metrics
+from tailserve.optimize import accuracy, datasets, measure
 from tailserve.optimize.candidates import (
     BASELINE,
     DYNAMIC,
@@ -83,46 +83,15 @@ def optimize(
         seed = datasets.CALIBRATION_SEED
         calibration = _dataset(config, options.calibration, seed, "--calibration", sizes)
 
-    runtimes: dict[str, Runtime] = {}
-    skipped: list[Skipped] = []
-    try:
-        say(f"loading {config.name} version {version} as it is ({BASELINE})")
-        runtimes[BASELINE] = measure.load(config, version, version_dir, None)
-        reference = _checked(lambda: measure.score(runtimes[BASELINE], config, held_out))
-        metric, metric_note = _metric(config, options.metric, reference, held_out)
-        say(f"making variants: {', '.join(options.kinds) or 'none'}")
-        made = make_candidates(config, version_dir, options.kinds, calibration)
-        skipped += [found for found in made if isinstance(found, Skipped)]
-        new = adopt_names(
-            [found for found in made if isinstance(found, Candidate)], config.variants.choices
-        )
-        attempted = _attempted_names(config, options.kinds) | {c.variant.name for c in new}
-        candidates = [baseline(), *new, *existing_candidates(config, attempted)]
-        outputs = {BASELINE: reference}
-        for candidate in candidates[1:]:
-            say(f"scoring {candidate.variant.name}")
-            found = _score(config, version, version_dir, candidate.variant, held_out, runtimes)
-            if isinstance(found, Skipped):
-                skipped.append(found)
-            else:
-                outputs[candidate.variant.name] = found
-        labels, score_name = held_out.labels, config.outputs[0].name
-        accuracy = {
-            name: float(f"{metrics.measure(metric, got, reference, score_name, labels):.6g}")
-            for name, got in outputs.items()
-        }
-        say(f"timing {len(runtimes)} variants at batch sizes {sizes}, {options.repeat} runs each")
-        batches = datasets.timing_batches(config, sizes)
-        latency = _checked(lambda: measure.time_batches(runtimes, batches, options.repeat))
-    finally:
-        measure.unload_all(runtimes)
+    evaluated = _evaluate(config, version, version_dir, options, held_out, calibration, sizes, say)
+    candidates, skipped, metric, metric_note, scored, latency = evaluated
 
     default_file = _default_artifact(config)
     results = [
         Result(
             msgspec.structs.replace(
                 candidate.variant,
-                accuracy=accuracy[candidate.variant.name],
+                accuracy=scored[candidate.variant.name],
                 latency_ms=latency[candidate.variant.name],
                 size_bytes=measure.artifact_size(version_dir, candidate.variant, default_file),
             ),
@@ -155,6 +124,55 @@ def optimize(
             config="",
         ),
     )
+
+
+def _evaluate(
+    config: ModelConfig,
+    version: int,
+    version_dir: Path,
+    options: Options,
+    held_out: datasets.Dataset,
+    calibration: datasets.Dataset | None,
+    sizes: list[int],
+    say: Callable[[str], None],
+) -> tuple[list[Candidate], list[Skipped], Metric, str, dict[str, float], dict[str, Any]]:
+    """Make the variants, score each against the model as it is, and time them all: the
+    candidates, those skipped, the metric (and its note), the scores and the latencies."""
+    runtimes: dict[str, Runtime] = {}
+    skipped: list[Skipped] = []
+    try:
+        say(f"loading {config.name} version {version} as it is ({BASELINE})")
+        runtimes[BASELINE] = measure.load(config, version, version_dir, None)
+        reference = _checked(lambda: measure.score(runtimes[BASELINE], config, held_out))
+        metric, metric_note = _metric(config, options.metric, reference, held_out)
+        say(f"making variants: {', '.join(options.kinds) or 'none'}")
+        made = make_candidates(config, version_dir, options.kinds, calibration)
+        skipped += [found for found in made if isinstance(found, Skipped)]
+        new = adopt_names(
+            [found for found in made if isinstance(found, Candidate)], config.variants.choices
+        )
+        attempted = _attempted_names(config, options.kinds) | {c.variant.name for c in new}
+        candidates = [baseline(), *new, *existing_candidates(config, attempted)]
+        outputs = {BASELINE: reference}
+        for candidate in candidates[1:]:
+            say(f"scoring {candidate.variant.name}")
+            found = _score(config, version, version_dir, candidate.variant, held_out, runtimes)
+            if isinstance(found, Skipped):
+                skipped.append(found)
+            else:
+                outputs[candidate.variant.name] = found
+        labels, score_name = held_out.labels, config.outputs[0].name
+        scored = {
+            name: float(f"{accuracy.measure(metric, got, reference, score_name, labels):.6g}")
+            for name, got in outputs.items()
+        }
+        say(f"timing {len(runtimes)} variants at batch sizes {sizes}, {options.repeat} runs each")
+        batches = datasets.timing_batches(config, sizes)
+        latency = _checked(lambda: measure.time_batches(runtimes, batches, options.repeat))
+    finally:
+        measure.unload_all(runtimes)
+
+    return candidates, skipped, metric, metric_note, scored, latency
 
 
 def _score(
@@ -296,12 +314,12 @@ def _metric(
     name = config.outputs[0].name
     scores = reference[name]
     one_a_row = scores.size == held_out.rows and len(config.outputs) == 1
-    metric = wanted or metrics.default_metric(scores if one_a_row else None, held_out.labels)
-    metrics.check_scores(metric, scores, held_out.rows, name)
+    metric = wanted or accuracy.default_metric(scores if one_a_row else None, held_out.labels)
+    accuracy.check_scores(metric, scores, held_out.rows, name)
     if metric == "max_abs_error":
         return metric, "the largest absolute difference from the fp32 model's outputs"
     labels = held_out.labels
-    truth = labels if labels is not None else metrics.decisions(scores)
+    truth = labels if labels is not None else accuracy.decisions(scores)
     if metric == "auc" and np.unique(truth).size < 2:
         against = "labels" if labels is not None else "fp32 model's decisions"
         raise ConfigError(f"--metric auc: the held-out {against} are all one class")

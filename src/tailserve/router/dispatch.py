@@ -47,8 +47,8 @@ from tailserve.router.health import OutlierDetector
 from tailserve.router.hedge_queue import HedgeQueue
 from tailserve.router.hedging import HedgeBudget, HedgePolicy, RetryBudget
 from tailserve.router.messages import Framer, Outcome
-from tailserve.router.metrics import RouterMetrics
 from tailserve.router.polling import HealthPoller
+from tailserve.router.router_metrics import RouterMetrics
 from tailserve.router.upstreams import ANY, Upstream, Upstreams
 from tailserve.transport import http1
 from tailserve.transport.base import Connect

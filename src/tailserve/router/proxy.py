@@ -1,7 +1,7 @@
 """``tailserve route``: the Python routing lane, behind the front door.
 
-The router runs the worker's HTTP/1.1 server (protocols/http/server.py) with `RouterApp`
-(router/app.py) as its application, so it reads requests as a worker does: whole (none over
+The router runs the worker's HTTP/1.1 server (transport/server.py) with `RouterApp`
+(router/router_app.py) as its application, so it reads requests as a worker does: whole (none over
 ``max_body_bytes``: 413), keep-alive, pipelined requests answered in order, idle connections
 closed after ``keep_alive_s`` and late requests refused (408) after ``read_timeout_s``. Replies
 from the backends come back whole too; large bodies go straight through the front door, and
@@ -19,16 +19,16 @@ import asyncio
 import logging
 from typing import Any
 
-from tailserve.collector import freeze_held
-from tailserve.loops import Stop, StopSignals
 from tailserve.observability.tracing import Tracing, start_tracing
+from tailserve.process.collector import freeze_held
+from tailserve.process.loops import Stop, StopSignals
 from tailserve.protocols.grpc.startup import serve_or_log
-from tailserve.protocols.http.server import HttpServer
-from tailserve.router.app import RouterApp, backends_state
 from tailserve.router.config import RouterConfig
 from tailserve.router.dispatch import Dispatcher
 from tailserve.router.membership import Membership
-from tailserve.router.metrics import RouterMetrics
+from tailserve.router.router_app import RouterApp, backends_state
+from tailserve.router.router_metrics import RouterMetrics
+from tailserve.transport.server import HttpServer
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from tailserve.observability.tracing import Tracing
 from tailserve.observability.worker_spans import frontdoor_ns
-from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.refusals import HEADER as REFUSAL_HEADER
 from tailserve.router.attempt_spans import TraceParent
 from tailserve.router.messages import Outcome
+from tailserve.transport.request import HttpRequest
 
 # The front door's stamp: the lane makes its span, so the worker is not sent it (it would make
 # a second one, under the attempt).

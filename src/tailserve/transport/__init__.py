@@ -1,4 +1,8 @@
-"""Clients of other servers: the HTTP/1.1 connection pool the bench and the router use
-(http1.py), the contract the router's dispatcher asks of it (base.py); and the inbound side's
-shared reading of request heads (inbound.py). The pool's in-process twin serves an HTTP
-application without a socket, so it lives with the HTTP adapter (protocols/http/memory.py)."""
+"""HTTP/1.1 on both sides of a socket, with nothing of the inference protocol in it.
+
+Server side: the worker's and the supervisor's HTTP server (server.py: a bare asyncio protocol
+on httptools' parser), the request it hands an application (request.py) and the reading of
+request heads it shares with the rest (inbound.py). Client side: the connection pool the bench
+and the routing lane use (http1.py) and the contract the router's dispatcher asks of it
+(base.py). Between them, in_memory.py: an application served without a socket, through the
+client's contract (the routing lane's tests and its in-process replicas)."""

@@ -1,4 +1,4 @@
-"""How the HTTP/1.1 server (protocols/http/server.py, the worker's and the router's) reads a
+"""How the HTTP/1.1 server (transport/server.py, the worker's and the router's) reads a
 request's head from a client: its limits, its timeouts, and how an error ends a connection."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from tailserve.protocols.grpc.common import Handler, Parse, Servicer, serialize, unary_methods
-from tailserve.protocols.http.request import HttpRequest
+from tailserve.transport.request import HttpRequest
 
 SERVICE = "/inference.GRPCInferenceService/"
 _GRPC = (b"content-type", b"application/grpc")

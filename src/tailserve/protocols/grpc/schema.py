@@ -80,7 +80,13 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     proto = descriptor_pb2.FileDescriptorProto(
         name="tailserve/oip_v2.proto", package=PACKAGE, syntax="proto3"
     )
-    m = proto.message_type
+    _health_messages(proto.message_type)
+    _metadata_messages(proto.message_type)
+    _infer_messages(proto.message_type)
+    return proto
+
+
+def _health_messages(m: Any) -> None:
     for empty in ("ServerLiveRequest", "ServerReadyRequest", "ServerMetadataRequest"):
         _message(m, empty, [])
     _message(m, "ServerLiveResponse", [_f("live", 1, _BOOL)])
@@ -88,6 +94,9 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     named = [_f("name", 1, _STRING), _f("version", 2, _STRING)]
     _message(m, "ModelReadyRequest", named)
     _message(m, "ModelReadyResponse", [_f("ready", 1, _BOOL)])
+
+
+def _metadata_messages(m: Any) -> None:
     _message(
         m,
         "ServerMetadataResponse",
@@ -97,7 +106,7 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
             _f("extensions", 3, _STRING, repeated=True),
         ],
     )
-    _message(m, "ModelMetadataRequest", named)
+    _message(m, "ModelMetadataRequest", [_f("name", 1, _STRING), _f("version", 2, _STRING)])
     tensor_metadata = [
         _f("name", 1, _STRING),
         _f("datatype", 2, _STRING),
@@ -123,6 +132,9 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
         ],
         nested=(("TensorMetadata", tensor_metadata),),
     )
+
+
+def _infer_messages(m: Any) -> None:
     _message(
         m,
         "InferParameter",
@@ -203,7 +215,6 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
             _f("infer_response", 2, _MESSAGE, message="ModelInferResponse"),
         ],
     )
-    return proto
 
 
 _pool = descriptor_pool.DescriptorPool()

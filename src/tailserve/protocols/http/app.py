@@ -23,7 +23,6 @@ from typing import Protocol, TypeVar
 
 import orjson
 
-from tailserve.admin import CLOSED_MESSAGE, AdminAccess
 from tailserve.cache.replies import ReplyMemo
 from tailserve.engine.dataplane import DataPlane, Hit
 from tailserve.errors import (
@@ -42,13 +41,21 @@ from tailserve.observability.tracing import MARKS, Marks, Tracing
 from tailserve.observability.worker_spans import Arrival, record
 from tailserve.protocols.http import jobs, kserve_v1, oip
 from tailserve.protocols.http.errors import headers_of, status_of
-from tailserve.protocols.http.headers import Headers, Reply, request_options, served_headers
+from tailserve.protocols.http.headers import (
+    HeaderOptions,
+    Headers,
+    Reply,
+    read_options,
+    request_options,
+    served_headers,
+)
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.replay import Replayer
-from tailserve.protocols.http.request import HttpRequest
 from tailserve.protocols.http.routes import Route, Router
-from tailserve.protocols.http.server import Trailed
 from tailserve.protocols.refusals import refusal_reason
+from tailserve.transport.admin_access import CLOSED_MESSAGE, AdminAccess
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import Trailed
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +143,34 @@ class HttpApp:
         self._recorder = recorder
         self._router = Router()
         self._openapi_body = orjson.dumps(openapi_document())
-        self._handlers: dict[str, Callable[[HttpRequest], Awaitable[Reply]]] = {}
+        # Each route's handler, by the name the route table gives it (routes.py).
+        self.handlers: dict[str, Callable[[HttpRequest], Awaitable[Reply]]] = {
+            "live": self._live,
+            "ready": self._ready,
+            "server_metadata": self._server_metadata,
+            "model_metadata": self._model_metadata,
+            "model_ready": self._model_ready,
+            "model_stats": self._model_stats,
+            "model_config": self._model_config,
+            "infer": self._infer,
+            "predict_v1": self._predict_v1,
+            "model_status_v1": self._model_status_v1,
+            "submit_job": self._submit_job,
+            "submit_job_v1": self._submit_job_v1,
+            "get_job": self._get_job,
+            "cancel_job": self._cancel_job,
+            "list_jobs": self._list_jobs,
+            "repository_index": self._repository_index,
+            "load_model": self._load_model,
+            "unload_model": self._unload_model,
+            "invalidate": self._invalidate,
+            "metrics": self._metrics,
+            "openapi": self._openapi,
+        }
         # Overloaded models' refusals of a moment ago, by (model, version, deadline header):
         # until when each stands, the least budget it let through, the budget it refused,
         # and its reply (`_shed`).
-        self._refusals: dict[tuple[str, str | None, bytes | None], _Kept] = {}
+        self._refusals: dict[tuple[str, str | None, float | None], _Kept] = {}
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
         """The reply when it needs no waiting: no such route, a kept reply, or an inference
@@ -159,13 +189,17 @@ class HttpApp:
         request.params = params
         if route.handler not in _SHED:
             return None
+        try:
+            options = request.options = read_options(request)
+        except TailserveError as exc:
+            return self._counted(request, route, *_refusal(exc))
         if self._replayer is not None and route.handler == "infer":
-            kept = self._replayer.replayed(request)
+            kept = self._replayer.replayed(request, options)
             if kept is not None:
                 self.dataplane.online_requests += 1
                 return self._counted(request, route, *kept)
         try:
-            refused = self._shed(request, params["model"], params.get("version"))
+            refused = self._shed(request, params["model"], params.get("version"), options)
         except TailserveError as exc:
             return self._counted(request, route, *_refusal(exc))
         if refused is not None:
@@ -176,9 +210,7 @@ class HttpApp:
         route: Route = request.route
         if route is GRPC_ROUTE and self._grpc is not None:
             return await self._grpc.answer(request)
-        handler = self._handlers.get(route.handler)
-        if handler is None:
-            handler = self._handlers[route.handler] = getattr(self, "_" + route.handler)
+        handler = self.handlers[route.handler]
         try:
             if route.admin:
                 self._authorize(request)
@@ -255,7 +287,9 @@ class HttpApp:
         if not hmac.compare_digest(given, self._admin):
             raise Unauthorized("this admin route needs 'Authorization: Bearer <token>'")
 
-    def _shed(self, request: HttpRequest, model: str, version: str | None) -> Reply | None:
+    def _shed(
+        self, request: HttpRequest, model: str, version: str | None, options: HeaderOptions
+    ) -> Reply | None:
         """Refuse before decoding when the model is too busy for the request's deadline: the
         header's, else the model's SLO. A ``timeout`` parameter in the body may be looser
         than the SLO (the tighter of it and the header wins): a small body with no header
@@ -266,16 +300,8 @@ class HttpApp:
         requests of the same kind, model, version and deadline header, that come in the next
         moment with less time left, each refused on the same count of the same queue), or a
         kept one that answers this request too; None: the request goes on."""
-        deadline = request.header(b"x-deadline-ms")
-        deadline_ms = None
-        if deadline is not None:
-            try:
-                deadline_ms = float(deadline)
-            except ValueError:
-                return None  # reading the request will say what is wrong with it
-            if not deadline_ms > 0:
-                return None
-        elif request.route.handler == "infer":
+        deadline_ms = options.deadline_ms
+        if deadline_ms is None and request.route.handler == "infer":
             encoding = request.header(b"content-encoding")
             if encoding not in (None, b"", b"identity"):
                 return None
@@ -286,7 +312,7 @@ class HttpApp:
                     return None
         # Under overload, a refusal of a moment ago answers a request of the same kind with
         # less time left (the model counts it as its own refusal).
-        key = (model, version, deadline)
+        key = (model, version, deadline_ms)
         kept = self._refusals.get(key) if self._refusals else None
         if kept is not None:
             until, least, budget, reply = kept
@@ -387,7 +413,7 @@ class HttpApp:
         infer_request = await self._decode(
             request, lambda body: oip.decode_request(model, version, body, header_length)
         )
-        request_options(request, infer_request)
+        request_options(request, infer_request, request.options or read_options(request))
         replayer = self._replayer
         hits: list[Hit] = []
         marks = self._marks()
@@ -413,7 +439,7 @@ class HttpApp:
         infer_request = await self._decode(
             request, lambda body: kserve_v1.decode_records(name, config, body)
         )
-        request_options(request, infer_request)
+        request_options(request, infer_request, request.options or read_options(request))
         marks = self._marks()
         if marks is not None:
             marks.decoded_at = time.monotonic()

@@ -13,7 +13,7 @@ import orjson
 
 from tailserve.errors import InvalidInput, shown
 from tailserve.protocols.http.headers import Headers, Reply
-from tailserve.protocols.http.request import HttpRequest
+from tailserve.transport.request import HttpRequest
 
 _JSON: Headers = [(b"content-type", b"application/json")]
 WEBHOOK_HEADER = b"x-webhook-url"

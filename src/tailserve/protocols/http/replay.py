@@ -17,8 +17,8 @@ from tailserve.engine.messages import InferRequest
 from tailserve.engine.options import deadline_and_priority
 from tailserve.errors import TailserveError
 from tailserve.observability.trace_log import TraceRecorder
-from tailserve.protocols.http.headers import Headers, Reply, request_options
-from tailserve.protocols.http.request import HttpRequest
+from tailserve.protocols.http.headers import HeaderOptions, Headers, Reply, request_options
+from tailserve.transport.request import HttpRequest
 
 # Bodies up to this size are looked up (a digest costs ~1 ms a MiB).
 _MEMO_BODY_BYTES = 1024 * 1024
@@ -32,12 +32,11 @@ class Replayer:
         self._memo = memo
         self._recorder = recorder
 
-    def replayed(self, request: HttpRequest) -> Reply | None:
+    def replayed(self, request: HttpRequest, options: HeaderOptions) -> Reply | None:
         """The reply kept for a request of the same bytes, if it may answer this one. Only for
         requests that would read the cache and whose headers the whole path would accept;
         one looked up has its `HttpRequest.memo_key`."""
-        mode = request.header(b"x-cache-mode")
-        if mode is not None and mode != b"use":
+        if options.cache_mode is not None and options.cache_mode != "use":
             return None
         body = request.raw_body
         cache = self._dataplane.cache
@@ -62,10 +61,10 @@ class Replayer:
         replay = self._memo.get(key)
         if replay is None:
             return None
-        options = InferRequest(model, [], version=version)
+        infer = InferRequest(model, [], version=version)
         try:
-            request_options(request, options)
-            deadline_and_priority(served.config, options)
+            request_options(request, infer, options)
+            deadline_and_priority(served.config, infer)
         except TailserveError:
             return None  # the whole path answers it with its 4xx
         if not _still_served(cache, view, replay, model):

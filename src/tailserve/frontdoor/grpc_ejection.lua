@@ -1,4 +1,4 @@
--- tailserve's front door: outlier ejection for gRPC calls (see router/frontdoor_grpc.py).
+-- tailserve's front door: outlier ejection for gRPC calls (see frontdoor/grpc_config.py).
 --
 -- HAProxy's `observe layer7` counts HTTP 5xx answers; a gRPC call that failed is answered with
 -- HTTP status 200 and its grpc-status among the answer's headers. This action, run on each

@@ -34,9 +34,9 @@ from typing import Any, Protocol
 import httptools
 
 from tailserve.errors import ConnectFailed, ConnectionLost, UpstreamError, UpstreamTimeout
-from tailserve.protocols.http.request import HttpRequest
 from tailserve.transport.base import Callback, PoolState
 from tailserve.transport.http1 import Response
+from tailserve.transport.request import HttpRequest
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 Trailed = tuple[int, list[tuple[bytes, bytes]], bytes, list[tuple[bytes, bytes]]]
@@ -44,7 +44,7 @@ _JSON = [(b"content-type", b"application/json")]
 
 
 class Application(Protocol):
-    """As `protocols.http.server.Application`: the same object serves both."""
+    """As `transport.server.Application`: the same object serves both."""
 
     def answer_now(self, request: HttpRequest) -> Reply | None: ...
 

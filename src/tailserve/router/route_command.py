@@ -188,7 +188,7 @@ def handle(args: argparse.Namespace) -> int:
         backends_file=args.backends_file,
         backends_dns=args.backends_dns,
     )
-    from tailserve.loops import run
+    from tailserve.process.loops import run
     from tailserve.router.proxy import Router
 
     run(Router(config).serve())

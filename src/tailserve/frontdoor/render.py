@@ -2,7 +2,7 @@
 
 The front door is HAProxy (a C proxy: no Python parses a request on the hop). This module is
 pure: it turns the fleet's members, its models and the policy into the text of a config, which
-`fleet.haproxy` writes, checks and loads. The mapping:
+`frontdoor.haproxy` writes, checks and loads. The mapping:
 
 - one backend a model (``m.<model>``), holding every worker, each checked with the model's own
   readiness route, so a model's requests go only to workers where it is ready (loaded);
@@ -31,16 +31,13 @@ pure: it turns the fleet's members, its models and the policy into the text of a
   list of jobs to the admin lane, which asks them all;
 - the slow models (`router.lanes`) through the hedging lane, the Python router, which hedges;
 - gRPC over HTTP/2 to the workers' gRPC ports, by the model each call names, with the same
-  policies (`router.frontdoor_grpc`);
+  policies (`frontdoor.render_grpc`);
 - HAProxy's own Prometheus exporter on a loopback port, for the admin lane to merge.
 """
 
 from __future__ import annotations
 
-from tailserve.router.frontdoor_grpc import backends as grpc_backends
-from tailserve.router.frontdoor_grpc import render_grpc
-from tailserve.router.frontdoor_grpc import shared_backends as grpc_shared_backends
-from tailserve.router.frontdoor_policy import (
+from tailserve.frontdoor.policy import (
     AFFINITY_HEADER,
     BALANCE,
     ERRORS,
@@ -54,10 +51,13 @@ from tailserve.router.frontdoor_policy import (
     Member,
     routable,
 )
-from tailserve.router.frontdoor_policy import address as _address
-from tailserve.router.frontdoor_policy import checks as _checks
-from tailserve.router.frontdoor_policy import ms as _ms
-from tailserve.router.frontdoor_policy import weight as _weight
+from tailserve.frontdoor.policy import address as _address
+from tailserve.frontdoor.policy import checks as _checks
+from tailserve.frontdoor.policy import ms as _ms
+from tailserve.frontdoor.policy import weight as _weight
+from tailserve.frontdoor.render_grpc import backends as grpc_backends
+from tailserve.frontdoor.render_grpc import render_grpc
+from tailserve.frontdoor.render_grpc import shared_backends as grpc_shared_backends
 
 __all__ = [
     "AFFINITY_HEADER",

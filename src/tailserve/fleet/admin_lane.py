@@ -4,7 +4,7 @@ Off the inference path (HAProxy routes only these paths to it), on the worker's 
 
 - ``GET /metrics``: one Prometheus page for the whole stack: every worker's series with a
   ``worker`` label, the front door's (HAProxy's exporter) with ``worker="frontdoor"``, the
-  hedging lane's (`router.metrics`) with ``worker="lane"``, and the supervisor's own
+  hedging lane's (`router.router_metrics`) with ``worker="lane"``, and the supervisor's own
   (`fleet.fleet_metrics`: restarts, states, the autoscaler, reloads);
 - ``GET /v2/fleet``: the workers (name, url, pid, state, restarts, cold start), the front
   door, and the autoscaler's last decision with its reason and inputs;
@@ -19,7 +19,8 @@ Off the inference path (HAProxy routes only these paths to it), on the worker's 
 
 The admin token, where one is set, is checked by each worker: the lane passes the request's
 ``Authorization`` header on. Where the stack listens beyond loopback with no token, the lane
-refuses the routes that change something (403), as a worker would (`tailserve.admin`).
+refuses the routes that change something (403), as a worker would
+(`tailserve.transport.admin_access`).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from tailserve.admin import CLOSED_MESSAGE, AdminAccess
 from tailserve.errors import UpstreamError
 from tailserve.fleet.dashboard_lane import Dashboard
 from tailserve.fleet.fleet_metrics import fleet_families
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import Headers, Reply
+from tailserve.transport.admin_access import CLOSED_MESSAGE, AdminAccess
 from tailserve.transport.http1 import Pool, frame_request
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import Headers, Reply
 
 _JSON: Headers = [(b"content-type", b"application/json")]
 FAN_OUT_TIMEOUT_S = 30.0
@@ -82,7 +83,7 @@ class Fleet(Protocol):
 
 
 class AdminLane:
-    """The `Application` the supervisor's HTTP server runs (protocols.http.server)."""
+    """The `Application` the supervisor's HTTP server runs (transport.server)."""
 
     def __init__(self, fleet: Fleet, access: AdminAccess = AdminAccess.OPEN) -> None:
         self.fleet = fleet

@@ -1,4 +1,4 @@
-"""The front door's policy and its members: what `router.frontdoor` and `router.frontdoor_grpc`
+"""The front door's policy and its members: what `frontdoor.render` and `frontdoor.render_grpc`
 render into HAProxy's config, with the small pieces of config text both write."""
 
 from __future__ import annotations
@@ -112,13 +112,13 @@ class Listen:
     # The hedging lane (`tailserve route` on loopback; 0: none), which the slow models take.
     lane_port: int = 0
     drain_timeout_s: float = 30.0
-    # Jobs live in each worker's memory, not in Redis (see `router.frontdoor`'s docstring).
+    # Jobs live in each worker's memory, not in Redis (see `frontdoor.render`'s docstring).
     jobs_in_process: bool = False
-    # The Lua script that ejects a worker failing gRPC calls (`router.frontdoor_grpc`; "":
+    # The Lua script that ejects a worker failing gRPC calls (`frontdoor.render_grpc`; "":
     # none, gRPC calls then eject no worker).
     grpc_ejection: str = ""
     # The Lua script that holds a request while no worker is up, within its deadline
-    # (`router.frontdoor`; "": none, such a request gets a 503 at once).
+    # (`frontdoor.render`; "": none, such a request gets a 503 at once).
     await_server: str = ""
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tailserve.errors import ConfigError, UpstreamError
-from tailserve.router.frontdoor_policy import down_state
+from tailserve.frontdoor.policy import down_state
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,14 @@ def find_binary(env: dict[str, str] | os._Environ[str] | None = None) -> str:
 
 def grpc_ejection_script() -> str:
     """The Lua script HAProxy loads to eject a worker failing gRPC calls (package data of
-    `tailserve.router`, beside `router.frontdoor_grpc`, which calls it)."""
-    return str(importlib.resources.files("tailserve.router") / "grpc_ejection.lua")
+    this package, beside `grpc_config`, which calls it)."""
+    return str(importlib.resources.files("tailserve.frontdoor") / "grpc_ejection.lua")
 
 
 def await_server_script() -> str:
     """The Lua script HAProxy loads to hold a request while no worker is up (package data of
-    `tailserve.router`, beside `router.frontdoor`, which calls it)."""
-    return str(importlib.resources.files("tailserve.router") / "await_server.lua")
+    this package, beside `config`, which calls it)."""
+    return str(importlib.resources.files("tailserve.frontdoor") / "await_server.lua")
 
 
 class HAProxy:

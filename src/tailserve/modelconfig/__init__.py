@@ -29,7 +29,7 @@ import msgspec
 import yaml
 
 from tailserve.errors import ConfigError, field_message
-from tailserve.pipelineconfig import PipelineConfig, check_pipeline
+from tailserve.modelconfig.pipeline import PipelineConfig, check_pipeline
 from tailserve.tensors import DATATYPES
 
 RuntimeName = Literal["onnx", "lightgbm", "sklearn", "python", "torch", "pipeline"]
@@ -237,7 +237,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     features: FeaturesConfig | None = None
     jobs: JobsConfig = JobsConfig()
     variants: Variants = Variants()
-    # runtime: pipeline: the steps it runs (pipelineconfig.py).
+    # runtime: pipeline: the steps it runs (modelconfig/pipeline.py).
     pipeline: PipelineConfig | None = None
     # Runtimes that execute code from the artifact on load (pickles) refuse unless trusted.
     trust: bool = False

@@ -22,6 +22,7 @@ class HttpRequest:
         "max_body_bytes",
         "memo_key",
         "method",
+        "options",
         "params",
         "path",
         "raw_body",
@@ -64,6 +65,8 @@ class HttpRequest:
         # Set by the application once it has matched the route.
         self.params: dict[str, str] = {}
         self.route: Any = None
+        # What the application read of its headers, once (an inference's options).
+        self.options: Any = None
         # Its identity in the reply memo, where the application looked it up there.
         self.memo_key: bytes | None = None
         # The client hung up before its reply: the work for it was cancelled.

@@ -1,4 +1,4 @@
--- tailserve's front door: a request that finds no worker up waits for one (router/frontdoor.py).
+-- tailserve's front door: a request that finds no worker up waits for one (frontdoor/config.py).
 --
 -- HAProxy answers 503 at once when a backend has no server up, as while the only worker
 -- restarts or before any is ready. This action holds such a request, checking every 10 ms,

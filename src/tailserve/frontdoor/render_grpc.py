@@ -5,7 +5,7 @@ HAProxy reads no protobuf, but a unary call's model is at a fixed place in its o
 ``ModelReady``, ``ModelMetadata``, ``ModelConfig`` and ``ModelStatistics`` requests), which
 protobuf writers put first: its tag (``0x0A``), its length, the name. The frontend waits for
 that prefix of the body (not for the whole: a large tensor is forwarded as it arrives) and
-compares it with each model's bytes. The mapping, as over HTTP (`router.frontdoor`):
+compares it with each model's bytes. The mapping, as over HTTP (`frontdoor.render`):
 
 - one backend a model (``g.<model>``), each worker's gRPC port checked with the model's own
   readiness route on its HTTP port; the model's balancing policy (affinity: the
@@ -35,7 +35,7 @@ to the worker's gRPC port over HTTP/2: HTTP/1.1 does not carry a stream both way
 
 from __future__ import annotations
 
-from tailserve.router.frontdoor_policy import (
+from tailserve.frontdoor.policy import (
     AFFINITY_HEADER,
     BALANCE,
     ERRORS,

@@ -36,7 +36,6 @@ from typing import Any, Protocol, cast
 import httptools
 import orjson
 
-from tailserve.protocols.http.request import HttpRequest
 from tailserve.transport.inbound import (
     CONTINUE,
     MAX_HEAD_BYTES,
@@ -46,6 +45,7 @@ from tailserve.transport.inbound import (
     head_of,
     too_long,
 )
+from tailserve.transport.request import HttpRequest
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("tailserve.access")

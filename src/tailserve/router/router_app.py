@@ -1,4 +1,4 @@
-"""The router as an `Application` of the one HTTP server (protocols/http/server.py).
+"""The router as an `Application` of the one HTTP server (transport/server.py).
 
 A request comes read whole. The router answers itself, at once, ``/v2/health/live``,
 ``/v2/health/ready`` (ready while any backend is in service and the router is not draining),
@@ -26,15 +26,15 @@ from urllib.parse import unquote
 import orjson
 
 from tailserve.observability.tracing import Tracing
-from tailserve.protocols.http.request import HttpRequest
-from tailserve.protocols.http.server import Headers, Reply
 from tailserve.router.attempt_spans import TraceParent
 from tailserve.router.dispatch import Dispatcher
 from tailserve.router.keys import body_key, cost_class
 from tailserve.router.messages import Framer, Outcome
-from tailserve.router.metrics import CONTENT_TYPE
 from tailserve.router.route_spans import FRONTDOOR_HEADER, end_route, start_route
+from tailserve.router.router_metrics import CONTENT_TYPE
 from tailserve.router.upstreams import ANY
+from tailserve.transport.request import HttpRequest
+from tailserve.transport.server import Headers, Reply
 
 # Not forwarded either way: they describe one connection, not the request (RFC 9110 7.6.1),
 # or the router sets them itself.
