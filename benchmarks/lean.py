@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import yaml
 
 import _h2load
@@ -240,7 +241,15 @@ def computed_repository(examples: Path, into: Path, models: list[str]) -> Path:
 
 
 def bench_cpu(
-    model: str, protocol: str, url: str, grpc: str, pid: int, rate: float, seconds: float, out: Path
+    model: str,
+    protocol: str,
+    url: str,
+    grpc: str,
+    pid: int,
+    rate: float,
+    seconds: float,
+    out: Path,
+    generator: Tree,
 ) -> float:
     """The worker's CPU a request (µs) over a `tailserve bench` run at ``rate``."""
     wire = PROTOCOLS[protocol]
@@ -256,9 +265,15 @@ def bench_cpu(
         duration_s=seconds,
         warmup_s=2.0,
     )
+    result_path = out / f"{model}-{protocol}.json"
+    command = [sys.executable, "-m", "tailserve.cli", "bench", str(spec), "--quiet"]
     before = h.cpu_seconds(pid)
-    result = h.bench(spec, out / f"{model}-{protocol}.json", echo=False)
+    # (The generator from the first tree's source, whatever the checkout holds meanwhile.)
+    subprocess.run(
+        [*command, "--out", str(result_path)], env=generator.env(), check=True, **h.QUIET
+    )
     used = h.cpu_seconds(pid) - before
+    result = orjson.loads(result_path.read_bytes())
     sent = result["overall"]["count"] + rate * 2.0  # the warm-up's requests too
     return used / max(1.0, sent) * 1e6
 
@@ -278,7 +293,15 @@ def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace)
                 for tree in order:
                     with worker(single, tree) as (url, pid, grpc):
                         used = bench_cpu(
-                            model, protocol, url, grpc, pid, args.rates[model], args.cpu_s, work
+                            model,
+                            protocol,
+                            url,
+                            grpc,
+                            pid,
+                            args.rates[model],
+                            args.cpu_s,
+                            work,
+                            trees[0],
                         )
                     figures.setdefault((model, protocol, tree.name), []).append(used)
                 line = " ".join(
