@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from support import fuzzing, servers
-from support.examples import ExamplesRun
+from support.examples import ExamplesRun, examples_once
 from support.servers import OwnRedisServer, RedisServer, RunningRedisCluster, redis_server
 
 # Tests whose outcome rests on time: deadlines and SLOs met or missed, capacity searches,
@@ -84,13 +83,14 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def examples_command(tmp_path_factory: pytest.TempPathFactory) -> ExamplesRun:
-    """`tailserve examples DIR` run once per test session: the example repository, trained
-    from synthetic data, and what the command said."""
-    directory = tmp_path_factory.mktemp("examples") / "repo"
-    command = [sys.executable, "-m", "tailserve.cli", "examples", str(directory)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    return ExamplesRun(directory, done)
+def examples_command(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> ExamplesRun:
+    """`tailserve examples DIR`: the example repository, trained from synthetic data, and what
+    the command said; trained once for this source (support/examples.py), a copy a session."""
+    cache = getattr(pytestconfig, "cache", None)  # (None under -p no:cacheprovider)
+    built = cache.mkdir("examples") if cache is not None else tmp_path_factory.mktemp("build")
+    return examples_once(built, tmp_path_factory.mktemp("examples") / "repo")
 
 
 @pytest.fixture(scope="session")
