@@ -15,7 +15,7 @@ ADMIN_TOKEN ?=
 # then not served, it reads its inputs from the store)
 REDIS_URL ?=
 
-.PHONY: run test setup setup-dev browser lint bench chaos clean
+.PHONY: run test setup setup-dev browser lint bench chaos compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ bench: setup-dev
 # door fail; the table goes to var/chaos.
 chaos: setup-dev
 	$(BIN)/python benchmarks/chaos.py --out var/chaos
+
+# tailserve beside LitServe and FastAPI + uvicorn on the same model (benchmarks/peers.py; needs
+# wrk2, and installs each peer into its own environment under ~/.cache/tailserve-peers).
+compare: setup-dev
+	$(BIN)/python benchmarks/peers.py --quick
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -320,12 +320,15 @@ def slo_capacity(
     url: str, seconds: float, slo_ms: float, start_rps: float = 3000.0, **workload: str
 ) -> float:
     """The highest rate whose p99 stays within ``slo_ms`` with no errors (churn, or
-    ``workload``'s `run` arguments; 64 connections), searched run by run; each run printed."""
+    ``workload``'s `run` arguments; 64 connections, fewer below 256 req/s: at least four
+    requests a second on each, wrk2's pacing being coarse below that), searched run by run;
+    each run printed."""
     from tailserve.loadgen.capacity import CapacitySearch, Step
 
     search = CapacitySearch(slo_ms, start_rps=start_rps, precision=0.1)
     while (rate := search.next_rate()) is not None:
-        found = run(url, rate, seconds, connections=64, **workload)
+        connections = max(2, min(64, int(rate // 4)))
+        found = run(url, rate, seconds, connections=connections, **workload)
         achieved = found.answered / found.seconds if found.seconds else 0.0
         print(f"  {rate:8.0f} req/s: p99 {found.quantile(0.99):8.2f} ms, errors {found.errors}")
         search.record(Step(rate, achieved, found.quantile(0.99), found.errors))

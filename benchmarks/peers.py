@@ -1,0 +1,472 @@
+"""tailserve side by side with what users would pick instead, on the same model and load.
+
+Every target serves the churn pipeline of `tailserve examples --sklearn` (scaled numbers,
+one-hot categories, a small MLP; `model.joblib`), each in its framework's own way, and is sent
+the same unique churn rows (OIP v2 JSON bodies) by the same open-loop C generator, wrk2:
+
+- tailserve: one worker (`tailserve serve`), the pipeline by its sklearn runtime
+  (`churn_sklearn`) and the same pipeline exported to ONNX (`churn`), batching on;
+- LitServe (pinned below): a `LitAPI` over the pipeline, with LitServe's batching (16 rows, 2
+  ms) and without;
+- FastAPI + uvicorn: the baseline most teams write first, each request scored alone.
+
+Each peer is installed into a virtual environment of its own under ``--cache`` (default
+``~/.cache/tailserve-peers``) on first use, its versions pinned, scikit-learn, numpy and
+joblib at this environment's versions (a pickle wants the version that wrote it). A peer that
+will not install is reported and left out.
+
+Per target, in one run: cold start (process start to its first answer) and resident memory
+(the process and its children); SLO capacity (wrk2, p99 <= 50 ms, no error, 64 connections);
+p50 / p99 / p99.9 and the CPU a request at ``--rate`` (20 req/s: a load every target
+carries); unless ``--quick``, goodput (200s within the SLO a second) at 2x and 3x its own
+capacity over 1,000 connections, and the errors of the 5 s at half its capacity after each.
+
+    python benchmarks/peers.py [--quick] [--only tailserve,litserve,fastapi] [--cache DIR]
+        [--step-s 5] [--rate 20] [--out DIR]
+
+`make compare` runs it with --quick. Writes DIR/peers.json and DIR/peers.png, and prints the
+table (README.md, "Compared"). Check with `ps` that nothing else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import _wrk2
+
+SLO_MS = 50.0
+FIELDS = (
+    "tenure_months",
+    "monthly_spend",
+    "support_tickets",
+    "feature_usage_pct",
+    "last_login_days_ago",
+    "num_integrations",
+    "contract_type",
+    "plan_tier",
+    "is_enterprise",
+)
+# What a peer's handler does with an OIP v2 body: one row, in FIELDS order.
+_ROW = f"""
+FIELDS = {FIELDS!r}
+
+
+def row_of(body):
+    values = {{tensor["name"]: tensor["data"][0] for tensor in body["inputs"]}}
+    return [values[name] for name in FIELDS]
+
+
+def answer(probability):
+    return {{"outputs": [{{"name": "churn_probability", "datatype": "FP32", "shape": [1, 1],
+                          "data": [float(probability)]}}]}}
+"""
+
+FASTAPI_APP = (
+    """
+import os
+
+import joblib
+import numpy as np
+from fastapi import FastAPI, Request
+"""
+    + _ROW
+    + """
+model = joblib.load(os.environ["MODEL"])
+app = FastAPI()
+
+
+@app.post("/v2/models/churn/infer")
+async def infer(request: Request):
+    row = row_of(await request.json())
+    return answer(model.predict_proba(np.array([row], dtype=object))[0, 1])
+"""
+)
+
+LITSERVE_APP = (
+    """
+import os
+import sys
+
+import joblib
+import litserve as ls
+import numpy as np
+"""
+    + _ROW
+    + """
+
+class ChurnAPI(ls.LitAPI):
+    def setup(self, device):
+        self.model = joblib.load(os.environ["MODEL"])
+
+    def decode_request(self, request):
+        return row_of(request)
+
+    def batch(self, rows):
+        return np.array(rows, dtype=object)
+
+    def predict(self, rows):
+        if not isinstance(rows, np.ndarray):  # unbatched: one row
+            rows = np.array([rows], dtype=object)
+            return self.model.predict_proba(rows)[0, 1]
+        return self.model.predict_proba(rows)[:, 1]
+
+    def unbatch(self, output):
+        return list(output)
+
+    def encode_response(self, output):
+        return answer(output)
+
+
+if __name__ == "__main__":
+    batch = int(sys.argv[2])
+    api = ChurnAPI(max_batch_size=batch, batch_timeout=0.002 if batch > 1 else 0.0)
+    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(port=int(sys.argv[1]))
+"""
+)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A framework installed in a virtual environment of its own."""
+
+    name: str
+    packages: tuple[str, ...]
+    files: dict[str, str]
+
+    def python(self, cache: Path) -> Path:
+        return cache / f"venv-{self.name}" / "bin" / "python"
+
+
+PEERS = {
+    "fastapi": Peer("fastapi", ("fastapi==0.115.12", "uvicorn==0.34.0"), {"app.py": FASTAPI_APP}),
+    "litserve": Peer("litserve", ("litserve==0.2.19",), {"app.py": LITSERVE_APP}),
+}
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # where wrk2 sends (the inference path is the script's)
+    path: str
+    start: Callable[[int], list[str]]  # the command for a port
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+def install(peer: Peer, cache: Path) -> str | None:
+    """``peer``'s environment, made on first use; why not, if it cannot be."""
+    python = peer.python(cache)
+    if python.exists():
+        return None
+    venv = python.parent.parent
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in _PINNED]
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, **h.QUIET)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", *peer.packages, *pins],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(venv, ignore_errors=True)
+        return f"pip failed: {(exc.stderr or '').strip().splitlines()[-1:]}"
+    return None
+
+
+_PINNED = ("scikit-learn", "numpy", "joblib")
+
+
+def targets(args: argparse.Namespace, repository: Path) -> list[Target]:
+    model = repository / "churn_sklearn" / "1" / "model.joblib"
+    found: list[Target] = []
+    wanted = set(args.only.split(","))
+    if "tailserve" in wanted:
+        for name in ("churn_sklearn", "churn"):
+            alone = args.cache / f"only-{name}"  # the one model, as each peer serves it
+            if not alone.exists():
+                shutil.copytree(repository / name, alone / name)
+            found.append(
+                Target(
+                    f"tailserve ({'sklearn' if name == 'churn_sklearn' else 'ONNX'})",
+                    "",
+                    f"/v2/models/{name}/infer",
+                    lambda port, folder=alone: h.worker(folder, port, "--grpc-port", "0"),
+                )
+            )
+    for peer in (PEERS[p] for p in ("litserve", "fastapi") if p in wanted):
+        why = install(peer, args.cache)
+        if why is not None:
+            print(f"  {peer.name}: not installed ({why}); left out")
+            continue
+        folder = args.cache / f"app-{peer.name}"
+        folder.mkdir(exist_ok=True)
+        for filename, text in peer.files.items():
+            (folder / filename).write_text(text)
+        python = str(peer.python(args.cache))
+        env = {"MODEL": str(model)}
+        if peer.name == "fastapi":
+            found.append(
+                Target(
+                    "FastAPI + uvicorn",
+                    "",
+                    "/v2/models/churn/infer",
+                    lambda port, py=python: [
+                        py,
+                        "-m",
+                        "uvicorn",
+                        "app:app",
+                        "--port",
+                        str(port),
+                        "--log-level",
+                        "warning",
+                    ],
+                    env,
+                    folder,
+                )
+            )
+        else:
+            for batch in (16, 1):
+                found.append(
+                    Target(
+                        f"LitServe, {'batching 16 rows, 2 ms' if batch > 1 else 'no batching'}",
+                        "",
+                        "/predict",
+                        lambda port, py=python, b=batch: [py, "app.py", str(port), str(b)],
+                        env,
+                        folder,
+                    )
+                )
+    return found
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+def body() -> bytes:
+    row = {
+        "tenure_months": ("INT64", 12),
+        "monthly_spend": ("FP32", 80.5),
+        "support_tickets": ("INT64", 2),
+        "feature_usage_pct": ("FP32", 0.4),
+        "last_login_days_ago": ("INT64", 3),
+        "num_integrations": ("INT64", 5),
+        "contract_type": ("BYTES", "annual"),
+        "plan_tier": ("BYTES", "growth"),
+        "is_enterprise": ("INT64", 0),
+    }
+    inputs = [{"name": n, "datatype": d, "shape": [1, 1], "data": [v]} for n, (d, v) in row.items()]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def answered(url: str) -> bool:
+    request = urllib.request.Request(
+        url, data=body(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def running(target: Target) -> Iterator[tuple[int, float]]:
+    """The target started; yields its pid and its cold start (seconds to a first answer)."""
+    port = h.free_port()
+    target.url = f"http://127.0.0.1:{port}"
+    began = time.monotonic()
+    process = subprocess.Popen(
+        target.start(port),
+        cwd=target.cwd,
+        env={**os.environ, **target.env},
+        start_new_session=True,
+        **h.QUIET,
+    )
+    try:
+        while not answered(target.url + target.path):
+            if process.poll() is not None:
+                raise RuntimeError(f"{target.name} exited with {process.returncode}")
+            if time.monotonic() - began > 300:
+                raise RuntimeError(f"{target.name} did not answer in 300 s")
+            time.sleep(0.05)
+        yield process.pid, time.monotonic() - began
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def family(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        found.append(pid)
+        queue += children.get(pid, [])
+    return found
+
+
+def resident(root: int) -> int:
+    total = 0
+    for pid in family(root):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf(
+                "SC_PAGE_SIZE"
+            )
+    return total
+
+
+def cpu(root: int) -> float:
+    total = 0.0
+    for pid in family(root):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += h.cpu_seconds(pid)
+    return total
+
+
+def script(path: str) -> str:
+    return _wrk2.SCRIPT.replace('local path = "/v2/models/churn/infer"', f'local path = "{path}"')
+
+
+def measure(target: Target, args: argparse.Namespace) -> None:
+    lua = script(target.path)
+    with running(target) as (pid, cold_s):
+        time.sleep(1.0)
+        target.results.update(cold_start_s=cold_s, resident_bytes=resident(pid))
+        before = cpu(pid)
+        light = _wrk2.run(target.url, args.rate, args.step_s * 2, connections=8, script=lua)
+        used = cpu(pid) - before
+        target.results.update(
+            p50_ms=light.quantile(0.5),
+            p99_ms=light.quantile(0.99),
+            p999_ms=light.quantile(0.999),
+            light_errors=light.errors,
+            cpu_us=used / max(1, light.total) * 1e6,
+        )
+        print(f"  {target.name}: capacity search")
+        capacity = _wrk2.slo_capacity(target.url, args.step_s, SLO_MS, start_rps=200, script=lua)
+        target.results["capacity_rps"] = capacity
+        if args.quick or not capacity:
+            return
+        for factor in (2.0, 3.0):
+            over = _wrk2.run(
+                target.url, capacity * factor, args.step_s, connections=1000, script=lua
+            )
+            after = _wrk2.run(target.url, capacity / 2, 5, connections=64, script=lua)
+            target.results[f"goodput_{factor:g}x"] = over.goodput(SLO_MS) / capacity
+            target.results[f"after_{factor:g}x_errors"] = after.errors
+
+
+def table(found: list[Target], quick: bool) -> str:
+    columns = [
+        ("SLO capacity, req/s", "capacity_rps", "{:,.0f}"),
+        ("p50 / p99 / p99.9 ms", None, ""),
+        ("CPU a request", "cpu_us", "{:,.0f} µs"),
+        ("resident", "resident_bytes", ""),
+        ("cold start", "cold_start_s", "{:.1f} s"),
+    ]
+    if not quick:
+        columns += [
+            ("goodput at 2x / 3x (over its capacity)", None, ""),
+            ("errors 5 s after", None, ""),
+        ]
+    lines = ["| target | " + " | ".join(c[0] for c in columns) + " |"]
+    lines.append("| --- |" + " ---: |" * len(columns))
+    for target in found:
+        r = target.results
+        if "capacity_rps" not in r:
+            lines.append(f"| {target.name} | " + " | ".join("-" for _ in columns) + " |")
+            continue
+        cells = []
+        for title, key, form in columns:
+            if title.startswith("p50"):
+                cells.append(f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} / {r['p999_ms']:.1f}")
+            elif key == "resident_bytes":
+                cells.append(f"{r[key] / 2**20:,.0f} MiB")
+            elif title.startswith("goodput"):
+                cells.append(f"{r.get('goodput_2x', 0):.2f} / {r.get('goodput_3x', 0):.2f}")
+            elif title.startswith("errors"):
+                cells.append(f"{r.get('after_2x_errors', 0)} / {r.get('after_3x_errors', 0)}")
+            elif key is not None:
+                cells.append(form.format(r[key]))
+        lines.append(f"| {target.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(found: list[Target], path: Path) -> None:
+    pyplot = h.pyplot()
+    if pyplot is None:
+        return
+    names = [t.name for t in found if "capacity_rps" in t.results]
+    values = [
+        found_target.results["capacity_rps"] for found_target in found if found_target.name in names
+    ]
+    figure, axes = pyplot.subplots(figsize=(8, 0.6 * len(names) + 1.2))
+    axes.barh(names[::-1], values[::-1], color="#4477aa")
+    axes.set_xlabel(f"SLO capacity, req/s (p99 <= {SLO_MS:.0f} ms, no error; wrk2)")
+    axes.set_title("The churn pipeline on 2 cores, one process each")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="no overload runs")
+    parser.add_argument("--only", default="tailserve,litserve,fastapi")
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tailserve-peers")
+    parser.add_argument("--step-s", type=float, default=5.0)
+    parser.add_argument("--rate", type=float, default=20.0, help="req/s of the light load")
+    parser.add_argument("--out", type=Path, default=h.HERE / "results" / "peers")
+    args = parser.parse_args()
+    if not os.environ.get("WRK2") and Path("/work/tools/wrk2").is_file():
+        os.environ["WRK2"] = "/work/tools/wrk2"
+    _wrk2.binary()  # (says how to get it, if it is missing)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    repository = args.cache / "examples"
+    if not (repository / "churn_sklearn" / "model.yaml").exists():
+        shutil.rmtree(repository, ignore_errors=True)
+        h.examples(repository, "--sklearn")
+    found = targets(args, repository)
+    for target in found:
+        print(f"{target.name}:")
+        try:
+            measure(target, args)
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            print(f"  failed: {exc}")
+    document = {t.name: t.results for t in found}
+    (args.out / "peers.json").write_text(json.dumps(document, indent=2))
+    plot(found, args.out / "peers.png")
+    print()
+    print(table(found, args.quick))
+
+
+if __name__ == "__main__":
+    main()
