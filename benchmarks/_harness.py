@@ -79,6 +79,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (Linux: /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        found.append(pid)
+        queue += children.get(pid, [])
+    return found
+
+
 def worker(repository: Path, port: int, *flags: str) -> list[str]:
     return [
         sys.executable,

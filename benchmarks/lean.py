@@ -133,24 +133,6 @@ def resident(pid: int) -> int:
         return 0
 
 
-def tree_of(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        found.append(pid)
-        queue += parents.get(pid, [])
-    return found
-
-
 def metric(url: str, name: str) -> dict[str, float]:
     """A gauge's samples by their model label."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
@@ -197,7 +179,7 @@ def memory(trees: list[Tree], examples: Path, work: Path) -> None:
                 real[model] = whole - resident(pid)
         with stack(examples, tree) as (url, root, _):
             time.sleep(2.0)
-            total = sum(resident(pid) for pid in tree_of(root))
+            total = sum(resident(pid) for pid in h.process_tree(root))
         rows.append((tree, whole, claimed, real, total))
         print(f"  {tree.name}: worker {mib(whole)}, up --workers 2 {mib(total)}")
     print("\n| | " + " | ".join(t.name for t, *_ in rows) + " |")
@@ -378,7 +360,7 @@ def stack_section(trees: list[Tree], examples: Path, work: Path, step_s: float) 
 
 
 def haproxy_pid(root: int) -> int | None:
-    for pid in tree_of(root):
+    for pid in h.process_tree(root):
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == "haproxy":
                 children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()

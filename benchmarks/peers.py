@@ -318,24 +318,9 @@ def running(target: Target) -> Iterator[tuple[int, float]]:
             process.wait()
 
 
-def family(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        found.append(pid)
-        queue += children.get(pid, [])
-    return found
-
-
 def resident(root: int) -> int:
     total = 0
-    for pid in family(root):
+    for pid in h.process_tree(root):
         with contextlib.suppress(OSError, IndexError, ValueError):
             total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf(
                 "SC_PAGE_SIZE"
@@ -345,7 +330,7 @@ def resident(root: int) -> int:
 
 def cpu(root: int) -> float:
     total = 0.0
-    for pid in family(root):
+    for pid in h.process_tree(root):
         with contextlib.suppress(OSError, IndexError, ValueError):
             total += h.cpu_seconds(pid)
     return total
