@@ -8,6 +8,8 @@ the same unique churn rows (OIP v2 JSON bodies) by the same open-loop C generato
   (`churn_sklearn`) and the same pipeline exported to ONNX (`churn`), batching on;
 - LitServe (pinned below): a `LitAPI` over the pipeline, with LitServe's batching (16 rows, 2
   ms) and without;
+- MLServer (pinned below): a custom `MLModel` over the pipeline (the V2 protocol is its own),
+  with its adaptive batching (16 rows, 2 ms) and without;
 - FastAPI + uvicorn: the baseline most teams write first, each request scored alone.
 
 Each peer is installed into a virtual environment of its own under ``--cache`` (default
@@ -21,7 +23,8 @@ p50 / p99 / p99.9 and the CPU a request at ``--rate`` (20 req/s: a load every ta
 carries); unless ``--quick``, goodput (200s within the SLO a second) at 2x and 3x its own
 capacity over 1,000 connections, and the errors of the 5 s at half its capacity after each.
 
-    python benchmarks/peers.py [--quick] [--only tailserve,litserve,fastapi] [--cache DIR]
+    python benchmarks/peers.py [--quick] [--only tailserve,litserve,mlserver,fastapi]
+        [--cache DIR]
         [--step-s 5] [--rate 20] [--out DIR]
 
 `make compare` runs it with --quick. Writes DIR/peers.json and DIR/peers.png, and prints the
@@ -140,6 +143,41 @@ if __name__ == "__main__":
 )
 
 
+MLSERVER_APP = (
+    """
+import os
+
+import joblib
+import numpy as np
+from mlserver import MLModel
+from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
+"""
+    + _ROW
+    + """
+
+class ChurnModel(MLModel):
+    async def load(self):
+        self.model = joblib.load(os.environ["MODEL"])
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        columns = {}
+        for tensor in payload.inputs:
+            data = getattr(tensor.data, "root", tensor.data)
+            columns[tensor.name] = [v.decode() if isinstance(v, bytes) else v for v in data]
+        rows = len(columns[FIELDS[0]])
+        features = np.empty((rows, len(FIELDS)), dtype=object)
+        for i, name in enumerate(FIELDS):
+            features[:, i] = columns[name]
+        scores = self.model.predict_proba(features)[:, 1]
+        output = ResponseOutput(
+            name="churn_probability", shape=[rows, 1], datatype="FP32", data=scores.tolist()
+        )
+        return InferenceResponse(model_name=self.name, outputs=[output])
+"""
+)
+
+
 @dataclass(frozen=True)
 class Peer:
     """A framework installed in a virtual environment of its own."""
@@ -155,6 +193,8 @@ class Peer:
 PEERS = {
     "fastapi": Peer("fastapi", ("fastapi==0.115.12", "uvicorn==0.34.0"), {"app.py": FASTAPI_APP}),
     "litserve": Peer("litserve", ("litserve==0.2.19",), {"app.py": LITSERVE_APP}),
+    # (uvloop 0.21 raises where MLServer 1.7.1's inference workers ask for an event loop)
+    "mlserver": Peer("mlserver", ("mlserver==1.7.1", "uvloop==0.19.0"), {"app.py": MLSERVER_APP}),
 }
 
 
@@ -210,7 +250,7 @@ def targets(args: argparse.Namespace, repository: Path) -> list[Target]:
                     lambda port, folder=alone: h.worker(folder, port, "--grpc-port", "0"),
                 )
             )
-    for peer in (PEERS[p] for p in ("litserve", "fastapi") if p in wanted):
+    for peer in (PEERS[p] for p in ("litserve", "mlserver", "fastapi") if p in wanted):
         why = install(peer, args.cache)
         if why is not None:
             print(f"  {peer.name}: not installed ({why}); left out")
@@ -241,6 +281,19 @@ def targets(args: argparse.Namespace, repository: Path) -> list[Target]:
                     folder,
                 )
             )
+        elif peer.name == "mlserver":
+            for batch in (16, 1):
+                found.append(
+                    Target(
+                        "MLServer, "
+                        + ("adaptive batching 16 rows, 2 ms" if batch > 1 else "no batching"),
+                        "",
+                        "/v2/models/churn/infer",
+                        lambda port, py=python, b=batch, f=folder: mlserver_command(py, port, b, f),
+                        env,
+                        folder,
+                    )
+                )
         else:
             for batch in (16, 1):
                 found.append(
@@ -254,6 +307,21 @@ def targets(args: argparse.Namespace, repository: Path) -> list[Target]:
                     )
                 )
     return found
+
+
+def mlserver_command(python: str, port: int, batch: int, folder: Path) -> list[str]:
+    """`mlserver start` on a folder of its settings: ``port`` for HTTP, free ones for gRPC and
+    metrics, the model with adaptive batching up to ``batch`` rows (1: none)."""
+    home = folder / f"serve-{batch}"
+    home.mkdir(exist_ok=True)
+    shutil.copy(folder / "app.py", home / "app.py")
+    settings = {"http_port": port, "grpc_port": h.free_port(), "metrics_port": h.free_port()}
+    (home / "settings.json").write_text(json.dumps(settings))
+    model = {"name": "churn", "implementation": "app.ChurnModel"}
+    if batch > 1:
+        model.update(max_batch_size=batch, max_batch_time=0.002)
+    (home / "model-settings.json").write_text(json.dumps(model))
+    return [str(Path(python).parent / "mlserver"), "start", str(home)]
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -424,7 +492,7 @@ def plot(found: list[Target], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no overload runs")
-    parser.add_argument("--only", default="tailserve,litserve,fastapi")
+    parser.add_argument("--only", default="tailserve,litserve,mlserver,fastapi")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tailserve-peers")
     parser.add_argument("--step-s", type=float, default=5.0)
     parser.add_argument("--rate", type=float, default=20.0, help="req/s of the light load")
