@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,35 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used, all its threads (Linux: /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_group(process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM to a process started in a session of its own and everything in it; SIGKILL
+    after ``timeout``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def models_alone(examples: Path, into: Path, models: Sequence[str]) -> Path:
+    """The models copied from ``examples`` into ``into`` (kept if there already), their result
+    caches off and their variants gone: every request computed by the whole model."""
+    for name in models:
+        target = into / name
+        if target.exists():
+            continue
+        shutil.copytree(examples / name, target)
+        path = target / "model.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["cache"] = {}
+        config.pop("variants", None)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return into
 
 
 def process_tree(root: int) -> list[int]:

@@ -123,19 +123,6 @@ def _serving(url: str, workers: int, timeout: float = 180.0) -> Any:
     raise RuntimeError(f"the stack at {url} did not get {workers} workers serving")
 
 
-def repository(examples: Path, into: Path, models: list[str]) -> Path:
-    """The models alone, their result caches off and their variants gone."""
-    for name in models:
-        target = into / name
-        shutil.copytree(examples / name, target)
-        path = target / "model.yaml"
-        config = yaml.safe_load(path.read_text())
-        config["cache"] = {}
-        config.pop("variants", None)
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return into
-
-
 @dataclass
 class Runner:
     """Writes each run's workload and runs `tailserve bench` on it."""
@@ -338,7 +325,7 @@ def main() -> None:
     h2load: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        repo = repository(h.examples(work / "examples"), work / "repo", models)
+        repo = h.models_alone(h.examples(work / "examples"), work / "repo", models)
         runner = Runner(args, repo, args.out)
         for via in args.via.split(","):
             opened = lone_worker(repo) if via == "worker" else stack(repo, args.workers)

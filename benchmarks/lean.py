@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import yaml
 
 import _h2load
 import _harness as h
@@ -85,14 +83,7 @@ def started(command: list[str], url: str, tree: Tree) -> Iterator[subprocess.Pop
         h.wait_ready(url, process)
         yield process
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        h.stop_group(process)
 
 
 @contextlib.contextmanager
@@ -207,21 +198,6 @@ def idle(trees: list[Tree], examples: Path, seconds: float) -> None:
     print("| idle worker's CPU | " + " | ".join(cells) + " |")
 
 
-def computed_repository(examples: Path, into: Path, models: list[str]) -> Path:
-    """The models alone, their result caches off and their variants gone."""
-    for name in models:
-        target = into / name
-        if target.exists():
-            continue
-        shutil.copytree(examples / name, target)
-        path = target / "model.yaml"
-        config = yaml.safe_load(path.read_text())
-        config["cache"] = {}
-        config.pop("variants", None)
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return into
-
-
 def bench_cpu(
     model: str,
     protocol: str,
@@ -262,7 +238,7 @@ def bench_cpu(
 
 def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace) -> None:
     print("\n## cpu: the worker's CPU a request at about half its capacity, µs")
-    repository = computed_repository(examples, work / "computed", ["churn", "sentiment"])
+    repository = h.models_alone(examples, work / "computed", ["churn", "sentiment"])
     figures: dict[tuple[str, str, str], list[float]] = {}
     for round_no in range(args.rounds):
         order = trees if round_no % 2 == 0 else trees[::-1]
@@ -405,7 +381,7 @@ def main() -> None:
         examples = work / "examples"
         if not (examples / "churn" / "model.yaml").exists():
             h.examples(examples)
-        computed_repository(examples, work / "computed", ["churn", "sentiment"])
+        h.models_alone(examples, work / "computed", ["churn", "sentiment"])
         sections: dict[str, Callable[[], None]] = {
             "memory": lambda: memory(trees, examples, work),
             "idle": lambda: idle(trees, examples, args.idle_s),

@@ -39,7 +39,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -376,14 +375,7 @@ def running(target: Target) -> Iterator[tuple[int, float]]:
             time.sleep(0.05)
         yield process.pid, time.monotonic() - began
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        h.stop_group(process, timeout=30)
 
 
 def resident(root: int) -> int:
