@@ -85,10 +85,11 @@ def test_one_metrics_page_holds_the_stack_and_agrees_with_what_happened(
     shutil.copytree(example_repository / "churn", repository / "churn")
     options = ("--workers", "2", "--hedge-model", "churn", "--drain-timeout", "2")
     with tailserve_up(repository, tmp_path, *options) as up:
-        # (`up` says its workers are ready; the hedging lane may come a moment later.)
+        # (`up` says its workers are ready; the hedging lane may come a moment later, and
+        # HAProxy sends churn to it once its own check of the lane has passed.)
         wait_for(
-            lambda: httpx.get(f"{up.url}/v2/fleet").json()["front_door"]["lane"]["ready"],
-            what="the hedging lane to be ready",
+            lambda: total(scrape(up.url), "haproxy_backend_active_servers", proxy="lane") > 0,
+            what="the front door to route to the hedging lane",
         )
         sent, per_row_bound = 0, 0.0
         with httpx.Client(base_url=up.url, timeout=10) as client:
