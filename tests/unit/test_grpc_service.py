@@ -3,13 +3,15 @@ back, and a call's deadline into the request."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tailserve.engine.kept_refusals import KeptRefusals
 from tailserve.engine.messages import InferRequest, InferResponse
-from tailserve.errors import InvalidInput
+from tailserve.errors import DeadlineUnmeetable, InvalidInput
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import _guarded
 from tailserve.protocols.grpc.service import InferenceService, decode_request, encode_response
@@ -101,6 +103,7 @@ class Plane:
         self.seen: list[InferRequest] = []
         self.sheds: list[float | None] = []
         self.screened: list[bool] = []
+        self.refusals = KeptRefusals(self.shed, lambda name, version: None)
 
     def knows(self, model: str) -> bool:
         return True
@@ -151,6 +154,26 @@ async def test_a_call_is_shed_before_it_is_decoded(
     service = InferenceService(plane)  # type: ignore[arg-type]
     await service.model_infer(message, Context(remaining))  # type: ignore[arg-type]
     assert plane.sheds == sheds and plane.screened == [bool(sheds)]
+
+
+async def test_a_refusal_of_a_moment_ago_answers_the_like_calls_after_it() -> None:
+    # As over HTTP: the data plane keeps a refusal of an overloaded model for the calls of the
+    # same kind that come with less time left; the model is not asked again.
+    plane = Plane()
+    refusal = DeadlineUnmeetable(
+        "too busy", deadline=time.monotonic() + 0.25, least_budget_s=0.3, reusable_until=1e12
+    )
+
+    def shed(name: str, version: str | None, **_: float | None) -> None:
+        plane.sheds.append(None)
+        raise refusal
+
+    plane.refusals = KeptRefusals(shed, lambda name, version: None)
+    service = InferenceService(plane)  # type: ignore[arg-type]
+    for _ in range(3):
+        with pytest.raises(DeadlineUnmeetable, match="too busy"):
+            await service.model_infer(request_with_parameters(), Context(0.25))  # type: ignore[arg-type]
+    assert len(plane.sheds) == 1 and plane.seen == []
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])

@@ -19,6 +19,7 @@ from tailserve.cache import ModelView, ResultCache, keys
 from tailserve.cache.entry import Outputs
 from tailserve.engine.accounts import BatchStats
 from tailserve.engine.cost import LinearCost
+from tailserve.engine.kept_refusals import KeptRefusals
 from tailserve.engine.messages import InferRequest, InferResponse
 from tailserve.engine.options import cache_mode, deadline_and_priority
 from tailserve.engine.served import Served, ServedPipeline, ServedVersion
@@ -61,6 +62,9 @@ class DataPlane:
         self.online_requests = 0
         # Told of each client's inference answered: model, rows, seconds since received.
         self.on_served: Callable[[str, int, float], None] | None = None
+        # Where every adapter screens a request before reading it (`shed`, with the refusals
+        # of a moment ago kept for the like requests after them).
+        self.refusals = KeptRefusals(self.shed, self.refused)
 
     # --- health and metadata ----------------------------------------------------------------
 

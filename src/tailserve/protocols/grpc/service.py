@@ -221,16 +221,19 @@ class InferenceService:
         received = time.monotonic()
         try:
             deadline_ms = left_s * 1e3 if left_s is not None else None
-            # Shed before decoding, as over HTTP; a ``timeout`` parameter with no gRPC deadline
-            # may be looser than the SLO, and is left to admission.
+            # Screened before decoding, as over HTTP (a refusal of a moment ago may answer
+            # it); a ``timeout`` parameter with no gRPC deadline may be looser than the SLO,
+            # and is left to admission.
             screened = deadline_ms is not None or "timeout" not in request.parameters
             if screened:
-                self.dataplane.shed(
+                kept = self.dataplane.refusals.screen(
                     request.model_name,
                     request.model_version or None,
                     received_at=received,
                     deadline_ms=deadline_ms,
                 )
+                if kept is not None:
+                    raise kept.error.with_traceback(None)
             infer = decode_request(request)
             infer.received_at = received
             infer.deadline_ms = deadline_ms

@@ -26,7 +26,6 @@ import orjson
 from tailserve.cache.replies import ReplyMemo
 from tailserve.engine.dataplane import DataPlane, Hit
 from tailserve.errors import (
-    DeadlineUnmeetable,
     Forbidden,
     InvalidInput,
     JobNotFound,
@@ -59,9 +58,6 @@ from tailserve.transport.server import Trailed
 
 log = logging.getLogger(__name__)
 
-# A kept refusal: until when it stands, the least budget, the budget refused, the reply.
-_Kept = tuple[float, float, float, Reply]
-
 _JSON: Headers = [(b"content-type", b"application/json")]
 OPENMETRICS_TYPE = OPENMETRICS_CONTENT_TYPE.encode()
 # An inference body up to this size with no X-Deadline-Ms is looked at before the early
@@ -69,8 +65,6 @@ OPENMETRICS_TYPE = OPENMETRICS_CONTENT_TYPE.encode()
 # SLO).
 _PEEK_BYTES = 64 * 1024
 _TIMEOUT = b'"timeout"'
-# The most overloaded models' refusals kept at once (`HttpApp._shed`).
-_KEPT_REFUSALS = 256
 # A body past this size, or a compressed one (40 KB of gzip can hold 40 MiB), is decompressed
 # and decoded on a thread (`_decode`): zlib lets go of the GIL while it inflates, and the
 # Python parts of a decode yield to the event loop at the switch interval (0.5 ms), so the
@@ -167,10 +161,6 @@ class HttpApp:
             "metrics": self._metrics,
             "openapi": self._openapi,
         }
-        # Overloaded models' refusals of a moment ago, by (model, version, deadline header):
-        # until when each stands, the least budget it let through, the budget it refused,
-        # and its reply (`_shed`).
-        self._refusals: dict[tuple[str, str | None, float | None], _Kept] = {}
 
     def answer_now(self, request: HttpRequest) -> Reply | None:
         """The reply when it needs no waiting: no such route, a kept reply, or an inference
@@ -296,10 +286,9 @@ class HttpApp:
         that names one is left to admission, which sees its real deadline; so is a compressed
         one with no header (what it names is not known until it is decompressed).
 
-        Raises the refusal, or returns it where it may be kept (overload: it answers the
-        requests of the same kind, model, version and deadline header, that come in the next
-        moment with less time left, each refused on the same count of the same queue), or a
-        kept one that answers this request too; None: the request goes on."""
+        Raises the refusal, or returns its reply where the data plane keeps it for the like
+        requests of the next moment (`engine.kept_refusals`: the reply is rendered once and
+        kept with it); None: the request goes on."""
         deadline_ms = options.deadline_ms
         if deadline_ms is None and request.route.handler == "infer":
             encoding = request.header(b"content-encoding")
@@ -310,34 +299,16 @@ class HttpApp:
                 header = _header_length(request.header(b"inference-header-content-length"))
                 if _TIMEOUT in (body if header is None else body[:header]):
                     return None
-        # Under overload, a refusal of a moment ago answers a request of the same kind with
-        # less time left (the model counts it as its own refusal).
-        key = (model, version, deadline_ms)
-        kept = self._refusals.get(key) if self._refusals else None
-        if kept is not None:
-            until, least, budget, reply = kept
-            now = time.monotonic()
-            if now < until:
-                if request.received_at + budget - now < least:
-                    self.dataplane.refused(model, version)
-                    return reply
-            else:
-                del self._refusals[key]
-        try:
-            self.dataplane.shed(
-                model, version, received_at=request.received_at, deadline_ms=deadline_ms
-            )
-        except DeadlineUnmeetable as exc:
-            if not exc.reusable_until:
-                raise
-            reply = _refusal(exc)
-            if len(self._refusals) >= _KEPT_REFUSALS:  # (the header is the client's to vary)
-                self._refusals.clear()
-            budget = exc.deadline - request.received_at
-            self._refusals[key] = (exc.reusable_until, exc.least_budget_s, budget, reply)
-            return reply
-        request.screened = True
-        return None
+        refusal = self.dataplane.refusals.screen(
+            model, version, received_at=request.received_at, deadline_ms=deadline_ms
+        )
+        if refusal is None:
+            request.screened = True
+            return None
+        if refusal.reply is None:
+            refusal.reply = _refusal(refusal.error)
+        reply: Reply = refusal.reply
+        return reply
 
     # --- health and metadata ----------------------------------------------------------------
 
