@@ -82,7 +82,9 @@ def cpu_seconds(pid: int) -> float:
 
 def stop_group(process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """SIGTERM to a process started in a session of its own and everything in it; SIGKILL
-    after ``timeout``."""
+    after ``timeout``. Then SIGKILL what is left of its tree as it was (children in sessions or
+    groups of their own, as BentoML's workers and Ray's are) after ``timeout`` more."""
+    tree = {pid: _started(pid) for pid in process_tree(process.pid)[1:]}
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     try:
@@ -91,6 +93,24 @@ def stop_group(process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    deadline = time.monotonic() + timeout
+    while left := [pid for pid, started in tree.items() if started and _started(pid) == started]:
+        if time.monotonic() > deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+
+
+def _started(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot: with the pid, who it is); None if it is
+    gone (or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def models_alone(examples: Path, into: Path, models: Sequence[str]) -> Path:

@@ -6,25 +6,36 @@ the same unique churn rows (OIP v2 JSON bodies) by the same open-loop C generato
 
 - tailserve: one worker (`tailserve serve`), the pipeline by its sklearn runtime
   (`churn_sklearn`) and the same pipeline exported to ONNX (`churn`), batching on;
+- the stack (`stack`): `tailserve up` on `churn_sklearn` alone as `make run` starts it, one
+  worker a core behind HAProxy, every request through the front door;
 - LitServe (pinned below): a `LitAPI` over the pipeline, with LitServe's batching (16 rows, 2
   ms) and without;
 - MLServer (pinned below): a custom `MLModel` over the pipeline (the V2 protocol is its own),
   with its adaptive batching (16 rows, 2 ms) and without;
+- Ray Serve (pinned below): a deployment taking the Starlette request, one replica a core (a
+  CPU each, as Serve reserves them; its proxy, GCS and raylet share those cores, as HAProxy
+  shares tailserve's), in a Ray of its own; with `@serve.batch` (16 rows, 2 ms) and without;
+- BentoML (pinned below): a `@bentoml.service` of one `@bentoml.api` taking the body, one worker
+  a core; batched as its docs batch a request of several fields, through a batchable API of a
+  second service (one worker a core too; 16 rows, its window adaptive), and without;
 - FastAPI + uvicorn: the baseline most teams write first, each request scored alone.
 
 Each peer is installed into a virtual environment of its own under ``--cache`` (default
 ``~/.cache/tailserve-peers``) on first use, its versions pinned, scikit-learn, numpy and
 joblib at this environment's versions (a pickle wants the version that wrote it). A peer that
-will not install is reported and left out.
+will not install is reported and left out. Each target runs in a session of its own and is
+stopped with everything it started (Ray's and BentoML's workers are in groups or sessions of
+their own: what is left of its process tree is killed).
 
 Per target, in one run: cold start (process start to its first answer) and resident memory
-(the process and its children); SLO capacity (wrk2, p99 <= 50 ms, no error, 64 connections);
-p50 / p99 / p99.9 and the CPU a request at ``--rate`` (20 req/s: a load every target
-carries); unless ``--quick``, goodput (200s within the SLO a second) at 2x and 3x its own
-capacity over 1,000 connections, and the errors of the 5 s at half its capacity after each.
+(the process and every process below it); SLO capacity (wrk2, p99 <= 50 ms, no error, 64
+connections); p50 / p99 / p99.9 and the CPU a request (the whole process tree) at ``--rate``
+(20 req/s: a load every target carries); unless ``--quick``, goodput (200s within the SLO a
+second) at 2x and 3x its own capacity over 1,000 connections, and the errors of the 5 s at
+half its capacity after each.
 
-    python benchmarks/peers.py [--quick] [--only tailserve,litserve,mlserver,fastapi]
-        [--cache DIR]
+    python benchmarks/peers.py [--quick]
+        [--only tailserve,stack,litserve,mlserver,ray,bentoml,fastapi] [--cache DIR]
         [--step-s 5] [--rate 20] [--out DIR]
 
 `make compare` runs it with --quick. Writes DIR/peers.json and DIR/peers.png, and prints the
@@ -49,152 +60,13 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _peer_apps as apps
 import _wrk2
 
 SLO_MS = 50.0
-FIELDS = (
-    "tenure_months",
-    "monthly_spend",
-    "support_tickets",
-    "feature_usage_pct",
-    "last_login_days_ago",
-    "num_integrations",
-    "contract_type",
-    "plan_tier",
-    "is_enterprise",
-)
-# What a peer's handler does with an OIP v2 body: one row, in FIELDS order.
-_ROW = f"""
-FIELDS = {FIELDS!r}
 
 
-def row_of(body):
-    values = {{tensor["name"]: tensor["data"][0] for tensor in body["inputs"]}}
-    return [values[name] for name in FIELDS]
-
-
-def answer(probability):
-    return {{"outputs": [{{"name": "churn_probability", "datatype": "FP32", "shape": [1, 1],
-                          "data": [float(probability)]}}]}}
-"""
-
-FASTAPI_APP = (
-    """
-import os
-
-import joblib
-import numpy as np
-from fastapi import FastAPI, Request
-"""
-    + _ROW
-    + """
-model = joblib.load(os.environ["MODEL"])
-app = FastAPI()
-
-
-@app.post("/v2/models/churn/infer")
-async def infer(request: Request):
-    row = row_of(await request.json())
-    return answer(model.predict_proba(np.array([row], dtype=object))[0, 1])
-"""
-)
-
-LITSERVE_APP = (
-    """
-import os
-import sys
-
-import joblib
-import litserve as ls
-import numpy as np
-"""
-    + _ROW
-    + """
-
-class ChurnAPI(ls.LitAPI):
-    def setup(self, device):
-        self.model = joblib.load(os.environ["MODEL"])
-
-    def decode_request(self, request):
-        return row_of(request)
-
-    def batch(self, rows):
-        return np.array(rows, dtype=object)
-
-    def predict(self, rows):
-        if not isinstance(rows, np.ndarray):  # unbatched: one row
-            rows = np.array([rows], dtype=object)
-            return self.model.predict_proba(rows)[0, 1]
-        return self.model.predict_proba(rows)[:, 1]
-
-    def unbatch(self, output):
-        return list(output)
-
-    def encode_response(self, output):
-        return answer(output)
-
-
-if __name__ == "__main__":
-    batch = int(sys.argv[2])
-    api = ChurnAPI(max_batch_size=batch, batch_timeout=0.002 if batch > 1 else 0.0)
-    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(port=int(sys.argv[1]))
-"""
-)
-
-
-MLSERVER_APP = (
-    """
-import os
-
-import joblib
-import numpy as np
-from mlserver import MLModel
-from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
-"""
-    + _ROW
-    + """
-
-class ChurnModel(MLModel):
-    async def load(self):
-        self.model = joblib.load(os.environ["MODEL"])
-        return True
-
-    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
-        columns = {}
-        for tensor in payload.inputs:
-            data = getattr(tensor.data, "root", tensor.data)
-            columns[tensor.name] = [v.decode() if isinstance(v, bytes) else v for v in data]
-        rows = len(columns[FIELDS[0]])
-        features = np.empty((rows, len(FIELDS)), dtype=object)
-        for i, name in enumerate(FIELDS):
-            features[:, i] = columns[name]
-        scores = self.model.predict_proba(features)[:, 1]
-        output = ResponseOutput(
-            name="churn_probability", shape=[rows, 1], datatype="FP32", data=scores.tolist()
-        )
-        return InferenceResponse(model_name=self.name, outputs=[output])
-"""
-)
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A framework installed in a virtual environment of its own."""
-
-    name: str
-    packages: tuple[str, ...]
-    files: dict[str, str]
-
-    def python(self, cache: Path) -> Path:
-        return cache / f"venv-{self.name}" / "bin" / "python"
-
-
-PEERS = {
-    "fastapi": Peer("fastapi", ("fastapi==0.115.12", "uvicorn==0.34.0"), {"app.py": FASTAPI_APP}),
-    "litserve": Peer("litserve", ("litserve==0.2.19",), {"app.py": LITSERVE_APP}),
-    # (uvloop 0.21 raises where MLServer 1.7.1's inference workers ask for an event loop)
-    "mlserver": Peer("mlserver", ("mlserver==1.7.1", "uvloop==0.19.0"), {"app.py": MLSERVER_APP}),
-}
+CHURN = "/v2/models/churn/infer"  # the route of every peer but LitServe
 
 
 @dataclass
@@ -208,104 +80,54 @@ class Target:
     results: dict[str, Any] = field(default_factory=dict)
 
 
-def install(peer: Peer, cache: Path) -> str | None:
-    """``peer``'s environment, made on first use; why not, if it cannot be."""
-    python = peer.python(cache)
-    if python.exists():
-        return None
-    venv = python.parent.parent
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in _PINNED]
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, **h.QUIET)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", *peer.packages, *pins],
-            check=True,
-            capture_output=True,
-            text=True,
+# A peer's targets: from its environment's python, the folder of its files, their environment
+# variables and the cores.
+Build = Callable[[str, Path, dict[str, str], int], list[Target]]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A framework installed in a virtual environment of its own."""
+
+    name: str
+    packages: tuple[str, ...]
+    files: dict[str, str]
+    build: Build
+
+    def python(self, cache: Path) -> Path:
+        return cache / f"venv-{self.name}" / "bin" / "python"
+
+
+def batching(batch: int, how: str) -> str:
+    return how if batch > 1 else "no batching"
+
+
+def litserve(python: str, folder: Path, env: dict[str, str], cores: int) -> list[Target]:
+    return [
+        Target(
+            f"LitServe, {batching(batch, 'batching 16 rows, 2 ms')}",
+            "",
+            "/predict",
+            lambda port, b=batch: [python, "app.py", str(port), str(b)],
+            env,
+            folder,
         )
-    except subprocess.CalledProcessError as exc:
-        shutil.rmtree(venv, ignore_errors=True)
-        return f"pip failed: {(exc.stderr or '').strip().splitlines()[-1:]}"
-    return None
+        for batch in (16, 1)
+    ]
 
 
-_PINNED = ("scikit-learn", "numpy", "joblib")
-
-
-def targets(args: argparse.Namespace, repository: Path) -> list[Target]:
-    model = repository / "churn_sklearn" / "1" / "model.joblib"
-    found: list[Target] = []
-    wanted = set(args.only.split(","))
-    if "tailserve" in wanted:
-        for name in ("churn_sklearn", "churn"):
-            alone = args.cache / f"only-{name}"  # the one model, as each peer serves it
-            if not alone.exists():
-                shutil.copytree(repository / name, alone / name)
-            found.append(
-                Target(
-                    f"tailserve ({'sklearn' if name == 'churn_sklearn' else 'ONNX'})",
-                    "",
-                    f"/v2/models/{name}/infer",
-                    lambda port, folder=alone: h.worker(folder, port, "--grpc-port", "0"),
-                )
-            )
-    for peer in (PEERS[p] for p in ("litserve", "mlserver", "fastapi") if p in wanted):
-        why = install(peer, args.cache)
-        if why is not None:
-            print(f"  {peer.name}: not installed ({why}); left out")
-            continue
-        folder = args.cache / f"app-{peer.name}"
-        folder.mkdir(exist_ok=True)
-        for filename, text in peer.files.items():
-            (folder / filename).write_text(text)
-        python = str(peer.python(args.cache))
-        env = {"MODEL": str(model)}
-        if peer.name == "fastapi":
-            found.append(
-                Target(
-                    "FastAPI + uvicorn",
-                    "",
-                    "/v2/models/churn/infer",
-                    lambda port, py=python: [
-                        py,
-                        "-m",
-                        "uvicorn",
-                        "app:app",
-                        "--port",
-                        str(port),
-                        "--log-level",
-                        "warning",
-                    ],
-                    env,
-                    folder,
-                )
-            )
-        elif peer.name == "mlserver":
-            for batch in (16, 1):
-                found.append(
-                    Target(
-                        "MLServer, "
-                        + ("adaptive batching 16 rows, 2 ms" if batch > 1 else "no batching"),
-                        "",
-                        "/v2/models/churn/infer",
-                        lambda port, py=python, b=batch, f=folder: mlserver_command(py, port, b, f),
-                        env,
-                        folder,
-                    )
-                )
-        else:
-            for batch in (16, 1):
-                found.append(
-                    Target(
-                        f"LitServe, {'batching 16 rows, 2 ms' if batch > 1 else 'no batching'}",
-                        "",
-                        "/predict",
-                        lambda port, py=python, b=batch: [py, "app.py", str(port), str(b)],
-                        env,
-                        folder,
-                    )
-                )
-    return found
+def mlserver(python: str, folder: Path, env: dict[str, str], cores: int) -> list[Target]:
+    return [
+        Target(
+            f"MLServer, {batching(batch, 'adaptive batching 16 rows, 2 ms')}",
+            "",
+            CHURN,
+            lambda port, b=batch: mlserver_command(python, port, b, folder),
+            env,
+            folder,
+        )
+        for batch in (16, 1)
+    ]
 
 
 def mlserver_command(python: str, port: int, batch: int, folder: Path) -> list[str]:
@@ -321,6 +143,139 @@ def mlserver_command(python: str, port: int, batch: int, folder: Path) -> list[s
         model.update(max_batch_size=batch, max_batch_time=0.002)
     (home / "model-settings.json").write_text(json.dumps(model))
     return [str(Path(python).parent / "mlserver"), "start", str(home)]
+
+
+def ray(python: str, folder: Path, env: dict[str, str], cores: int) -> list[Target]:
+    env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
+    return [
+        Target(
+            f"Ray Serve, {cores} replicas, {batching(batch, '@serve.batch 16 rows, 2 ms')}",
+            "",
+            CHURN,
+            lambda port, b=batch: [python, "app.py", str(port), str(b), str(cores)],
+            env,
+            folder,
+        )
+        for batch in (16, 1)
+    ]
+
+
+def bentoml(python: str, folder: Path, env: dict[str, str], cores: int) -> list[Target]:
+    env = {
+        **env,
+        "WORKERS": str(cores),
+        "BENTOML_HOME": str(folder / "home"),
+        "BENTOML_DO_NOT_TRACK": "True",
+    }
+    serve = [str(Path(python).parent / "bentoml"), "serve", "--host", "127.0.0.1", "--port"]
+    return [
+        Target(
+            f"BentoML, {cores} workers, {batching(batch, 'adaptive batching 16 rows')}",
+            "",
+            CHURN,
+            lambda port, s=service: [*serve, str(port), s],
+            env,
+            folder,
+        )
+        for batch, service in ((16, "app:BatchedChurn"), (1, "app:Churn"))
+    ]
+
+
+def fastapi(python: str, folder: Path, env: dict[str, str], cores: int) -> list[Target]:
+    uvicorn = [python, "-m", "uvicorn", "app:app", "--log-level", "warning", "--port"]
+    return [Target("FastAPI + uvicorn", "", CHURN, lambda port: [*uvicorn, str(port)], env, folder)]
+
+
+PEERS = {  # in the table's order
+    "litserve": Peer("litserve", ("litserve==0.2.19",), {"app.py": apps.LITSERVE_APP}, litserve),
+    # (uvloop 0.21 raises where MLServer 1.7.1's inference workers ask for an event loop)
+    "mlserver": Peer(
+        "mlserver", ("mlserver==1.7.1", "uvloop==0.19.0"), {"app.py": apps.MLSERVER_APP}, mlserver
+    ),
+    "ray": Peer("ray", ("ray[serve]==2.60.0",), {"app.py": apps.RAY_APP}, ray),
+    # (from 1.4.30 the client of a dependent service fails requests in flight when it renews its
+    # session, every 100 requests: bentoml/BentoML#5540, #5544)
+    "bentoml": Peer("bentoml", ("bentoml==1.4.29",), {"app.py": apps.BENTOML_APP}, bentoml),
+    "fastapi": Peer(
+        "fastapi", ("fastapi==0.115.12", "uvicorn==0.34.0"), {"app.py": apps.FASTAPI_APP}, fastapi
+    ),
+}
+
+
+def install(peer: Peer, cache: Path) -> str | None:
+    """``peer``'s environment, made on first use and again when its pins change; why not, if it
+    cannot be."""
+    python = peer.python(cache)
+    venv = python.parent.parent
+    pins = [*peer.packages, *(f"{name}=={importlib.metadata.version(name)}" for name in _PINNED)]
+    made = venv / "pins.txt"
+    if made.exists() and made.read_text().split() == pins:
+        return None
+    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, **h.QUIET)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", *pins],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(venv, ignore_errors=True)
+        lines = (exc.stderr or "").strip().splitlines()
+        return f"pip failed: {[e for e in lines if e.startswith('ERROR')][-1:] or lines[-1:]}"
+    made.write_text("\n".join(pins))
+    return None
+
+
+_PINNED = ("scikit-learn", "numpy", "joblib")
+
+
+def targets(args: argparse.Namespace, repository: Path) -> list[Target]:
+    model = repository / "churn_sklearn" / "1" / "model.joblib"
+    cores = len(os.sched_getaffinity(0))
+    found: list[Target] = []
+    wanted = set(args.only.split(","))
+    if "tailserve" in wanted:
+        for name in ("churn_sklearn", "churn"):
+            folder = alone(args.cache, repository, name)
+            found.append(
+                Target(
+                    f"tailserve ({'sklearn' if name == 'churn_sklearn' else 'ONNX'})",
+                    "",
+                    f"/v2/models/{name}/infer",
+                    lambda port, f=folder: h.worker(f, port, "--grpc-port", "0"),
+                )
+            )
+    if "stack" in wanted:  # (gRPC on as well, as `make run` starts it: a later flag wins)
+        sklearn = alone(args.cache, repository, "churn_sklearn")
+        found.append(
+            Target(
+                f"tailserve up (sklearn): HAProxy + {cores} workers",
+                "",
+                "/v2/models/churn_sklearn/infer",
+                lambda port: h.up_command(sklearn, port, "--grpc-port", str(h.free_port())),
+            )
+        )
+    for peer in (peer for name, peer in PEERS.items() if name in wanted):
+        why = install(peer, args.cache)
+        if why is not None:
+            print(f"  {peer.name}: not installed ({why}); left out")
+            continue
+        folder = args.cache / f"app-{peer.name}"
+        folder.mkdir(exist_ok=True)
+        for filename, text in peer.files.items():
+            (folder / filename).write_text(text)
+        found += peer.build(str(peer.python(args.cache)), folder, {"MODEL": str(model)}, cores)
+    return found
+
+
+def alone(cache: Path, repository: Path, name: str) -> Path:
+    """A repository of the one model, as each peer serves it (made on first use)."""
+    folder = cache / f"only-{name}"
+    if not folder.exists():
+        shutil.copytree(repository / name, folder / name)
+    return folder
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -476,7 +431,7 @@ def plot(found: list[Target], path: Path) -> None:
     figure, axes = pyplot.subplots(figsize=(8, 0.6 * len(names) + 1.2))
     axes.barh(names[::-1], values[::-1], color="#4477aa")
     axes.set_xlabel(f"SLO capacity, req/s (p99 <= {SLO_MS:.0f} ms, no error; wrk2)")
-    axes.set_title("The churn pipeline on 2 cores, one process each")
+    axes.set_title("The churn pipeline on 2 cores")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -484,7 +439,7 @@ def plot(found: list[Target], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no overload runs")
-    parser.add_argument("--only", default="tailserve,litserve,mlserver,fastapi")
+    parser.add_argument("--only", default=",".join(("tailserve", "stack", *PEERS)))
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tailserve-peers")
     parser.add_argument("--step-s", type=float, default=5.0)
     parser.add_argument("--rate", type=float, default=20.0, help="req/s of the light load")
