@@ -82,9 +82,9 @@ bench: setup-dev
 chaos: setup-dev
 	$(BIN)/python benchmarks/chaos.py --out var/chaos
 
-# tailserve beside LitServe, MLServer, Ray Serve, BentoML and FastAPI + uvicorn on the same model
-# (benchmarks/peers.py; needs
-# wrk2, and installs each peer into its own environment under ~/.cache/tailserve-peers).
+# tailserve beside LitServe, MLServer, Ray Serve, BentoML and FastAPI + uvicorn on the same
+# model (benchmarks/peers.py; needs wrk2, and installs each peer into its own environment under
+# ~/.cache/tailserve-peers).
 # The Ray and BentoML environments take about 1.1 GB on first use.
 compare: setup-dev
 	$(BIN)/python benchmarks/peers.py --quick
