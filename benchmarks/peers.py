@@ -36,7 +36,7 @@ half its capacity after each.
 
     python benchmarks/peers.py [--quick]
         [--only tailserve,stack,litserve,mlserver,ray,bentoml,fastapi] [--cache DIR]
-        [--step-s 5] [--rate 20] [--out DIR]
+        [--step-s 5] [--rate 20] [--out DIR] [--replot PEERS_JSON]
 
 `make compare` runs it with --quick. Writes DIR/peers.json and DIR/peers.png, and prints the
 table (README.md, "Compared"). Check with `ps` that nothing else runs.
@@ -421,32 +421,54 @@ def table(found: list[Target], quick: bool) -> str:
 
 
 def plot(found: list[Target], path: Path) -> None:
+    """Two panels, a row a target: the SLO capacity, and the tails at the light rate (p50, p99,
+    p99.9 on a log scale)."""
     pyplot = h.pyplot()
     if pyplot is None:
         return
-    names = [t.name for t in found if "capacity_rps" in t.results]
-    values = [
-        found_target.results["capacity_rps"] for found_target in found if found_target.name in names
-    ]
-    figure, axes = pyplot.subplots(figsize=(8, 0.6 * len(names) + 1.2))
-    axes.barh(names[::-1], values[::-1], color="#4477aa")
-    axes.set_xlabel(f"SLO capacity, req/s (p99 <= {SLO_MS:.0f} ms, no error; wrk2)")
-    axes.set_title("The churn pipeline on 2 cores")
+    shown = [t for t in found if "capacity_rps" in t.results][::-1]
+    names = [t.name for t in shown]
+    figure, (capacity, tails) = pyplot.subplots(
+        1, 2, figsize=(13, 0.55 * len(names) + 1.4), sharey=True
+    )
+    capacity.barh(names, [t.results["capacity_rps"] for t in shown], color="#4477aa")
+    capacity.set_xlabel(f"SLO capacity, req/s (p99 <= {SLO_MS:.0f} ms, no error; wrk2)")
+    rows = range(len(shown))
+    for key, label, marker in (
+        ("p50_ms", "p50", "o"),
+        ("p99_ms", "p99", "s"),
+        ("p999_ms", "p99.9", "^"),
+    ):
+        values = [t.results.get(key, float("nan")) for t in shown]
+        tails.scatter(values, rows, label=label, marker=marker)
+    tails.set_xscale("log")
+    tails.set_xlabel("latency at 20 req/s, ms (log scale)")
+    tails.legend(loc="lower right")
+    figure.suptitle("The churn pipeline on 2 cores")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def replot(document: Path, path: Path) -> None:
+    """The plot again from a run's peers.json."""
+    results = json.loads(document.read_text())
+    plot([Target(name, "", "", lambda port: [], results=r) for name, r in results.items()], path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no overload runs")
+    parser.add_argument("--replot", type=Path, help="only draw DIR/peers.png from this peers.json")
     parser.add_argument("--only", default=",".join(("tailserve", "stack", *PEERS)))
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tailserve-peers")
     parser.add_argument("--step-s", type=float, default=5.0)
     parser.add_argument("--rate", type=float, default=20.0, help="req/s of the light load")
     parser.add_argument("--out", type=Path, default=h.HERE / "results" / "peers")
     args = parser.parse_args()
-    if not os.environ.get("WRK2") and Path("/work/tools/wrk2").is_file():
-        os.environ["WRK2"] = "/work/tools/wrk2"
+    if args.replot:
+        args.out.mkdir(parents=True, exist_ok=True)
+        replot(args.replot, args.out / "peers.png")
+        return
     _wrk2.binary()  # (says how to get it, if it is missing)
     args.cache.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
