@@ -19,7 +19,7 @@ import pytest
 
 from support.models import doubler_config, write_model
 from support.servers import RunningWorker, run_worker
-from tailserve.protocols.http import oip
+from tailserve.protocols.http import oip, oip_typed
 from tailserve.protocols.http.routes import ROUTES
 from tailserve.settings import Settings
 
@@ -442,13 +442,18 @@ def test_large_or_compressed_bodies_are_decoded_off_the_event_loop(
 
 def _decode_off_the_loop(worker: RunningWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
-    decode = oip.decode_request
+    decode, typed = oip.decode_request, oip_typed.TypedDecoder.decode
 
     def spy(*args: Any) -> Any:
         threads.append(threading.current_thread().name)
         return decode(*args)
 
+    def typed_spy(*args: Any) -> Any:  # (the model's own decoder reads it first)
+        threads.append(threading.current_thread().name)
+        return typed(*args)
+
     monkeypatch.setattr(oip, "decode_request", spy)
+    monkeypatch.setattr(oip_typed.TypedDecoder, "decode", typed_spy)
     url = f"{worker.url}/v2/models/doubler/infer"
     small = orjson.dumps(infer_body([1.0]))
     large = small[:-1] + b" " * 300_000 + b"}"  # the same request, padded past 256 KiB

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailserve.engine.validation import Checked, InputPlan
 from tailserve.tensors import Tensor
 
 
@@ -32,6 +33,9 @@ class InferRequest:
     variant: str | None = None  # the model's variant asked for by name (X-Variant)
     # Sent by a pipeline's step from inside the worker (engine/pipeline.py), not a client.
     inner: bool = False
+    # The inputs as already checked against a model version's plan, by a decoder made from
+    # it (protocols/http/oip_typed.py): the data plane checks them again only for another plan.
+    checked: tuple[InputPlan, Checked] | None = None
 
 
 @dataclass(slots=True)

@@ -25,6 +25,8 @@ import orjson
 
 from tailserve.cache.replies import ReplyMemo
 from tailserve.engine.dataplane import DataPlane, Hit
+from tailserve.engine.messages import InferRequest
+from tailserve.engine.served import ServedVersion
 from tailserve.errors import (
     Forbidden,
     InvalidInput,
@@ -48,6 +50,7 @@ from tailserve.protocols.http.headers import (
     request_options,
     served_headers,
 )
+from tailserve.protocols.http.oip_typed import TypedDecoder, decoder_for
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.replay import Replayer
 from tailserve.protocols.http.routes import Route, Router
@@ -381,9 +384,16 @@ class HttpApp:
         p = request.params
         header_length = _header_length(request.header(b"inference-header-content-length"))
         model, version = p["model"], p.get("version")
-        infer_request = await self._decode(
-            request, lambda body: oip.decode_request(model, version, body, header_length)
-        )
+        typed = self._typed(model, version) if header_length is None else None
+
+        def decode(body: bytes) -> InferRequest:
+            if typed is not None:
+                decoded = typed.decode(model, version, body)
+                if decoded is not None:
+                    return decoded
+            return oip.decode_request(model, version, body, header_length)
+
+        infer_request = await self._decode(request, decode)
         request_options(request, infer_request, request.options or read_options(request))
         replayer = self._replayer
         hits: list[Hit] = []
@@ -403,6 +413,16 @@ class HttpApp:
         if hits and replayer is not None:
             replayer.keep(request, hits[0], headers, payload)
         return 200, headers, payload
+
+    def _typed(self, model: str, version: str | None) -> TypedDecoder | None:
+        """The model's own decoder, where it has one (`oip_typed`); None: the general one."""
+        try:
+            served = self.dataplane.manager.peek(model, version)
+        except TailserveError:
+            return None
+        if not isinstance(served, ServedVersion):
+            return None
+        return decoder_for(served.config, served.plan)
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]

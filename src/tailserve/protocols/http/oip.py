@@ -26,7 +26,7 @@ class _Input(msgspec.Struct):
     parameters: dict[str, Any] | None = None
 
 
-class _Output(msgspec.Struct):
+class Output(msgspec.Struct):
     name: str
     parameters: dict[str, Any] | None = None
 
@@ -34,7 +34,7 @@ class _Output(msgspec.Struct):
 class _Request(msgspec.Struct):
     inputs: list[_Input]
     id: str | None = None
-    outputs: list[_Output] | None = None
+    outputs: list[Output] | None = None
     parameters: dict[str, Any] | None = None
 
 
@@ -89,6 +89,12 @@ def decode_request(
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data follow the header that no input claims"
         )
+    return request_of(model, version, raw, inputs)
+
+
+def request_of(model: str, version: str | None, raw: Any, inputs: list[Tensor]) -> InferRequest:
+    """The request of a decoded body (its ``id``, ``outputs`` and ``parameters``, as `_Request`
+    has them) and its input tensors; its flags checked."""
     _check_flag("parameter 'binary_data_output'", (raw.parameters or {}).get("binary_data_output"))
     outputs = None
     if raw.outputs is not None:
