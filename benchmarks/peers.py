@@ -36,10 +36,12 @@ half its capacity after each.
 
     python benchmarks/peers.py [--quick]
         [--only tailserve,stack,litserve,mlserver,ray,bentoml,fastapi] [--cache DIR]
-        [--step-s 5] [--rate 20] [--out DIR] [--replot PEERS_JSON]
+        [--step-s 5] [--rate 20] [--out DIR] [--replot PEERS_JSON ...]
 
 `make compare` runs it with --quick. Writes DIR/peers.json and DIR/peers.png, and prints the
-table (README.md, "Compared"). Check with `ps` that nothing else runs.
+table (README.md, "Compared"). ``--replot`` draws the plot and prints the table again from
+one run's peers.json, or from several (a target measured again in a later ``--only`` run
+takes its earlier figures' place). Check with `ps` that nothing else runs.
 """
 
 from __future__ import annotations
@@ -449,16 +451,27 @@ def plot(found: list[Target], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def replot(document: Path, path: Path) -> None:
-    """The plot again from a run's peers.json."""
-    results = json.loads(document.read_text())
-    plot([Target(name, "", "", lambda port: [], results=r) for name, r in results.items()], path)
+def replot(documents: list[Path], path: Path) -> str:
+    """The plot and the table again from runs' peers.json files: a target measured again in
+    a later run (``--only``) takes the place of its earlier figures, in the earlier order."""
+    results: dict[str, dict[str, Any]] = {}
+    for document in documents:
+        results.update(json.loads(document.read_text()))
+    found = [Target(name, "", "", lambda port: [], results=r) for name, r in results.items()]
+    plot(found, path)
+    quick = not any("goodput_2x" in r for r in results.values())
+    return table(found, quick)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no overload runs")
-    parser.add_argument("--replot", type=Path, help="only draw DIR/peers.png from this peers.json")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        nargs="+",
+        help="only draw DIR/peers.png and print the table from these peers.json (later wins)",
+    )
     parser.add_argument("--only", default=",".join(("tailserve", "stack", *PEERS)))
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tailserve-peers")
     parser.add_argument("--step-s", type=float, default=5.0)
@@ -467,7 +480,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.replot:
         args.out.mkdir(parents=True, exist_ok=True)
-        replot(args.replot, args.out / "peers.png")
+        print(replot(args.replot, args.out / "peers.png"))
         return
     _wrk2.binary()  # (says how to get it, if it is missing)
     args.cache.mkdir(parents=True, exist_ok=True)
