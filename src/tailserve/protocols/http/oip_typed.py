@@ -39,10 +39,9 @@ _EXACT = float(2**53)
 class _Shaped:
     """What a tensor's shape must be, from its rule."""
 
-    __slots__ = ("column", "dtype", "name", "optional", "per_row", "per_row_count", "texts")
+    __slots__ = ("column", "dtype", "optional", "per_row", "per_row_count", "texts")
 
     def __init__(self, spec: TensorSpec, config: ModelConfig) -> None:
-        self.name = spec.name
         self.dtype = DATATYPES[spec.datatype]
         self.texts = spec.datatype == "BYTES"
         self.optional = spec.optional
@@ -77,7 +76,6 @@ class TypedDecoder:
         self.max_rows = config.max_batch_size
         self._shapes = {spec.name: _Shaped(spec, config) for spec in config.inputs}
         self._order = [spec.name for spec in config.inputs]
-        self._required = sum(1 for spec in config.inputs if not spec.optional)
         tagged = tuple(_input_type(spec) for spec in config.inputs)
         self._names = {kind: spec.name for kind, spec in zip(tagged, config.inputs, strict=True)}
         request = msgspec.defstruct(
@@ -104,8 +102,6 @@ class TypedDecoder:
             if name in given:
                 return None
             given[name] = item
-        if len(given) < self._required:
-            return None  # (a required one missing: the general path names it)
         tensors: list[Tensor] = []
         arrays: dict[str, np.ndarray[Any, Any]] = {}
         row_shapes: list[tuple[int, ...]] = []
@@ -116,7 +112,7 @@ class TypedDecoder:
             rule = shapes[name]
             if item is None:
                 if not rule.optional:
-                    return None
+                    return None  # (the general path names the missing input)
                 continue
             parameters = item.parameters
             if parameters and "binary_data_size" in parameters:
@@ -124,13 +120,7 @@ class TypedDecoder:
             data = item.data
             count = len(data)
             shape = item.shape
-            per_row = rule.per_row_count
-            if per_row is not None and len(shape) > 1:  # most inputs: a fixed shape a row
-                found = shape[0]
-                if shape[1:] != rule.per_row or found * per_row != count:
-                    return None
-            else:
-                found = rule.rows_of(shape, count)
+            found = rule.rows_of(shape, count)
             if found < 1 or (rows != -1 and found != rows):
                 return None
             rows = found
@@ -222,8 +212,6 @@ def _narrowed_bound(dtype: np.dtype[Any], bound: float, side: int) -> float:
     inside = kind(bound)
     if float(inside) * side > bound * side:  # rounded past the bound: step back in
         inside = np.nextafter(inside, kind(-side * np.inf))
-    if float(inside) * side >= top:  # the type's own end: the caller bounds by it
-        return float(inside)
     outside = np.nextafter(inside, kind(side * np.inf))
     middle = (float(inside) + float(outside)) / 2  # (exact: two more bits than the type)
     if kind(middle) == inside:
