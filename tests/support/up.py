@@ -15,6 +15,10 @@ from support.servers import WorkerProcess, free_port, wait_for
 
 STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
 ANY_STARTED = re.compile(r"\S+ started \(pid (\d+)\) on")
+# A free port may be taken by another test's process before the front door binds it, seconds
+# after `up` started: `up` then exits saying so, and is started again on another port.
+_TAKEN = "Address already in use"
+_ATTEMPTS = 3
 READY = re.compile(r"tailserve up: front door on .*, \d+ workers? ready")
 FRONT_DOOR = re.compile(r"front door \(HAProxy pid (\d+)\) started")
 
@@ -58,37 +62,50 @@ def tailserve_up(
     """``tailserve up`` as a real process, once it says every worker is ready (``session``: in
     a process group of its own, as a shell's job; ``shell``: run by this bash script, which
     gets the command line as its arguments, as a wrapper script would run it)."""
-    port = free_port()
-    log_path = log_dir / f"up-{port}.log"
     grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]
-    command = [
-        sys.executable,
-        "-m",
-        "tailserve.cli",
-        "up",
-        "--repository",
-        str(repository),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *grpc,
-        *extra,
-    ]
-    if shell:
-        command = ["bash", "-c", shell, "bash", *command]
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
-        )
-    running = UpProcess(process, f"http://127.0.0.1:{port}", log_path)
+
+    def start() -> tuple[subprocess.Popen[bytes], UpProcess]:
+        port = free_port()
+        log_path = log_dir / f"up-{port}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "tailserve.cli",
+            "up",
+            "--repository",
+            str(repository),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *grpc,
+            *extra,
+        ]
+        if shell:
+            command = ["bash", "-c", shell, "bash", *command]
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
+            )
+        return process, UpProcess(process, f"http://127.0.0.1:{port}", log_path)
+
+    process, running = start()
     try:
-        if wait_ready:  # (else from the moment it starts)
+        for attempt in range(_ATTEMPTS if wait_ready else 0):  # (else from the moment it starts)
             wait_for(
-                lambda: process.poll() is not None or READY.search(running.log()) is not None,
+                lambda up=process, log=running.log: (
+                    up.poll() is not None or READY.search(log()) is not None
+                ),
                 timeout=90,
                 what="tailserve up to report its workers ready",
             )
+            taken = process.poll() is not None and _TAKEN in running.log()
+            if not taken or attempt == _ATTEMPTS - 1:
+                break
+            for pid in running.every_pid():  # (the one before has exited; what it started too)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            process, running = start()
         assert process.poll() is None, f"up exited with {process.returncode}:\n{running.log()}"
         yield running
     finally:
