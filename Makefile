@@ -53,15 +53,13 @@ ifneq ($(REDIS_URL),)
 endif
 	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
-# The tests two at a time (pytest-xdist, a test file a process), then those that rest on time
-# (marked serial in tests/conftest.py) alone; each phase names its ten slowest.
+# After ruff, two lanes at once (tests/phases.py): the tests that rest on time (marked serial
+# in tests/conftest.py) one at a time, and beside them at the lowest priority mypy, the import
+# layers and the other tests two at a time (pytest-xdist); each test run names its ten slowest.
 test: setup-dev browser
 	$(BIN)/ruff check src tests benchmarks deploy
 	$(BIN)/ruff format --check src tests benchmarks deploy
-	$(BIN)/mypy
-	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=10
-	$(BIN)/python -m pytest -q -m serial --durations=10
+	$(BIN)/python tests/phases.py $(BIN)
 
 lint: setup-dev
 	$(BIN)/ruff check src tests benchmarks deploy

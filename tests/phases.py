@@ -1,0 +1,105 @@
+"""`make test`'s checks after ruff, in two lanes at once (docs/testing.md).
+
+The foreground lane runs the tests whose outcome rests on time (the `serial` marker,
+tests/conftest.py) one at a time, at the machine's normal priority, its output shown as it
+comes. Those tests spend about half their time waiting on time itself (a deadline, a sweep, a
+recovery), so a core is mostly free beside them.
+
+The background lane takes that free time at the lowest priority the system offers (Linux's
+SCHED_IDLE, else nice 19), so that it never takes a core a timing test wants: mypy, the import
+layers, then every other test two at a time (pytest-xdist). Its output is kept and shown once
+the foreground is done. The whole fails if either lane fails, naming the steps that did.
+
+Usage: python tests/phases.py [BIN], BIN being the folder of the virtual environment's
+programs (default: the running interpreter's). `--lane LOGS` after BIN runs the background
+lane itself (what the foreground starts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+
+
+def steps(bin_dir: Path) -> tuple[list[Step], Step]:
+    """The background lane's steps, in order, and the foreground's one."""
+    python = str(bin_dir / "python")
+    pytest = [python, "-m", "pytest", "-q", "--durations=10"]
+    background = [
+        Step("mypy", [str(bin_dir / "mypy")]),
+        Step("import layers", [str(bin_dir / "lint-imports")]),
+        Step(
+            "the other tests, two at a time",
+            [*pytest, "-n", "2", "--dist", "loadfile", "-m", "not serial"],
+        ),
+    ]
+    return background, Step("tests that rest on time, one at a time", [*pytest, "-m", "serial"])
+
+
+def _lowest_priority() -> None:
+    """In the background lane's child, before it runs its step."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def run_lane(background: list[Step], logs: Path) -> None:
+    """The background lane: each step in turn, into its own log, its exit status beside it."""
+    for number, step in enumerate(background):
+        began = time.monotonic()
+        with (logs / f"{number}.log").open("w") as out:
+            code = subprocess.call(step.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        (logs / f"{number}.rc").write_text(f"{code} {time.monotonic() - began:.0f}")
+
+
+def main(argv: list[str]) -> int:
+    bin_dir = Path(argv[1]) if len(argv) > 1 else Path(sys.executable).parent
+    background, foreground = steps(bin_dir.resolve())
+    if len(argv) > 3 and argv[2] == "--lane":
+        run_lane(background, Path(argv[3]))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="tailserve-phases-") as folder:
+        logs = Path(folder)
+        started = time.monotonic()
+        lane = subprocess.Popen(
+            [sys.executable, __file__, str(bin_dir), "--lane", str(logs)],
+            cwd=ROOT,
+            preexec_fn=_lowest_priority,
+            start_new_session=True,  # one process group: stopped as one, should this stop early
+        )
+        try:
+            print(f"== {foreground.name} (the other checks run meanwhile)", flush=True)
+            failed = [foreground.name] if subprocess.call(foreground.argv, cwd=ROOT) else []
+            lane.wait()
+        finally:
+            if lane.poll() is None:
+                os.killpg(lane.pid, signal.SIGKILL)
+        for number, step in enumerate(background):
+            log, rc = logs / f"{number}.log", logs / f"{number}.rc"
+            code, took = rc.read_text().split() if rc.exists() else ("-", "-")
+            print(f"\n== {step.name} ({took} s)", flush=True)
+            sys.stdout.write(log.read_text() if log.exists() else "(not run)\n")
+            if code != "0":
+                failed.append(step.name)
+        print(f"\n== {len(background) + 1} steps in {time.monotonic() - started:.0f} s", end="")
+        print(f"; failed: {', '.join(failed)}" if failed else "; all passed", flush=True)
+        return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
