@@ -32,7 +32,15 @@ def free_port() -> int:
         return port
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+# How long a wait for a server or a state gives up after, unless a test says: a guard against a
+# hang, not a bound under test. `make test` runs most tests at idle priority beside the timing
+# tests (tests/phases.py), and a saturating one leaves them no core for many seconds.
+HANG_S = 90.0
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout: float = HANG_S, what: str = "condition"
+) -> None:
     """Poll until ``predicate()`` holds; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -536,7 +544,7 @@ def _in_sync(client: Any) -> bool:
 
 
 async def async_wait_for(
-    predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float = HANG_S, what: str = "condition"
 ) -> None:
     """``wait_for`` for a test's event loop: ``predicate`` may talk to servers, and the loop
     keeps running between polls (background writes, timers)."""
