@@ -10,38 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from phases import SERIAL
 from support import fuzzing, servers
 from support.examples import ExamplesRun, examples_once
 from support.servers import OwnRedisServer, RedisServer, RunningRedisCluster, redis_server
 
-# Tests whose outcome rests on time: deadlines and SLOs met or missed, capacity searches,
-# recovery within bounds, refusals counted under load. `make test` runs them alone, after the
-# rest have run two at a time (pytest-xdist): beside another test they could fail for want of
-# a core, not for a bug.
-SERIAL = {
-    # (not for time: schemathesis runs a route's generated cases only in the main process)
-    "fuzz/test_openapi_fuzz.py",
-    "integration/test_autoscale.py",
-    "integration/test_bench.py",
-    "integration/test_bench_grpc.py",
-    "integration/test_chaos.py",
-    "integration/test_dashboard.py",
-    "integration/test_deadlines.py",
-    "integration/test_front_door.py",
-    "integration/test_front_door_grpc.py",
-    "integration/test_http_client.py",
-    "integration/test_jobs_fleet.py",
-    "integration/test_many_models.py",
-    "integration/test_precompute.py",
-    "integration/test_redis_cluster_up.py",
-    "integration/test_router.py",
-    "integration/test_router_grpc.py",
-    "integration/test_security_http.py",
-    "integration/test_stack_metrics.py",
-    "integration/test_stale_if_overloaded.py",
-    "unit/test_loop_lag.py",
-    "unit/test_timer.py",
-}
 TESTS = Path(__file__).parent
 
 
