@@ -266,7 +266,10 @@ def test_different_lengths_batch_in_their_class_padded_within_its_edge(
                 }
             ]
         }
-        reply = httpx.post(f"{worker.url}/v2/models/counter/infer", json=document)
+        # (A deadline of its own: the default SLO's 50 ms are not under test here, and eight
+        # clients starting at once in this process can take them before the worker reads.)
+        url = f"{worker.url}/v2/models/counter/infer"
+        reply = httpx.post(url, json=document, headers={"X-Deadline-Ms": "10000"})
         assert reply.status_code == 200, reply.text
         edge = 8 if n <= 8 else 32
         assert reply.json()["parameters"]["cost_class"] == f"tokens<={edge}"
