@@ -305,7 +305,7 @@ def test_concurrent_requests_share_batches_and_get_their_own_rows(worker: Runnin
             "/v2/models/doubler/infer",
             {"content": orjson.dumps(infer_body([1.0])).replace(b'"x"', b'"\xff"')},
             400,
-            "not valid UTF-8",
+            "UTF-8",  # (msgspec 0.23 says "Invalid UTF-8 encoded string", 0.22 "not valid UTF-8")
         ),
         # ... and these were taken wrongly.
         (
