@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import socket
 import subprocess
 from pathlib import Path
 
@@ -10,7 +12,12 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from tailserve.errors import ConfigError
-from tailserve.frontdoor.haproxy import await_server_script, find_binary, grpc_ejection_script
+from tailserve.frontdoor.haproxy import (
+    HAProxy,
+    await_server_script,
+    find_binary,
+    grpc_ejection_script,
+)
 from tailserve.frontdoor.policy import down_state
 from tailserve.frontdoor.render import FrontDoorPolicy, Listen, Member, render, worker_backends
 from tailserve.frontdoor.render_grpc import MAX_NAME_BYTES, name_prefix
@@ -326,3 +333,46 @@ def test_the_first_state_has_every_server_down_with_its_address_weight_and_check
     assert grpc[18] == "9002" and grpc[21] == "0"  # a unary call: to its HTTP port
     stream = by_place[("grpc.stream", "worker-1")]
     assert stream[18] == "9102" and stream[21] == "9002"  # checked on its HTTP port
+
+
+async def test_a_cli_command_refused_for_a_moment_is_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Bound but not listening, the socket refuses, as the master's does while it executes
+    # itself again on a reload; it listens from the third attempt on.
+    door = HAProxy(tmp_path, binary="haproxy")
+    held = socket.socket(socket.AF_UNIX)
+    held.bind(str(door.socket_path))
+    attempts: list[str] = []
+    servers: list[asyncio.Server] = []
+    connect = asyncio.open_unix_connection
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked = await reader.read()
+        writer.write(b"asked: " + asked)
+        await writer.drain()
+        writer.close()
+
+    async def counted(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        attempts.append(path)
+        if len(attempts) == 3:
+            servers.append(await asyncio.start_unix_server(answer, sock=held))
+        return await connect(path)
+
+    monkeypatch.setattr(asyncio, "open_unix_connection", counted)
+    try:
+        assert await door.command("show proc") == "asked: show proc\n"
+        assert len(attempts) == 3
+    finally:
+        for server in servers:
+            server.close()
+        held.close()
+
+
+async def test_a_cli_refusing_past_its_patience_is_the_callers_error(tmp_path: Path) -> None:
+    door = HAProxy(tmp_path, binary="haproxy")
+    door.cli_patience_s = 0.1
+    with socket.socket(socket.AF_UNIX) as never:
+        never.bind(str(door.socket_path))
+        with pytest.raises(ConnectionRefusedError):
+            await door.command("show proc")

@@ -555,12 +555,14 @@ class Supervisor:
             await asyncio.gather(direct.close(), door.close())
 
     async def _until_up(self, backend: str) -> None:
-        """Wait until the front door has a server up in ``backend`` (one it does not have:
-        at once)."""
+        """Wait until the front door has a server up in ``backend`` (one it lacks: at once)."""
         door = self.front_door_process
         while True:
-            if not door.running or await door.servers_up(backend):
-                return
+            try:
+                if not door.running or await door.servers_up(backend):
+                    return
+            except OSError as exc:  # (its CLI socket, while it starts again: asked again)
+                log.info("the front door's CLI did not answer (%s): asking again", exc)
             await asyncio.sleep(self.config.ready_interval_s / 5)
 
     async def _classify(self) -> None:

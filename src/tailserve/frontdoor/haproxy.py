@@ -88,6 +88,7 @@ class HAProxy:
         self._reader: asyncio.Task[None] | None = None
         # HAProxy's last ALERT line (why it did not start, most often).
         self.last_alert = ""
+        self.cli_patience_s = 2.0
 
     @property
     def pid(self) -> int | None:
@@ -256,7 +257,7 @@ class HAProxy:
 
     async def command(self, text: str) -> str:
         """One command on the master's CLI socket, and its answer."""
-        reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        reader, writer = await self._connect()
         try:
             writer.write(text.encode() + b"\n")
             writer.write_eof()  # else the master keeps the connection open for more
@@ -266,6 +267,20 @@ class HAProxy:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to the master's CLI socket. While the master executes itself again on a
+        reload, its socket refuses connections for a moment: a refused one is tried again, every
+        20 ms for up to ``cli_patience_s``."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.cli_patience_s
+        while True:
+            try:
+                return await asyncio.open_unix_connection(str(self.socket_path))
+            except ConnectionRefusedError:
+                if loop.time() >= until:
+                    raise
+            await asyncio.sleep(0.02)
 
     async def _until_workers(
         self, done: Callable[[list[int]], bool], timeout_s: float = 15.0
