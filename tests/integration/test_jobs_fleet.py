@@ -44,10 +44,12 @@ def two_workers(repository: Path, logs: Path, redis: RedisServer) -> Iterator[li
 def test_jobs_a_killed_worker_held_finish_on_another_each_with_one_result(
     slow_repository: Path, tmp_path: Path, redis: RedisServer
 ) -> None:
-    with two_workers(slow_repository, tmp_path, redis) as (a, b):
+    # One client for the polls: each would otherwise set up a client of its own, tens of
+    # milliseconds on a slow machine, and twelve of them outlast a job's 0.3 s.
+    with two_workers(slow_repository, tmp_path, redis) as (a, b), httpx.Client() as client:
         locations = []
         for i in range(12):
-            reply = httpx.post(f"{a.url}/v2/models/crawl/jobs", json=x_request(float(i)))
+            reply = client.post(f"{a.url}/v2/models/crawl/jobs", json=x_request(float(i)))
             assert reply.status_code == 202, reply.text
             locations.append(reply.headers["location"])
 
@@ -55,7 +57,7 @@ def test_jobs_a_killed_worker_held_finish_on_another_each_with_one_result(
 
         def held_by_a() -> bool:
             for location in locations:
-                document = httpx.get(b.url + location).json()
+                document = client.get(b.url + location).json()
                 if document["status"] == "running" and document["worker"] == "a":
                     running_on_a.append(location)
                     return True
@@ -66,11 +68,11 @@ def test_jobs_a_killed_worker_held_finish_on_another_each_with_one_result(
         a.process.wait(timeout=10)
 
         def all_finished() -> bool:
-            statuses = [httpx.get(b.url + location).json()["status"] for location in locations]
+            statuses = [client.get(b.url + location).json()["status"] for location in locations]
             return all(status in ("succeeded", "failed") for status in statuses)
 
         wait_for(all_finished, timeout=60, what="every job to finish on worker b")
-        documents = [httpx.get(b.url + location).json() for location in locations]
+        documents = [client.get(b.url + location).json() for location in locations]
         for i, document in enumerate(documents):
             assert document["status"] == "succeeded", document
             assert document["result"]["outputs"][0]["data"] == [2.0 * i + 1.0]
@@ -78,7 +80,7 @@ def test_jobs_a_killed_worker_held_finish_on_another_each_with_one_result(
         assert retried, "no job was taken again after the kill"
         assert running_on_a  # (the kill came while jobs were running)
         # Listed once each: one job, one result.
-        listing = httpx.get(f"{b.url}/v2/jobs", params={"model": "crawl", "limit": "1000"})
+        listing = client.get(f"{b.url}/v2/jobs", params={"model": "crawl", "limit": "1000"})
         ids = [job["id"] for job in listing.json()["jobs"]]
         assert sorted(set(ids) & {d["id"] for d in documents}) == sorted(d["id"] for d in documents)
         assert len(ids) == len(set(ids))
