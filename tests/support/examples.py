@@ -2,7 +2,7 @@
 source and packages it was trained with, kept in pytest's cache folder, and copied into each
 test session's own folder (a test that changes its copy changes no other session's).
 
-Each process of a parallel run, and the serial run after it, would otherwise train the same
+Each process of `make test`'s two lanes (tests/phases.py) would otherwise train the same
 repository again (13-15 s each). The key is every source file of the package and the versions
 of the libraries that train and export the models; a process that finds another building
 waits for it (a lock file). Only a build that succeeded is kept.
