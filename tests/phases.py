@@ -41,6 +41,7 @@ SERIAL = {
     "integration/test_chaos.py",
     "integration/test_dashboard.py",
     "integration/test_deadlines.py",
+    "integration/test_feature_store.py",
     "integration/test_front_door.py",
     "integration/test_front_door_grpc.py",
     "integration/test_http_client.py",
