@@ -93,6 +93,24 @@ async def test_unknown_ids_are_invalid_input_naming_the_entity_and_id(
         await store.read(entity, "2", [1], FIELDS)
 
 
+async def test_prepare_caches_the_script_and_names_a_version_not_there(
+    store: FeatureStore, admin: Redis
+) -> None:
+    entity = fresh_entity()
+    await store.write_matrix(entity, "1", range(3), FIELDS, table(3))
+    await admin.script_flush()
+    await store.prepare(entity, "1", FIELDS[:2])
+    (cached,) = await admin.script_exists(store._sha)
+    assert cached
+    evals = await command_calls(admin, "eval")
+    np.testing.assert_array_equal(await store.read(entity, "1", [2], FIELDS), table(3)[[2]])
+    assert await command_calls(admin, "eval") == evals  # the read found the script there
+    with pytest.raises(Unavailable, match=r"holds no .* features of version '2'"):
+        await store.prepare(entity, "2", FIELDS)
+    with pytest.raises(Unavailable, match="lack 'f9'"):
+        await store.prepare(entity, "1", ["f0", "f9"])
+
+
 async def test_versions_are_kept_apart_and_fixed_to_their_fields(store: FeatureStore) -> None:
     entity = fresh_entity()
     await store.write_matrix(entity, "1", range(4), FIELDS, table(4))
@@ -270,7 +288,13 @@ def test_a_worker_scores_candidates_from_their_ids(
         ]
     }
     settings = Settings(repository=str(ranker_repository), redis_url=redis.url)
+    admin = SyncRedis(host="127.0.0.1", port=redis.port)
+    admin.script_flush()
     with run_worker(settings) as worker:
+        # Ready once the store is: its read script is in Redis before the first request.
+        store = worker.worker.feature_store
+        assert store is not None and admin.script_exists(store._sha) == [True]
+        admin.close()
         response = httpx.post(f"{worker.url}/v2/models/ranker/infer", json=body, timeout=30)
         assert response.status_code == 200, response.text
         (output,) = response.json()["outputs"]

@@ -38,6 +38,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], dict[Any, dict[str, float]]] = {}
         self.reads: list[tuple[str, str, list[Any]]] = []
+        self.prepared: list[tuple[str, str]] = []
         self.failure: Exception | None = None
 
     def put(self, entity: str, version: str, entity_id: Any, **fields: float) -> None:
@@ -54,6 +55,11 @@ class MemoryStore:
         if missing:
             raise InvalidInput(f"unknown {entity} id {missing[0]!r}")
         return np.array([[table[i][f] for f in fields] for i in ids], dtype=np.float32)
+
+    async def prepare(self, entity: str, version: str, fields: Sequence[str]) -> None:
+        self.prepared.append((entity, version))
+        if (entity, version) not in self.rows:
+            raise Unavailable(f"the store holds no {entity!r} features of version {version!r}")
 
 
 USER = FeatureInput(input="user_features", key="user_id", entity="user", fields=["a", "b"])
@@ -141,6 +147,17 @@ async def test_cached_rows_skip_the_store_and_only_misses_are_read(store: Memory
     out = by_name(await resolver.resolve([ids("user_id", [1]), ids("item_ids", [6, 8, 5])]))
     assert store.reads == [("item", "1", [8])]
     np.testing.assert_array_equal(out["item_features"].data[:, 0], [6, 8, 5])
+
+
+async def test_warm_prepares_every_input_and_names_what_is_not_there(
+    store: MemoryStore,
+) -> None:
+    assert await FeatureResolver(config(USER, ITEM), store, Clock()).warm() == []
+    assert sorted(store.prepared) == [("item", "1"), ("user", "1")]
+    account = FeatureInput(input="account_features", key="account", entity="account", fields=["a"])
+    problems = await FeatureResolver(config(USER, account), store, Clock()).warm()
+    assert problems == ["input 'account': the store holds no 'account' features of version '1'"]
+    assert store.reads == []  # nothing was read
 
 
 async def test_rows_expire_after_the_ttl(store: MemoryStore) -> None:

@@ -56,6 +56,9 @@ FLOAT = np.dtype("<f4")
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 ID_DATATYPES = ("INT64", "BYTES")
 
+# How long `prepare` waits: a first connection at start may take longer than a read.
+_PREPARE_S = 2.0
+
 # KEYS[1]: the schema; KEYS[2..]: entities. A missing key is Lua false, which Redis answers as
 # nil, so the reply keeps one slot per key.
 _READ = """
@@ -99,6 +102,8 @@ class FeatureSource(Protocol):
     async def read(
         self, entity: str, version: str, ids: Sequence[EntityId], fields: Sequence[str]
     ) -> Matrix: ...
+
+    async def prepare(self, entity: str, version: str, fields: Sequence[str]) -> None: ...
 
 
 class FeatureStore:
@@ -190,6 +195,14 @@ class FeatureStore:
             raise Unavailable(f"the feature store holds a malformed {entity} row for id {bad!r}")
         matrix = np.frombuffer(joined, dtype=FLOAT).reshape(len(values), width)
         return matrix.copy() if columns is None else matrix[:, columns]
+
+    async def prepare(self, entity: str, version: str, fields: Sequence[str]) -> None:
+        """Make ready for ``entity``'s reads before the first request needs one: a connection
+        open, the read script cached in Redis, the version's ``fields`` there. Raises
+        ``Unavailable`` as a read would; the breaker is not told (no request asked)."""
+        keys = [schema_key(entity, version).encode()]
+        reply = await self._call(entity, lambda: self._run_read(keys), _PREPARE_S)
+        self._layout(entity, version, reply[0], fields)
 
     async def _run_read(self, keys: list[bytes]) -> Any:
         from redis.exceptions import NoScriptError

@@ -178,6 +178,24 @@ class FeatureResolver:
             out.append(Tensor(lookup.spec.input, "FP32", matrix))
         return out
 
+    async def warm(self) -> list[str]:
+        """Make the store ready for every looked-up input at once (as many connections as a
+        request's reads use), so that the first request does not wait for it. Returns what
+        is not ready yet, in plain words: the store may be loaded or come up later, and a
+        read then says so as it would have."""
+        results = await asyncio.gather(
+            *(
+                self.store.prepare(lookup.spec.entity, lookup.version, lookup.fields)
+                for lookup in self._lookups
+            ),
+            return_exceptions=True,
+        )
+        return [
+            f"input {lookup.spec.key!r}: {result}"
+            for lookup, result in zip(self._lookups, results, strict=True)
+            if isinstance(result, Exception)
+        ]
+
     async def _matrices(self, chosen: list[tuple[_Lookup, list[Any]]]) -> list[Matrix]:
         """Every input's rows: the cache's, and its misses from the store (the inputs' reads
         go out together, so a request waits for about one round trip)."""

@@ -235,6 +235,9 @@ class VersionBuilder:
         if config.features is not None:
             assert self._feature_resolver is not None  # checked before loading
             served.features = self._feature_resolver(config.features)
+            # Before ready: the first request should not wait for a connection or the script.
+            for problem in await served.features.warm():
+                log.warning("model %r: its feature store is not ready: %s", config.name, problem)
         return served
 
     async def _pipeline(self, config: ModelConfig, version: int) -> ServedPipeline:
