@@ -54,8 +54,9 @@ endif
 	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
 # After ruff, two lanes at once (tests/phases.py): the tests that rest on time (marked serial
-# in tests/conftest.py) one at a time, and beside them at the lowest priority mypy, the import
-# layers and the other tests two at a time (pytest-xdist); each test run names its ten slowest.
+# in tests/conftest.py) one at a time, and beside them at the lowest priority the examples'
+# training, mypy, the import layers and the other tests two at a time (pytest-xdist); each test
+# run names its ten slowest.
 test: setup-dev browser
 	$(BIN)/ruff check src tests benchmarks deploy
 	$(BIN)/ruff format --check src tests benchmarks deploy

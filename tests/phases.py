@@ -6,9 +6,10 @@ comes. Those tests spend about half their time waiting on time itself (a deadlin
 recovery), so a core is mostly free beside them.
 
 The background lane takes that free time at the lowest priority the system offers (Linux's
-SCHED_IDLE, else nice 19), so that it never takes a core a timing test wants: mypy, the import
-layers, then every other test two at a time (pytest-xdist). Its output is kept and shown once
-the foreground is done. The whole fails if either lane fails, naming the steps that did.
+SCHED_IDLE, else nice 19), so that it never takes a core a timing test wants: it trains the
+examples (which the foreground's last files serve), then runs mypy, the import layers, and every
+other test two at a time (pytest-xdist). Its output is kept and shown once the foreground is
+done. The whole fails if either lane fails, naming the steps that did.
 
 Usage: python tests/phases.py [BIN], BIN being the folder of the virtual environment's
 programs (default: the running interpreter's). `--lane LOGS` after BIN runs the background
@@ -41,7 +42,6 @@ SERIAL = {
     "integration/test_chaos.py",
     "integration/test_dashboard.py",
     "integration/test_deadlines.py",
-    "integration/test_feature_store.py",
     "integration/test_front_door.py",
     "integration/test_front_door_grpc.py",
     "integration/test_http_client.py",
@@ -57,6 +57,17 @@ SERIAL = {
     "unit/test_loop_lag.py",
     "unit/test_timer.py",
 }
+# Of those, the files that serve the trained examples: the foreground runs them last, by which
+# time the background lane, which trains them first, is done (training took 15-30 s).
+LAST = {
+    "fuzz/test_openapi_fuzz.py",
+    "integration/test_chaos.py",
+    "integration/test_dashboard.py",
+    "integration/test_precompute.py",
+    "integration/test_stack_metrics.py",
+}
+# Where tests/conftest.py's `examples_command` keeps the trained examples (pytest's cache).
+EXAMPLES_CACHE = ".pytest_cache/d/examples"
 
 
 @dataclass(frozen=True)
@@ -69,9 +80,12 @@ def steps(bin_dir: Path) -> tuple[list[Step], Step]:
     """The background lane's steps, in order, and the foreground's one."""
     # Each lane collects only its own files: collecting them all imports torch, scikit-learn and
     # LightGBM, about 15 s of a core on a 2 GHz machine.
-    timed = [f"tests/{name}" for name in sorted(SERIAL)]
-    pytest = [str(bin_dir / "python"), "-m", "pytest", "-q", "--durations=10"]
+    ordered = sorted(SERIAL - LAST) + sorted(LAST)
+    timed = [f"tests/{name}" for name in ordered]
+    python = str(bin_dir / "python")
+    pytest = [python, "-m", "pytest", "-q", "--durations=10"]
     background = [
+        Step("the examples, trained", [python, "tests/support/examples.py", EXAMPLES_CACHE]),
         Step("mypy", [str(bin_dir / "mypy")]),
         Step("import layers", [str(bin_dir / "lint-imports")]),
         Step(

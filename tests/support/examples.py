@@ -34,22 +34,32 @@ class ExamplesRun:
 def examples_once(cache: Path, into: Path) -> ExamplesRun:
     """The example repository, copied to ``into`` from ``cache`` (built there first when it
     holds none for this source)."""
+    built, done = ensure_built(cache)
+    if done.returncode != 0:
+        return ExamplesRun(built, done)
+    shutil.copytree(built, into)
+    return ExamplesRun(into, done)
+
+
+def ensure_built(cache: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """This source's build in ``cache`` and what the command said: built now unless another
+    process built it before (or builds it meanwhile: this one waits)."""
     key = _source_key()
     built = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
     with (cache / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = built / "done.json"
         if not record.exists():
             done = _build(built / "repo")
             if done.returncode != 0:
-                return ExamplesRun(built / "repo", done)
+                return built / "repo", done
             record.write_text(json.dumps([done.returncode, done.stdout, done.stderr]))
             for other in cache.iterdir():
                 if other.is_dir() and other.name != key:
                     shutil.rmtree(other, ignore_errors=True)
         code, stdout, stderr = json.loads(record.read_text())
-    shutil.copytree(built / "repo", into)
-    return ExamplesRun(into, subprocess.CompletedProcess([], code, stdout, stderr))
+    return built / "repo", subprocess.CompletedProcess([], code, stdout, stderr)
 
 
 def _build(directory: Path) -> subprocess.CompletedProcess[str]:
@@ -71,3 +81,10 @@ def _source_key() -> str:
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    # `python tests/support/examples.py CACHE`: build ahead of the tests (tests/phases.py).
+    _, finished = ensure_built(Path(sys.argv[1]))
+    sys.stderr.write(finished.stderr if finished.returncode else "")
+    sys.exit(finished.returncode)
