@@ -60,13 +60,14 @@ def worker(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis: RedisServer
 ) -> Iterator[RunningWorker]:
     """A worker that runs jobs: `doubler` (y = 2x + 1, 16 rows a batch), `slow` (each batch
-    takes 0.4 s, its jobs more urgent) and `picky` (fails on a negative x)."""
+    takes 3 s, its jobs more urgent: still running when a test at idle priority, its polls
+    seconds apart, cancels it) and `picky` (fails on a negative x)."""
     repo = tmp_path_factory.mktemp("jobs-repo")
     write_model(repo, "doubler", doubler_config(jobs={"priority": 3}))
     write_model(
         repo,
         "slow",
-        doubler_config(parameters={"delay": 0.4}, warmup={"repeat": 0}, jobs={"priority": 2}),
+        doubler_config(parameters={"delay": 3.0}, warmup={"repeat": 0}, jobs={"priority": 2}),
     )
     write_model(repo, "picky", doubler_config(warmup={"repeat": 0}), code=PICKY)
     with run_worker(settings_for(request.param, repo, redis)) as running:
@@ -148,18 +149,18 @@ def test_binary_outputs_asked_of_a_job_come_back_as_json(worker: RunningWorker) 
 
 
 def test_a_running_job_cancelled_keeps_no_result(worker: RunningWorker) -> None:
-    reply = httpx.post(f"{worker.url}/v2/models/slow/jobs", json=x_request(1.0))
-    location = reply.headers["location"]
-    wait_for(
-        lambda: httpx.get(worker.url + location).json()["status"] == "running",
-        what="the slow job to start",
-    )
-    cancelled = httpx.delete(worker.url + location)
-    assert cancelled.status_code == 200
-    assert cancelled.json()["status"] == "cancelled"
-    runner = worker.worker.job_runner
-    wait_for(lambda: runner.running == 0, what="the runner to let the job go")
-    document = httpx.get(worker.url + location).json()
+    with httpx.Client(base_url=worker.url) as client:  # (one client: polls milliseconds apart)
+        location = client.post("/v2/models/slow/jobs", json=x_request(1.0)).headers["location"]
+        wait_for(
+            lambda: client.get(location).json()["status"] == "running",
+            what="the slow job to start",
+        )
+        cancelled = client.delete(location)
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        runner = worker.worker.job_runner
+        wait_for(lambda: runner.running == 0, what="the runner to let the job go")
+        document = client.get(location).json()
     assert document["status"] == "cancelled"
     assert "result" not in document
 
