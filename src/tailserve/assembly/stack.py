@@ -18,9 +18,10 @@ repeated within a few seconds (as make or a shell passing it on delivers it twic
 door drains first (it stops listening; requests in flight finish), then every worker gets
 SIGTERM and drains itself; a worker still running after the drain timeout is killed. SIGQUIT,
 or a signal after those seconds, kills every worker and the front door at once
-(`loops.StopSignals`). The front door and the workers run in sessions of their own, so a signal
-to the group reaches only the supervisor, which keeps that order; the price is that a
-supervisor killed with SIGKILL leaves them running.
+(`loops.StopSignals`). The front door and the workers run in sessions of their own (at the
+supervisor's session's CPU priority: `process.sessions`), so a signal to the group reaches only
+the supervisor, which keeps that order; the price is that a supervisor killed with SIGKILL
+leaves them running.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from tailserve.frontdoor.render import (
     worker_backends,
 )
 from tailserve.process.loops import STOP_SIGNALS, Stop, StopSignals
+from tailserve.process.sessions import start_session
 from tailserve.router.config import backend_url
 from tailserve.router.lanes import DEFAULT_THRESHOLD_MS, slow_models
 from tailserve.transport.admin_access import AdminAccess, admin_access
@@ -469,9 +471,7 @@ class Supervisor:
             worker.restarts += 1
 
     async def _spawn(self, worker: ManagedWorker) -> asyncio.subprocess.Process:
-        process = await asyncio.create_subprocess_exec(
-            *worker.command, env=self._worker_env(worker), start_new_session=True
-        )
+        process = await start_session(*worker.command, env=self._worker_env(worker))
         worker.process = process
         worker.started_at, worker.ready_at = asyncio.get_running_loop().time(), None
         if self._stopping.is_set():  # stop() ran while it started, and did not see it

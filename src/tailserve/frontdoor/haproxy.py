@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tailserve.errors import ConfigError, UpstreamError
 from tailserve.frontdoor.policy import down_state
+from tailserve.process.sessions import start_session
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class HAProxy:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         self._draining = False
-        self.process = await asyncio.create_subprocess_exec(
+        self.process = await start_session(  # (its own workers are of its session)
             self.binary,
             "-W",
             "-f",
@@ -136,7 +137,6 @@ class HAProxy:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
         )
         assert self.process.stderr is not None
         self._reader = asyncio.create_task(self._log(self.process.stderr), name="haproxy log")
