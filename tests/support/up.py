@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from support.servers import WorkerProcess, free_port, wait_for
+from tailserve.process.sessions import keep_priority
 
 STARTED = re.compile(r"(worker-\d+) started \(pid (\d+)\) on (\S+)")
 ANY_STARTED = re.compile(r"\S+ started \(pid (\d+)\) on")
@@ -87,6 +88,8 @@ def tailserve_up(
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=session
             )
+        if session:
+            keep_priority(process.pid)  # (a session of its own, at the priority of this one)
         return process, UpProcess(process, f"http://127.0.0.1:{port}", log_path)
 
     process, running = start()
