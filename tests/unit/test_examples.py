@@ -165,18 +165,9 @@ def test_training_data_is_fixed_and_balanced_enough() -> None:
 
 
 def test_the_pickled_pipeline_is_the_one_the_onnx_graph_was_exported_from(tmp_path: Path) -> None:
-    from tailserve.examples import write_examples
+    from tailserve.examples.churn import write_churn
 
-    names = write_examples(tmp_path, sklearn=True)
-    assert names == [
-        "churn",
-        "churn_lgbm",
-        "churn_sklearn",
-        "sentiment",
-        "ranker",
-        "funnel",
-        "rerank",
-    ]
+    assert write_churn(tmp_path, sklearn=True) == ["churn", "churn_lgbm", "churn_sklearn"]
     config = load_model_config(tmp_path / "churn_sklearn")
     assert config.runtime == "sklearn" and config.trust
     loaded = {}
@@ -202,7 +193,7 @@ def test_the_sentiment_model_learnt_and_padding_changes_nothing(
         draw_reviews,
         pad,
         review_lengths,
-        train,
+        word_sentiments,
     )
 
     config = load_model_config(example_repository / "sentiment")
@@ -210,8 +201,8 @@ def test_the_sentiment_model_learnt_and_padding_changes_nothing(
     assert config.batching.cost.edges == EDGES
     runtime = create_runtime(RuntimeContext(config, 1, example_repository / "sentiment" / "1"))
     runtime.load()
-    weights, _ = train()  # the same seed: the same weights as the written model
-    reviews, labels = draw_reviews(np.random.default_rng(SEED + 1), 400, weights["sentiment"])
+    truth = word_sentiments()  # the same seed: what the written model was trained on
+    reviews, labels = draw_reviews(np.random.default_rng(SEED + 1), 400, truth)
     tight = runtime.predict({INPUT: pad(reviews)})[OUTPUT][:, 0]
     padded = runtime.predict({INPUT: pad(reviews, 600)})[OUTPUT][:, 0]
     np.testing.assert_allclose(padded, tight, atol=1e-6)
@@ -225,7 +216,7 @@ def test_the_sentiment_model_learnt_and_padding_changes_nothing(
 def test_sentiment_comes_with_measured_variants_that_serve_alike(
     example_repository: Path,
 ) -> None:
-    from tailserve.examples.sentiment import INPUT, OUTPUT, SEED, draw_reviews, pad, train
+    from tailserve.examples.sentiment import INPUT, OUTPUT, SEED, draw_reviews, pad, word_sentiments
 
     config = load_model_config(example_repository / "sentiment")
     choices = config.variants.choices
@@ -236,8 +227,7 @@ def test_sentiment_comes_with_measured_variants_that_serve_alike(
     # The cheaper forms are cheaper where batches are large, and lose little.
     assert choices[1].latency_ms[64] < choices[0].latency_ms[64]
     assert choices[2].latency_ms[64] < choices[0].latency_ms[64]
-    weights, _ = train()
-    reviews, _ = draw_reviews(np.random.default_rng(SEED + 7), 200, weights["sentiment"])
+    reviews, _ = draw_reviews(np.random.default_rng(SEED + 7), 200, word_sentiments())
     scores = {}
     for variant in choices:
         context = RuntimeContext(config, 1, example_repository / "sentiment" / "1", variant)

@@ -90,6 +90,12 @@ def pad(reviews: list[np.ndarray[Any, Any]], length: int | None = None) -> Any:
     return out
 
 
+def word_sentiments() -> np.ndarray[Any, Any]:
+    """Each word's sentiment, the truth the synthetic reviews are drawn from (``draw_reviews``):
+    the same as ``train`` starts from, without its seconds of fitting."""
+    return _weights(np.random.default_rng(SEED))["sentiment"]
+
+
 def train(hidden: int = HIDDEN) -> tuple[dict[str, np.ndarray[Any, Any]], float]:
     """The fixed weights (``hidden`` wide per token), the head fitted on synthetic reviews; and
     its training accuracy."""
