@@ -22,13 +22,14 @@ EPILOG = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["serve"]:
+        # Before anything else is imported: the process starts again (see the module).
+        from tailserve.assembly.hugepages import restart_with_huge_pages
+
+        restart_with_huge_pages()  # returns where it need not
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
-    if argv is None and handler is _serve:
-        from tailserve.assembly.hugepages import restart_with_huge_pages
-
-        restart_with_huge_pages()  # returns where it need not (see its module)
     try:
         return handler(args)
     except TailserveError as exc:
