@@ -264,7 +264,7 @@ def load_features(
     model_dir: Path | str, redis_url: str, *, cluster: bool = False
 ) -> dict[str, int]:
     """Load the ranker's synthetic features into the Redis at ``redis_url`` (~150,000 rows,
-    pipelined), and the funnel's retrieval vectors made from them (as many again); how many
+    2,000 a command), and the funnel's retrieval vectors made from them (as many again); how many
     rows of each entity. Raises ``Unavailable`` when Redis fails."""
     from tailserve.process.loops import run
 
