@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from support.examples import ExamplesRun
 from support.servers import worker_process
 from tailserve import __version__
+from tailserve.cli import build_parser
 from tailserve.settings import LOG_LEVELS
 
 # A line of the worker's log: "2026-11-25 23:20:51,259 INFO tailserve.assembly.worker: HTTP on ..."
@@ -80,18 +82,23 @@ def test_bench_errors_name_the_file_field_or_server(tmp_path: Path) -> None:
     assert "two or more result files" in done.stderr
 
 
-def test_serve_and_up_take_the_same_log_levels(tmp_path: Path) -> None:
+def test_serve_and_up_take_the_same_log_levels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     absent = str(tmp_path / "absent")
-    for level in LOG_LEVELS:
-        # Each level passes the flags and stops at the missing repository.
-        done = tailserve("serve", "--repository", absent, "--log-level", level)
-        assert done.returncode == 2 and "is not a folder" in done.stderr, done.stderr
-        done = tailserve("up", "--repository", absent, "--log-level", level)
-        assert done.returncode == 2 and "no model repository" in done.stderr, done.stderr
+    parser = build_parser()
     for command in ("serve", "up"):
-        done = tailserve(command, "--repository", absent, "--log-level", "verbose")
-        assert done.returncode == 2
-        assert "invalid choice: 'verbose' (choose from 'debug', 'info'" in done.stderr
+        for level in LOG_LEVELS:
+            args = parser.parse_args([command, "--repository", absent, "--log-level", level])
+            assert args.log_level == level
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--repository", absent, "--log-level", "verbose"])
+        assert "invalid choice: 'verbose' (choose from 'debug', 'info'" in capsys.readouterr().err
+    # As a process: the flags pass, and each stops at the missing repository.
+    done = tailserve("serve", "--repository", absent, "--log-level", "debug")
+    assert done.returncode == 2 and "is not a folder" in done.stderr, done.stderr
+    done = tailserve("up", "--repository", absent, "--log-level", "warning")
+    assert done.returncode == 2 and "no model repository" in done.stderr, done.stderr
 
 
 # One worker of the examples, warmed: its resident set (it was ~2 GB with ORT's arenas).
