@@ -53,10 +53,10 @@ ifneq ($(REDIS_URL),)
 endif
 	TAILSERVE_ADMIN_TOKEN=$(ADMIN_TOKEN) exec $(BIN)/tailserve up $(UP_FLAGS)
 
-# After ruff, two lanes at once (tests/phases.py): the tests that rest on time (marked serial
-# in tests/conftest.py) one at a time, and beside them at the lowest priority the examples'
-# training, mypy, the import layers and the other tests two at a time (pytest-xdist); each test
-# run names its ten slowest.
+# After ruff, two lanes at once (tests/phases.py): the examples trained, then the tests that rest
+# on time (marked serial in tests/conftest.py) one at a time; beside them at a lower priority
+# mypy, the import layers and the other tests two at a time (pytest-xdist); each test run names
+# its ten slowest.
 test: setup-dev browser
 	$(BIN)/ruff check src tests benchmarks deploy
 	$(BIN)/ruff format --check src tests benchmarks deploy

@@ -6,10 +6,10 @@ machine's normal priority, its output shown as it comes. Those tests spend about
 time waiting on time itself (a deadline, a sweep, a recovery), so a core is mostly free beside
 them.
 
-The background lane takes that free time at the lowest priority the system offers (Linux's
-SCHED_IDLE, else nice 19), so that it never takes a core a timing test wants: mypy, the import
-layers, then every other test two at a time (pytest-xdist). Its output is kept and shown once
-the foreground is done. The whole fails if either lane fails, naming the steps that did.
+The background lane takes that free time at a lower priority (nice 5, its session too), so
+that it takes little of a core a timing test wants: mypy, the import layers, then every other
+test two at a time (pytest-xdist). Its output is kept and shown once the foreground is done.
+The whole fails if either lane fails, naming the steps that did.
 
 Usage: python tests/phases.py [BIN], BIN being the folder of the virtual environment's
 programs (default: the running interpreter's). `--lane LOGS` after BIN runs the background
@@ -60,6 +60,8 @@ SERIAL = {
     "unit/test_loop_lag.py",
     "unit/test_timer.py",
 }
+# The background lane's nice value (`_lower_priority`).
+LANE_NICE = 5
 # Where tests/conftest.py's `examples_command` keeps the trained examples (pytest's cache).
 EXAMPLES_CACHE = ".pytest_cache/d/examples"
 
@@ -94,18 +96,17 @@ def steps(bin_dir: Path) -> tuple[list[Step], list[Step]]:
     return background, foreground
 
 
-def _lowest_priority() -> None:
+def _lower_priority() -> None:
     """In the background lane's first process, in a session of its own: what it and every
-    process it starts run at. With Linux's autogroups the CPU is shared between sessions
-    first: SCHED_IDLE alone counts only within the lane's session, which took as much CPU as
-    the foreground's (a third of a timing test's). So the session weighs least too (nice 19),
-    and the stacks the lane starts keep that in sessions of their own (process/sessions.py)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
+    process it starts run at. Nice 5 gives the foreground three quarters of the CPU when both
+    lanes want it (weights 1024 and 335). Not the least weight there is: the lane's tests have
+    bounds of their own (a store's 250 ms, a model's SLO), and a lane at SCHED_IDLE, which got
+    no core for seconds beside a saturating timing test, broke them. With Linux's autogroups
+    the CPU is shared between sessions first, so the lane's session is given the same nice
+    value, and the stacks it starts keep it in sessions of their own (process/sessions.py)."""
+    os.nice(LANE_NICE)
     with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text("19")
+        Path("/proc/self/autogroup").write_text(str(LANE_NICE))
 
 
 def run_lane(background: list[Step], logs: Path) -> None:
@@ -129,7 +130,7 @@ def main(argv: list[str]) -> int:
         lane = subprocess.Popen(
             [sys.executable, __file__, str(bin_dir), "--lane", str(logs)],
             cwd=ROOT,
-            preexec_fn=_lowest_priority,
+            preexec_fn=_lower_priority,
             start_new_session=True,  # one process group: stopped as one, should this stop early
         )
         try:
