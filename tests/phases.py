@@ -18,7 +18,6 @@ lane itself (what the foreground starts).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -27,6 +26,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tailserve.process.sessions import set_session_nice
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,8 +106,7 @@ def _lower_priority() -> None:
     the CPU is shared between sessions first, so the lane's session is given the same nice
     value, and the stacks it starts keep it in sessions of their own (process/sessions.py)."""
     os.nice(LANE_NICE)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text(str(LANE_NICE))
+    set_session_nice(LANE_NICE)
 
 
 def run_lane(background: list[Step], logs: Path) -> None:

@@ -14,12 +14,11 @@ from tailserve.process.sessions import session_nice
 # its child's sessions are and what the child's session weighs.
 PARENT = """
 import asyncio, json, os, sys
-from pathlib import Path
-from tailserve.process.sessions import session_nice, start_session
+from tailserve.process.sessions import session_nice, set_session_nice, start_session
 
 nice = int(sys.argv[1])
-if session_nice() is not None and nice:
-    Path("/proc/self/autogroup").write_text(str(nice))
+if nice:
+    set_session_nice(nice)
 
 async def main():
     child = await start_session(sys.executable, "-c", "import time; time.sleep(30)")

@@ -10,8 +10,8 @@ terminal's process group reaches the stack alone; it stops them itself). Each wo
 as much as any other session, whatever its parent's session was given: a stack started at the
 lowest priority to stay out of the way would compete at full weight. `start_session` starts a
 child in a session of its own and `keep_priority` gives that session the nice value of the
-caller's. Where the kernel has no autogroups,
-or the value cannot be read or written, it does nothing: the child runs as it would have.
+caller's. Where the kernel has no autogroups, or the value cannot be read or written, it does
+nothing: the child runs as it would have.
 """
 
 from __future__ import annotations
@@ -34,14 +34,19 @@ def session_nice(pid: int | str = "self") -> int | None:
     return int(found.group(1)) if found else None
 
 
+def set_session_nice(nice: int, pid: int | str = "self") -> None:
+    """Give ``pid``'s session the autogroup nice value ``nice`` (nothing where that cannot be
+    done)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+
+
 def keep_priority(child: int) -> None:
     """Give the session of ``child`` (a process that started one) the nice value of this
     process's session, where that is not the default (0)."""
     nice = session_nice()
-    if not nice:
-        return
-    with contextlib.suppress(OSError):
-        Path(f"/proc/{child}/autogroup").write_text(str(nice))
+    if nice:
+        set_session_nice(nice, child)
 
 
 async def start_session(*command: str, **options: Any) -> asyncio.subprocess.Process:
