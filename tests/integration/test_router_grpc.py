@@ -5,6 +5,7 @@ health and metadata, and errors as gRPC statuses that name the problem."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[
         yield tmp, workers
 
 
-def _routed(urls: list[str], **changes: Any) -> Any:
-    return running_router(urls, grpc_port=free_port(), **changes)
+@contextlib.asynccontextmanager
+async def _routed(urls: list[str], **changes: Any) -> AsyncIterator[Router]:
+    """A router with gRPC on a free port. Another process (the other lane of `make test`) may
+    take that port between its choice and the bind: the router then serves HTTP alone, and is
+    started again on another port."""
+    for attempt in range(3):
+        async with running_router(urls, grpc_port=free_port(), **changes) as router:
+            if router.grpc_port is not None or attempt == 2:
+                yield router
+                return
 
 
 class Caller:
