@@ -213,6 +213,21 @@ async def test_after_a_failover_the_tier_and_the_store_read_from_the_promoted_re
             assert await master.execute_command("WAIT", 1, 5000) == 1
 
         cluster.kill(victim)
+        # The dead master's failures leave the other reads alone: no slot map or command
+        # table read first (redis-py's own path does, at the next command of any slot, one
+        # read at a time). Three failures: its breaker (of five) stays closed.
+        live = [Redis(port=port) for port in cluster.alive()]
+        try:
+            before = await _topology_reads(live)
+            for _ in range(3):
+                with pytest.raises(Unavailable):
+                    await store.read(near, "1", [1], ["f0"])
+                assert (await store.read(far, "1", [2], ["f0"])).tolist() == [[1.0]]
+            assert await _topology_reads(live) == before
+            assert store.breaker(near).state is BreakerState.CLOSED
+        finally:
+            for client in live:
+                await client.aclose()
         for _ in range(5):
             assert await tier.get(key) is None
             with pytest.raises(Unavailable):
@@ -240,3 +255,10 @@ async def test_after_a_failover_the_tier_and_the_store_read_from_the_promoted_re
     finally:
         await tier.close()
         await store.close()
+
+
+async def _topology_reads(nodes: list[Redis]) -> list[tuple[int, int]]:
+    """How many times each node has answered CLUSTER SLOTS and COMMAND."""
+    return [
+        (await command_calls(n, "cluster|slots"), await command_calls(n, "command")) for n in nodes
+    ]

@@ -44,7 +44,7 @@ import numpy as np
 import orjson
 
 from tailserve.cache.breaker import Breaker, BreakerState
-from tailserve.cache.redis import refresh_slots
+from tailserve.cache.redis import on_slot_owner, refresh_slots
 from tailserve.errors import ConfigError, InvalidInput, Unavailable
 
 EntityId = int | str | bytes
@@ -217,13 +217,18 @@ class FeatureStore:
     async def _script(self, script: str, sha: str, keys: list[bytes], args: list[bytes]) -> Any:
         from redis.exceptions import NoScriptError
 
+        def send(*command: Any) -> Any:
+            if self.cluster:  # (the keys share a slot: the entity type's hash tag)
+                return on_slot_owner(self.client, keys[0], *command)
+            return self.client.execute_command(*command)
+
         try:
-            return await self.client.evalsha(sha, len(keys), *keys, *args)
+            return await send("EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
             # The node has not run it yet (a promoted replica, say): EVAL runs it and keeps it
             # there. Not SCRIPT LOAD, which a cluster client sends to every master, and which
             # fails while one of them is down.
-            return await self.client.eval(script, len(keys), *keys, *args)
+            return await send("EVAL", script, len(keys), *keys, *args)
 
     def breaker(self, entity: str) -> Breaker:
         """The breaker of ``entity``'s reads."""

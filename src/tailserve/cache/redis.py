@@ -137,6 +137,31 @@ async def refresh_slots(client: Any) -> None:
     await client.nodes_manager.initialize()
 
 
+async def on_slot_owner(client: Any, key: bytes, *command: Any) -> Any:
+    """``command``, whose keys all share ``key``'s slot, sent by a redis-py cluster client
+    straight to the master its slot map names for that slot.
+
+    The client's own ``execute_command`` would, after any connection failure, have its next
+    command of *every* slot read the slot map and the command table afresh first, one at a
+    time under a lock: a dead master would slow the reads of the live ones by as much, again
+    at each of its failures until its replica took over. Here a failure leaves the client as
+    it was (the breaker's probe reads the slot map, ``refresh_slots``). A slot the map lacks,
+    or a redirection (the slot moved), goes by the client's own path, which follows it."""
+    from redis.exceptions import (
+        AskError,
+        ClusterDownError,
+        MovedError,
+        SlotNotCoveredError,
+        TryAgainError,
+    )
+
+    try:
+        node = client.get_node_from_key(key)
+        return await node.execute_command(*command)
+    except (SlotNotCoveredError, MovedError, AskError, TryAgainError, ClusterDownError):
+        return await client.execute_command(*command)
+
+
 def redacted(url: str) -> str:
     """The URL without its password (for messages and logs)."""
     parts = urlsplit(url)
