@@ -52,7 +52,14 @@ def test_a_constant_rate_is_kept_in_count_and_spacing() -> None:
     gaps_ms = np.diff(arrivals) * 1000.0
     # One send every 5 ms; single gaps jitter with the machine's scheduling.
     assert statistics.median(gaps_ms) == pytest.approx(5.0, abs=0.6)
-    assert (arrivals[-1] - arrivals[0]) == pytest.approx(399 * 0.005, rel=0.05)
+    # No drift from the schedule (arrival i at t0 + i * 5 ms): each arrival's lateness
+    # against the least late one. A stall makes a few late, the sends after it catch up
+    # (open loop); a generator that slept 5 ms after each send would fall further behind
+    # with each, 0.1 s by the last tenth at 5% slow.
+    late_ms = (np.asarray(arrivals) - np.arange(400) * 0.005) * 1000.0
+    late_ms -= late_ms.min()
+    assert statistics.median(late_ms) < 20.0, late_ms
+    assert statistics.median(late_ms[-40:]) < 20.0, late_ms
     assert result["overall"]["errors"] == 0
     assert result["overall"]["achieved_rps"] == pytest.approx(200, rel=0.05)
     # Most sends leave on time. (Not the p99 or the "behind" flag: one stall of the machine
