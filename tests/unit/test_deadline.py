@@ -229,6 +229,36 @@ def test_infeasible_requests_are_refused_at_once() -> None:
     assert b2.offer(urgent, 0.0, [0.0]) is None
 
 
+def test_a_request_stalled_past_its_slo_on_its_way_in_is_served_when_nothing_is_ahead() -> None:
+    def fresh() -> DeadlineBatcher:
+        b = batcher()
+        seeded(b, COST)
+        return b
+
+    # Its deadline (the model's SLO: the client set none) passed before it was offered.
+    assert fresh().offer(Item(1, SHORT, 0.0, 0.050), 0.056, [0.0]) is None
+    # Refused all the same: a deadline the client set, an instance busy, the event loop's
+    # backlog, or work queued ahead.
+    assert fresh().offer(Item(1, SHORT, 0.0, 0.050, hard=True), 0.056, [0.0]) is not None
+    assert fresh().offer(Item(1, SHORT, 0.0, 0.050), 0.056, [0.060]) is not None
+    backlogged = fresh()
+    backlogged.loop_backlog_s = 0.010
+    assert backlogged.offer(Item(1, SHORT, 0.0, 0.050), 0.056, [0.0]) is not None
+    queued = fresh()
+    assert queued.offer(Item(1, SHORT, 0.0, 1.0), 0.0, [0.0]) is None
+    assert queued.offer(Item(1, SHORT, 0.0, 0.050), 0.056, [0.0]) is not None
+
+
+def test_the_shed_refuses_for_a_wait_ahead_and_not_without_one() -> None:
+    b = batcher()
+    seeded(b, COST)
+    # 6 ms past the deadline when read, nothing ahead: the offer judges it once it is read.
+    assert b.shed(0.056, [0.0], deadline=0.050, priority=1) is None
+    b.loop_backlog_s = 0.010
+    refused = b.shed(0.056, [0.0], deadline=0.050, priority=1)
+    assert refused is not None and "queued ahead" in refused.message
+
+
 def test_a_class_keeps_deadline_and_priority_order_as_priorities_mix_and_part() -> None:
     # One heap serves both orders while one priority level is queued; a second level gives
     # deadline order a heap of its own until the class empties. Checked against a plain scan.

@@ -102,6 +102,13 @@ class Admission:
         learnt = delays.learnt(now)
         alone = cost.fixed_s + cost.per_row_s * item.rows + learnt[0] + delays.loop_delay_s
         budget = item.deadline - now
+        if budget <= 0.0 and not item.hard and self._nothing_ahead(item, queue, now, free_at):
+            # Its SLO passed before it was offered (the machine stalled it on its way in), the
+            # client set no deadline, and nothing waits ahead: a refusal would spare no one,
+            # and a late answer still goes out.
+            self._count(refused=False)
+            item.estimate = now + alone
+            return None
         if budget < alone:
             return Rejection(
                 "deadline",
@@ -178,9 +185,23 @@ class Admission:
         backlog = self.delays.loop_backlog_s if loop else 0.0
         return ahead if ahead > backlog else backlog
 
+    def _nothing_ahead(
+        self, item: Item, queue: ClassQueue, now: float, free_at: Sequence[float]
+    ) -> bool:
+        """No work queued at ``item``'s priority or higher, no instance busy, no backlog of the
+        event loop."""
+        if any(at > now for at in free_at):
+            return False
+        if not item.inner and self.delays.loop_backlog_s > 0.0:
+            return False
+        return self.queues.work_ahead(item.priority, item.rows, queue)[0] <= 0.0
+
     def _refused_unread(self, budget: float, queueing: float, waits: float) -> Rejection | None:
         """The shed's answer for a request with ``budget`` left, ``queueing`` ahead of it and
-        ``waits`` besides."""
+        ``waits`` besides. With nothing ahead there is no wait to refuse it for, however little
+        time it has left (a stall on its way in): once read, its offer judges it alone."""
+        if queueing <= 0.0:
+            return None
         if queueing > (budget - waits) * self._share * self._trust():
             rejection = self._unmeetable(budget, queueing, waits)
             if self._share > self.admission_target + 1e-9:
