@@ -163,8 +163,10 @@ def test_the_capacity_search_runs_over_a_stream(
     steps = result["steps"]
     # 20 ms a request, one at a time: no more than 50 can ever be answered a second.
     assert capacity is not None and 0 < capacity <= 52
-    over = [step for step in steps if step["rate"] >= 60]
-    assert over and all(not step["passes"] for step in over)
+    # Past 50 a second every step fails. (The search may not get there: a stall of the machine
+    # fails a lower step's p99, and the search stays below it; the bound above still holds.)
+    assert any(not step["passes"] for step in steps)
+    assert all(not step["passes"] for step in steps if step["rate"] >= 60)
     assert max(step["rate"] for step in steps if step["passes"]) == capacity
 
 
