@@ -47,8 +47,11 @@ def churn_only(example_repository: Path, tmp_path_factory: pytest.TempPathFactor
     return repository
 
 
-def send_paced(url: str, answered: list[int], span: list[float], stop: threading.Event) -> None:
-    """Requests at RATE until ``stop`` is set, and at least twice DISTINCT of them."""
+def send_paced(
+    url: str, answered: list[int], span: list[float], stop: threading.Event, said: list[str]
+) -> None:
+    """Requests at RATE until ``stop`` is set, and at least twice DISTINCT of them; what any
+    reply but a 200 said goes in ``said``."""
     with httpx.Client(base_url=url, timeout=10) as client:
         span.append(time.monotonic())
         i = 0
@@ -56,6 +59,8 @@ def send_paced(url: str, answered: list[int], span: list[float], stop: threading
             time.sleep(max(0.0, span[0] + i / RATE - time.monotonic()))
             reply = client.post("/v2/models/churn/infer", json=churn_body(i % DISTINCT))
             answered.append(reply.status_code)
+            if reply.status_code != 200:
+                said.append(f"{i}: {reply.status_code} {reply.text}")
             i += 1
         span.append(time.monotonic())
 
@@ -106,8 +111,9 @@ def test_the_dashboard_renders_and_agrees_with_metrics(churn_only: Path, tmp_pat
 
         answered: list[int] = []
         span: list[float] = []
+        said: list[str] = []
         stop = threading.Event()
-        load = threading.Thread(target=send_paced, args=(up.url, answered, span, stop))
+        load = threading.Thread(target=send_paced, args=(up.url, answered, span, stop, said))
         load.start()
         page.get_by_test_id("rps-churn").wait_for()
         # The rate each sample shows while the load runs (the first may be partial).
@@ -119,7 +125,7 @@ def test_the_dashboard_renders_and_agrees_with_metrics(churn_only: Path, tmp_pat
         stop.set()
         load.join()
         sent = len(answered)
-        assert answered == [200] * sent
+        assert answered == [200] * sent, said
         sent_rate = sent / (span[1] - span[0])
         assert statistics.median(rates[1:-1] or rates) == pytest.approx(sent_rate, rel=0.5), rates
 
