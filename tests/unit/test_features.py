@@ -45,7 +45,13 @@ class MemoryStore:
         self.rows.setdefault((entity, version), {})[entity_id] = fields
 
     async def read(
-        self, entity: str, version: str, ids: Sequence[EntityId], fields: Sequence[str]
+        self,
+        entity: str,
+        version: str,
+        ids: Sequence[EntityId],
+        fields: Sequence[str],
+        *,
+        timeout_s: float | None = None,
     ) -> np.ndarray[Any, Any]:
         self.reads.append((entity, version, list(ids)))
         if self.failure is not None:

@@ -106,7 +106,13 @@ class FeatureSource(Protocol):
     """What the resolver needs of a store (``FeatureStore``, or an in-memory twin in tests)."""
 
     async def read(
-        self, entity: str, version: str, ids: Sequence[EntityId], fields: Sequence[str]
+        self,
+        entity: str,
+        version: str,
+        ids: Sequence[EntityId],
+        fields: Sequence[str],
+        *,
+        timeout_s: float | None = None,
     ) -> Matrix: ...
 
     async def prepare(self, entity: str, version: str, fields: Sequence[str]) -> None: ...
@@ -146,9 +152,16 @@ class FeatureStore:
     # --- reading ----------------------------------------------------------------------------
 
     async def read(
-        self, entity: str, version: str, ids: Sequence[EntityId], fields: Sequence[str]
+        self,
+        entity: str,
+        version: str,
+        ids: Sequence[EntityId],
+        fields: Sequence[str],
+        *,
+        timeout_s: float | None = None,
     ) -> Matrix:
-        """The features of ``ids`` as float32 ``[len(ids), len(fields)]``, in one round trip.
+        """The features of ``ids`` as float32 ``[len(ids), len(fields)]``, in one round trip,
+        within ``timeout_s`` (else the store's own).
 
         Raises ``InvalidInput`` naming the entity and ids the store does not hold, and
         ``Unavailable`` when Redis cannot answer in time or holds no such feature version."""
@@ -180,7 +193,8 @@ class FeatureStore:
                 return await self._run_read(keys)
 
         try:
-            reply = await self._call(entity, call, self.timeout_s)
+            limit = self.timeout_s if timeout_s is None else timeout_s
+            reply = await self._call(entity, call, limit)
         except Unavailable:
             breaker.failure()
             raise

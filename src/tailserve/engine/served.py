@@ -76,6 +76,8 @@ Served = ServedVersion | ServedPipeline
 
 # Items read from the store a round trip at a time when a retrieval index loads.
 _INDEX_CHUNK = 5000
+# Each of those round trips' time while the worker starts.
+_INDEX_STARTUP_S = 2.0
 
 
 class StoredIndex:
@@ -101,7 +103,9 @@ class StoredIndex:
     def problem(self) -> str | None:
         return self._failed[1].message if self._failed is not None else None
 
-    async def get(self) -> RetrievalIndex:
+    async def get(self, *, timeout_s: float | None = None) -> RetrievalIndex:
+        """The index, read now if it is not held (each round trip within ``timeout_s``, else
+        the store's own)."""
         if self._index is not None:
             return self._index
         async with self._lock:
@@ -110,7 +114,7 @@ class StoredIndex:
             if self._failed is not None and time.monotonic() < self._failed[0] + self.RETRY_S:
                 raise self._failed[1]
             try:
-                self._index = await self._read()
+                self._index = await self._read(timeout_s)
             except TailserveError as exc:
                 spec = self._spec
                 failed = Unavailable(
@@ -122,7 +126,7 @@ class StoredIndex:
                 raise failed from None
             return self._index
 
-    async def _read(self) -> RetrievalIndex:
+    async def _read(self, timeout_s: float | None) -> RetrievalIndex:
         spec, store = self._spec, self._store
         parts = [
             await store.read(
@@ -130,13 +134,17 @@ class StoredIndex:
                 spec.version,
                 range(start, min(start + _INDEX_CHUNK, spec.items)),
                 spec.fields,
+                timeout_s=timeout_s,
             )
             for start in range(0, spec.items, _INDEX_CHUNK)
         ]
         fallback = None
         if spec.fallback_entity:
             ranks = fallback_fields(self._top)
-            fallback = (await store.read(spec.fallback_entity, spec.version, [0], ranks))[0]
+            read = await store.read(
+                spec.fallback_entity, spec.version, [0], ranks, timeout_s=timeout_s
+            )
+            fallback = read[0]
         return RetrievalIndex(np.concatenate(parts), fallback)
 
 
@@ -270,7 +278,9 @@ class VersionBuilder:
             queries[step.name] = resolver
             indexes[step.name] = stored = StoredIndex(step, resolver.store)
             try:
-                await stored.get()
+                # Before ready, with a start-up's time: a request's 250 ms a round trip is
+                # for a store under load, not for a worker starting on a loaded machine.
+                await stored.get(timeout_s=_INDEX_STARTUP_S)
             except TailserveError as exc:
                 # As a feature lookup would: served, and each request says what is missing
                 # until the vectors are in the store (the index is read again then).
