@@ -192,8 +192,8 @@ class FeatureStore:
                 # map and dropped it): a read is safe to send again, on a fresh connection.
                 return await self._run_read(keys)
 
+        limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            limit = self.timeout_s if timeout_s is None else timeout_s
             reply = await self._call(entity, call, limit)
         except Unavailable:
             breaker.failure()

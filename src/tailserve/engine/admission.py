@@ -189,12 +189,9 @@ class Admission:
         self, item: Item, queue: ClassQueue, now: float, free_at: Sequence[float]
     ) -> bool:
         """No work queued at ``item``'s priority or higher, no instance busy, no backlog of the
-        event loop."""
-        if any(at > now for at in free_at):
-            return False
-        if not item.inner and self.delays.loop_backlog_s > 0.0:
-            return False
-        return self.queues.work_ahead(item.priority, item.rows, queue)[0] <= 0.0
+        event loop (for ``item``: `_ahead` is nothing)."""
+        work = self.queues.work_ahead(item.priority, item.rows, queue)[0]
+        return self._ahead(work, now, free_at, loop=not item.inner) <= 0.0
 
     def _refused_unread(self, budget: float, queueing: float, waits: float) -> Rejection | None:
         """The shed's answer for a request with ``budget`` left, ``queueing`` ahead of it and
