@@ -123,7 +123,7 @@ class _Malformed:
         self.reason = reason
 
 
-def _parser(kind: Any) -> Callable[[bytes], Any]:
+def parser(kind: Any) -> Callable[[bytes], Any]:
     name = kind.DESCRIPTOR.name
 
     def parse(data: bytes) -> Any:
@@ -189,7 +189,7 @@ def unary_methods(servicer: Servicer) -> dict[str, tuple[Handler, Parse]]:
         "ModelMetadata": (servicer.model_metadata, schema.ModelMetadataRequest),
         "ModelInfer": (servicer.model_infer, schema.ModelInferRequest),
     }
-    return {name: (_guarded(handler), _parser(kind)) for name, (handler, kind) in methods.items()}
+    return {name: (_guarded(handler), parser(kind)) for name, (handler, kind) in methods.items()}
 
 
 def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
@@ -204,7 +204,7 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     if stream is not None:  # (the worker's; the routing lane's gateway has none)
         table["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
             stream,
-            request_deserializer=_parser(schema.ModelInferRequest),
+            request_deserializer=parser(schema.ModelInferRequest),
             response_serializer=serialize,
         )
     return grpc.method_handlers_generic_handler(schema.SERVICE, table)
