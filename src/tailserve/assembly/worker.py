@@ -38,7 +38,6 @@ from tailserve.observability.trace_log import TraceRecorder
 from tailserve.observability.tracing import CacheMarks, StageMarks, Tracing, start_tracing
 from tailserve.process.collector import FullCollections, freeze_held
 from tailserve.process.loops import Stop, StopSignals
-from tailserve.protocols.grpc.startup import serve_or_log
 from tailserve.protocols.http.app import HttpApp, SlowFault
 from tailserve.repository.manager import ModelManager
 from tailserve.settings import Settings
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
     from tailserve.cache.feature_store import FeatureStore
     from tailserve.cache.features import FeatureResolver
     from tailserve.protocols.grpc.service import InferenceService
+    from tailserve.transport.http2 import Http2Server
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Worker:
         self._forced = asyncio.Event()
         self._signals = StopSignals(self._stop_requested, forcing="requests in flight fail")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._grpc: Any = None  # grpc.aio.Server, while it serves
+        self._grpc: Http2Server | None = None  # the gRPC port's server, while it serves
         self._grpc_service: InferenceService | None = None
         self.loaded = asyncio.Event()
 
@@ -302,7 +302,10 @@ class Worker:
             await self._exit.wait()
             # No new requests; those in flight finish (up to the drain timeout), then the
             # connections close.
-            await self._http.drain(self.settings.drain_timeout_s, self._forced)
+            drains = [self._http.drain(self.settings.drain_timeout_s, self._forced)]
+            if self._grpc is not None:
+                drains.append(self._grpc.drain(self.settings.drain_timeout_s, self._forced))
+            await asyncio.gather(*drains)
         finally:
             await self._stop()
             self._signals.remove()
@@ -350,8 +353,8 @@ class Worker:
 
     async def _stop(self) -> None:
         self.dataplane.draining = True
-        if self._grpc is not None:  # calls in flight finish (up to the drain timeout)
-            await self._grpc.stop(0 if self._forced.is_set() else self.settings.drain_timeout_s)
+        if self._grpc is not None:
+            self._grpc.close()
             self._grpc = None
         if self._http is not None:
             self._http.close()
@@ -386,26 +389,32 @@ class Worker:
         return GrpcOverHttp1(InferenceService(self.dataplane, self.metrics, self.tracing))
 
     async def _start_grpc(self) -> None:
-        """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none). A worker that
-        cannot serve it (grpcio not installed, the port taken) says so and serves HTTP: the
-        requests that can be served still are."""
-
-        def build() -> Any:
-            from tailserve.protocols.grpc.service import InferenceService
-
-            self._grpc_service = InferenceService(self.dataplane, self.metrics, self.tracing)
-            return self._grpc_service.handlers()
-
+        """The Open Inference Protocol over gRPC on ``grpc_port`` (0: none), served by the
+        worker's HTTP/2 server (`protocols.grpc.over_http2`). A worker that cannot serve it
+        (the grpc extra not installed, the port taken) says so and serves HTTP: the requests
+        that can be served still are."""
         port = self.settings.grpc_port
-        self._grpc = await serve_or_log(
-            build,
-            self.settings.host,
-            port,
-            max_message_bytes=self.settings.max_body_bytes,
-            what="worker",
-        )
-        if self._grpc is None:
+        if not port:
             return
+        try:
+            from tailserve.protocols.grpc.over_http2 import GrpcOverHttp2
+            from tailserve.protocols.grpc.service import InferenceService
+            from tailserve.transport.http2 import Http2Server
+        except ImportError as exc:
+            log.error("worker: no gRPC on port %d: %s (pip install 'tailserve[grpc]')", port, exc)
+            return
+        limit = self.settings.max_body_bytes
+        self._grpc_service = InferenceService(self.dataplane, self.metrics, self.tracing)
+        server = Http2Server(
+            GrpcOverHttp2(self._grpc_service, max_message_bytes=limit), max_body_bytes=limit
+        )
+        try:
+            await server.start(self.settings.host, port, backlog=self.settings.backlog)
+        except OSError as exc:
+            host = self.settings.host
+            log.error("worker: no gRPC on %s:%d: %s; serving HTTP only", host, port, exc)
+            return
+        self._grpc = server
         log.info("gRPC (OIP v2) on %s:%d", self.settings.host, port)
 
     async def _load_models(self) -> None:

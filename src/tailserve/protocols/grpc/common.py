@@ -193,20 +193,14 @@ def unary_methods(servicer: Servicer) -> dict[str, tuple[Handler, Parse]]:
 
 
 def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
-    """The service's methods for grpcio's server (`unary_methods`, and the stream)."""
+    """The service's unary methods for grpcio's server (`unary_methods`): the routing
+    lane's gateway. (The worker serves its own over HTTP/2: `over_http2`.)"""
     table = {
         name: grpc.unary_unary_rpc_method_handler(
             handler, request_deserializer=parse, response_serializer=serialize
         )
         for name, (handler, parse) in unary_methods(servicer).items()
     }
-    stream = getattr(servicer, "model_stream_infer", None)
-    if stream is not None:  # (the worker's; the routing lane's gateway has none)
-        table["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            stream,
-            request_deserializer=parser(schema.ModelInferRequest),
-            response_serializer=serialize,
-        )
     return grpc.method_handlers_generic_handler(schema.SERVICE, table)
 
 

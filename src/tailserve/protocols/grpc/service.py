@@ -38,7 +38,6 @@ from tailserve.observability.metrics import Metrics
 from tailserve.observability.tracing import Tracing
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.common import (
-    generic_handler,
     malformed,
     parameters_of,
     raw_contents,
@@ -108,9 +107,6 @@ class InferenceService:
         self.tracing = tracing
         # Inference calls held and finished, for the event loop's backlog (engine.traffic).
         self.traffic = Traffic()
-
-    def handlers(self) -> grpc.GenericRpcHandler:
-        return generic_handler(self)
 
     async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return schema.ServerLiveResponse(live=self.dataplane.live())
