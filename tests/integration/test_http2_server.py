@@ -301,3 +301,19 @@ async def test_a_drain_answers_the_streams_begun_and_refuses_later_ones(
     assert server.streams == 0
     with pytest.raises(OSError):  # (no longer listening)
         await Client.to(port)
+
+
+async def test_a_request_that_stops_coming_is_reset_and_the_connection_serves_on() -> None:
+    app = App()
+    server = Http2Server(app, max_body_bytes=LIMIT, read_timeout_s=0.2)
+    await server.start("127.0.0.1", 0)
+    try:
+        client = await Client.to(server.port)
+        stalled = client.request("/echo", b"half of it", end=False)
+        await client.until(lambda: client.ended(stalled))
+        (reset,) = client.of(stalled, h2.events.StreamReset)
+        assert reset.error_code == h2.errors.ErrorCodes.CANCEL
+        assert await client.echo(b"whole") == b"whole"
+        client.close()
+    finally:
+        server.close()

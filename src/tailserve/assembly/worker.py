@@ -406,7 +406,9 @@ class Worker:
         limit = self.settings.max_body_bytes
         self._grpc_service = InferenceService(self.dataplane, self.metrics, self.tracing)
         server = Http2Server(
-            GrpcOverHttp2(self._grpc_service, max_message_bytes=limit), max_body_bytes=limit
+            GrpcOverHttp2(self._grpc_service, max_message_bytes=limit),
+            max_body_bytes=limit,
+            read_timeout_s=self.settings.read_timeout_s,
         )
         try:
             await server.start(self.settings.host, port, backlog=self.settings.backlog)

@@ -71,6 +71,7 @@ class Http2Stream:
         "_chunks",
         "_connection",
         "_waiter",
+        "active_at",
         "body",
         "ended",
         "gone",
@@ -89,6 +90,7 @@ class Http2Stream:
         self._connection = connection
         self.id = stream_id
         self.received_at = received_at
+        self.active_at = received_at  # when the peer last sent some of it
         self.headers: Headers = []
         self.path = ""
         self.method = b""
@@ -173,9 +175,15 @@ class Http2Stream:
 
 
 class Http2Server:
-    def __init__(self, app: Http2Application, *, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: Http2Application, *, max_body_bytes: int, read_timeout_s: float = 30.0
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        # A request handed over whole whose body stops coming for this long is reset (CANCEL)
+        # and dropped: a peer cannot hold memory by never finishing one.
+        self.read_timeout_s = read_timeout_s
+        self._sweeper: asyncio.TimerHandle | None = None
         self.draining = False
         self._servers: list[asyncio.Server] = []
         self._connections: set[_Connection] = set()
@@ -204,6 +212,16 @@ class Http2Server:
             lambda: _Connection(self), host, port, reuse_address=True, backlog=backlog
         )
         self._servers.append(server)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Every so often (a tenth of the read timeout, at most a second): the requests that
+        stopped coming."""
+        quiet_since = time.monotonic() - self.read_timeout_s
+        for connection in list(self._connections):
+            connection.expire(quiet_since)
+        every = min(1.0, self.read_timeout_s / 10)
+        self._sweeper = asyncio.get_running_loop().call_later(every, self._sweep)
 
     async def drain(self, timeout_s: float, forced: asyncio.Event | None = None) -> None:
         """Accept no more; tell each connection which of its streams are the last it answers
@@ -226,6 +244,9 @@ class Http2Server:
     def close(self) -> None:
         for server in self._servers:
             server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for connection in list(self._connections):
             connection.abort()
 
@@ -375,6 +396,7 @@ class _Connection(asyncio.Protocol):
             stream._received(data)
             return
         self._h2.acknowledge_received_data(length, event.stream_id)
+        stream.active_at = time.monotonic()
         stream.size += len(data)
         if stream.size > self._server.max_body_bytes:
             stream.too_large = True
@@ -420,6 +442,22 @@ class _Connection(asyncio.Protocol):
         task = self.tasks.get(stream_id)
         if task is not None:
             task.cancel()
+
+    def expire(self, quiet_since: float) -> None:
+        """Reset the requests to be handed over whole that have sent nothing since then."""
+        late = [
+            stream
+            for stream in self._streams.values()
+            if stream.active_at < quiet_since and stream.id not in self.tasks
+        ]
+        for stream in late:
+            log.info("HTTP/2 stream %d: the request stopped coming; reset", stream.id)
+            self._reset(stream.id)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.reset_stream(stream.id, h2.errors.ErrorCodes.CANCEL)
+        if late:
+            self.flush()
+            self._close_if_done()
 
     def acknowledge(self, stream: Http2Stream, length: int) -> None:
         if length and not stream.gone and self._transport is not None:
