@@ -188,10 +188,11 @@ class Admission:
     def _nothing_ahead(
         self, item: Item, queue: ClassQueue, now: float, free_at: Sequence[float]
     ) -> bool:
-        """No work queued at ``item``'s priority or higher, no instance busy, no backlog of the
-        event loop (for ``item``: `_ahead` is nothing)."""
+        """No work queued at ``item``'s priority or higher and no instance busy. (The event
+        loop's backlog is not asked: it counts the requests in flight, ``item`` among them, so
+        it is never nothing while ``item`` waits for an answer.)"""
         work = self.queues.work_ahead(item.priority, item.rows, queue)[0]
-        return self._ahead(work, now, free_at, loop=not item.inner) <= 0.0
+        return self._ahead(work, now, free_at, loop=False) <= 0.0
 
     def _refused_unread(self, budget: float, queueing: float, waits: float) -> Rejection | None:
         """The shed's answer for a request with ``budget`` left, ``queueing`` ahead of it and
