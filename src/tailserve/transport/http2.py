@@ -35,6 +35,8 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import GoAwayFrame
 
+from tailserve.transport.server import until_set
+
 log = logging.getLogger(__name__)
 
 Headers = list[tuple[bytes, bytes]]
@@ -233,12 +235,7 @@ class Http2Server:
         for connection in list(self._connections):
             connection.go_away()
         if self._connections:
-            waits = [asyncio.ensure_future(self._gone.wait())]
-            if forced is not None:
-                waits.append(asyncio.ensure_future(forced.wait()))
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            for wait in waits:
-                wait.cancel()
+            await until_set(self._gone, forced, timeout_s)
         self.close()
 
     def close(self) -> None:

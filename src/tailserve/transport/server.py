@@ -205,7 +205,7 @@ class HttpServer:
         # written out (aborting one earlier would cut a large reply short).
         for done in (self._idle, self._gone):
             if self._connections or not done.is_set():
-                await _first(done, forced, until - loop.time())
+                await until_set(done, forced, until - loop.time())
             for connection in list(self._connections):
                 connection.close_if_idle(None)
         self.close()
@@ -236,7 +236,7 @@ class HttpServer:
             self._gone.set()
 
 
-async def _first(event: asyncio.Event, forced: asyncio.Event | None, timeout_s: float) -> None:
+async def until_set(event: asyncio.Event, forced: asyncio.Event | None, timeout_s: float) -> None:
     """Until ``event`` (or ``forced``) is set, for at most ``timeout_s``."""
     waits = [asyncio.ensure_future(event.wait())]
     if forced is not None:
