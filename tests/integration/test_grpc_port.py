@@ -1,5 +1,5 @@
 """The worker's gRPC port at its edges, as grpcio's clients meet it: a message over the size
-limit, a stop with calls in flight."""
+limit, more unanswered calls on a connection than it may hold, a stop with calls in flight."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("grpc-port-repo")
     write_model(repo, "doubler", doubler_config(max_batch_size=100_000))
     write_model(repo, "slow", doubler_config(parameters={"delay": 0.5}, warmup={"repeat": 0}))
+    write_model(repo, "slower", doubler_config(parameters={"delay": 2.0}, warmup={"repeat": 0}))
     return repo
 
 
@@ -76,6 +77,30 @@ def test_a_message_over_the_limit_is_refused_and_the_port_serves_on(
         answer = infer(channel, request("doubler", 3))
     values = np.frombuffer(answer.raw_output_contents[0], dtype=np.float32)
     np.testing.assert_array_equal(values, [1.0, 3.0, 5.0])
+
+
+def test_calls_past_what_a_connection_may_hold_are_refused_and_the_others_answered(
+    worker: tuple[RunningWorker, str],
+) -> None:
+    running, address = worker
+    server = running.worker._grpc
+    assert server is not None
+    padded = request("slower", 1)
+    padded.id = "p" * (LIMIT - 4096)  # (four such calls fit in the hold, 4 x LIMIT; five do not)
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            f"/{schema.SERVICE}/ModelInfer",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=schema.ModelInferResponse.FromString,
+        )
+        held = [call.future(padded, timeout=30) for _ in range(4)]
+        wait_for(lambda: server.streams == 4, 10.0, "four calls in flight")
+        with pytest.raises(grpc.RpcError) as crowded:
+            infer(channel, padded)
+        assert crowded.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"hold more than {4 * LIMIT} bytes" in crowded.value.details()
+        answers = [future.result() for future in held]
+        assert [answer.id for answer in answers] == [padded.id] * 4
 
 
 def test_a_stop_answers_the_calls_in_flight(worker: tuple[RunningWorker, str]) -> None:

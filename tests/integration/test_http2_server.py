@@ -39,6 +39,9 @@ class App:
         if stream.too_large:
             await stream.send(413, [], b"too large: %d" % stream.size, None)
             return
+        if stream.crowded:
+            await stream.send(503, [], b"crowded past %d" % stream.held_limit, None)
+            return
         if stream.path == "/big":
             body = bytes(range(256)) * (self.size // 256)
             await stream.send(200, [], body, [(b"x-done", b"1")])
@@ -142,8 +145,9 @@ class Client:
                 await self.pump(acknowledge)
 
     async def echo(self, body: bytes) -> bytes:
-        """What ``/echo`` answers to ``body``."""
-        stream = self.request("/echo", body)
+        """What ``/echo`` answers to ``body`` (of any size: sent as the window allows)."""
+        stream = self.request("/echo", end=False)
+        await self.send(stream, body, end=True)
         await self.until(lambda: self.ended(stream))
         return self.body(stream)
 
@@ -205,6 +209,42 @@ async def test_a_body_over_the_limit_is_not_kept_and_the_application_answers(
     assert (b":status", b"413") in head.headers
     assert client.body(stream) == b"too large: %d" % sent
     client.close()
+
+
+async def test_a_connection_holds_a_bounded_sum_of_unanswered_bodies() -> None:
+    app = App()
+    server = Http2Server(app, max_body_bytes=LIMIT, max_held_bytes=250_000)
+    await server.start("127.0.0.1", 0)
+    try:
+        client = await Client.to(server.port)
+        kept = []
+        for fill in b"ab":
+            kept.append(client.request("/echo", end=False))
+            await client.send(kept[-1], bytes([fill]) * 100_000)
+        # (frames on one connection come in order: the two above are held when this comes)
+        crowded = client.request("/echo", end=False)
+        await client.send(crowded, b"c" * 100_000, end=True)
+        await client.until(lambda: client.ended(crowded))
+        (head,) = client.of(crowded, h2.events.ResponseReceived)
+        assert (b":status", b"503") in head.headers
+        assert client.body(crowded) == b"crowded past 250000"
+        for stream in kept:
+            await client.send(stream, b"!", end=True)
+        await client.until(lambda: all(client.ended(stream) for stream in kept))
+        assert [client.body(stream) for stream in kept] == [
+            b"a" * 100_000 + b"!",
+            b"b" * 100_000 + b"!",
+        ]
+        # What an answered stream held, and a reset one, is no longer counted.
+        assert await client.echo(b"d" * 200_000) == b"d" * 200_000
+        dropped = client.request("/echo", end=False)
+        await client.send(dropped, b"e" * 200_000)
+        client.h2.reset_stream(dropped, h2.errors.ErrorCodes.CANCEL)
+        client.flush()
+        assert await client.echo(b"f" * 200_000) == b"f" * 200_000
+        client.close()
+    finally:
+        server.close()
 
 
 async def test_what_a_conversing_task_has_not_read_holds_the_client_back(

@@ -9,8 +9,10 @@ the stream is open, as for a gRPC stream). Either way the task sends the answer 
 
 What a server owes its peers: flow control both ways (what a conversing task has not read is
 not acknowledged, so a client that sends faster than it is answered is held back); a body over
-``max_body_bytes`` is not kept (the application is told, and answers the error); a peer that
-resets a stream cancels its task; one that breaks the protocol gets a GOAWAY and the
+``max_body_bytes`` is not kept (the application is told, and answers the error), nor are the
+requests that would take a connection's unanswered bodies past ``max_held_bytes`` (so that a
+peer's thousand open streams cannot hold a thousand bodies); a peer that resets a stream
+cancels its task; one that breaks the protocol gets a GOAWAY and the
 connection closes, the others served on. A drain sends each connection a GOAWAY that names
 its last stream: the streams opened before it are answered, later ones are refused (the
 client retries them elsewhere), and each connection closes once its streams are done.
@@ -75,9 +77,11 @@ class Http2Stream:
         "_waiter",
         "active_at",
         "body",
+        "crowded",
         "ended",
         "gone",
         "headers",
+        "held",
         "id",
         "method",
         "path",
@@ -108,9 +112,18 @@ class Http2Stream:
         self.gone = False  # reset, or its connection lost
         # (`answer`'s) its body passed the server's limit: what came was dropped
         self.too_large = False
+        # (`answer`'s) its body would have taken the connection's unanswered bodies past the
+        # server's `max_held_bytes`: what came was dropped
+        self.crowded = False
         self.size = 0
+        self.held = 0  # what of it the connection holds (counted against `max_held_bytes`)
         self._chunks: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def held_limit(self) -> int:
+        """The bytes of unanswered bodies its connection may hold (`crowded` past it)."""
+        return self._connection._server.max_held_bytes
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -178,10 +191,19 @@ class Http2Stream:
 
 class Http2Server:
     def __init__(
-        self, app: Http2Application, *, max_body_bytes: int, read_timeout_s: float = 30.0
+        self,
+        app: Http2Application,
+        *,
+        max_body_bytes: int,
+        read_timeout_s: float = 30.0,
+        max_held_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        # The bodies of requests to be answered whole that a connection may hold at once (read
+        # and not yet answered), by default four of the largest: a request past it is not kept
+        # (`Http2Stream.crowded`), and the application answers it an error.
+        self.max_held_bytes = max_held_bytes or 4 * max_body_bytes
         # A request handed over whole whose body stops coming for this long is reset (CANCEL)
         # and dropped: a peer cannot hold memory by never finishing one.
         self.read_timeout_s = read_timeout_s
@@ -285,6 +307,7 @@ class _Connection(asyncio.Protocol):
         self._away = False  # a GOAWAY sent: streams past the last one named are refused
         self._last_stream = 0
         self._closing = False
+        self._held = 0  # the bytes of bodies read and not yet answered (`Http2Stream.held`)
 
     # --- the socket --------------------------------------------------------------------------
 
@@ -395,11 +418,24 @@ class _Connection(asyncio.Protocol):
         self._h2.acknowledge_received_data(length, event.stream_id)
         stream.active_at = time.monotonic()
         stream.size += len(data)
+        if stream.too_large or stream.crowded:
+            return
         if stream.size > self._server.max_body_bytes:
             stream.too_large = True
-            stream._chunks.clear()
-        elif not stream.too_large:
+        elif self._held + len(data) > self._server.max_held_bytes:
+            stream.crowded = True
+        else:
             stream._chunks.append(data)
+            stream.held += len(data)
+            self._held += len(data)
+            return
+        stream._chunks.clear()
+        self._release(stream)
+
+    def _release(self, stream: Http2Stream) -> None:
+        """What the connection held of a stream's body, no longer held."""
+        self._held -= stream.held
+        stream.held = 0
 
     def _ended(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)
@@ -421,6 +457,7 @@ class _Connection(asyncio.Protocol):
 
     def _finished(self, stream: Http2Stream, task: asyncio.Task[None]) -> None:
         self.tasks.pop(stream.id, None)
+        self._release(stream)
         self._server._ended()
         open_ = self._h2.state_machine.state is not h2.connection.ConnectionState.CLOSED
         if self._streams.pop(stream.id, None) is not None and not stream.gone and open_:
@@ -439,6 +476,9 @@ class _Connection(asyncio.Protocol):
         task = self.tasks.get(stream_id)
         if task is not None:
             task.cancel()
+        else:  # (its task, if any, releases its body as it ends)
+            stream._chunks.clear()
+            self._release(stream)
 
     def expire(self, quiet_since: float) -> None:
         """Reset the requests to be handed over whole that have sent nothing since then."""

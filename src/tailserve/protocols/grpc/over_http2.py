@@ -6,7 +6,9 @@ answers one, by the same handlers grpcio would run. ``ModelStreamInfer`` is hand
 opens: its messages are read as they come and answered as each is done, by the service's own
 stream handler; what it has not read is not acknowledged, so a client sending faster than it
 is answered is held back by HTTP/2's flow control. A message over the size limit ends the call
-with RESOURCE_EXHAUSTED, as grpcio's server does; a compressed one with UNIMPLEMENTED.
+with RESOURCE_EXHAUSTED, as grpcio's server does, and so does a unary call whose message would
+take the connection's unanswered messages past the server's hold (`Http2Server.max_held_bytes`);
+a compressed one ends with UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from tailserve.transport.http2 import Http2Stream, StreamGone
 log = logging.getLogger(__name__)
 
 STREAM = SERVICE + "ModelStreamInfer"
+_CROWDED = (
+    "this connection's calls not yet answered hold more than %d bytes: wait for their "
+    "answers, or spread the calls over more connections"
+)
 Streamer = Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]
 
 
@@ -65,6 +71,8 @@ class GrpcOverHttp2:
     async def answer(self, stream: Http2Stream) -> None:
         if stream.too_large:
             reply = status(grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(stream.size))
+        elif stream.crowded:
+            reply = status(grpc.StatusCode.RESOURCE_EXHAUSTED, _CROWDED % stream.held_limit)
         else:
             reply = await self._calls.answer(
                 stream.path, stream.headers, stream.body, stream.received_at
