@@ -248,7 +248,8 @@ async def test_without_budgets_no_step_degrades_and_a_late_one_fails_at_the_dead
     await pipeline.close()
     host.behaviour = "refuse"
     with pytest.raises(DeadlineUnmeetable):
-        await Pipeline(config(steps, budgets=False), host).run(IDS, deadline_in(0.03))
+        clock = ticking()
+        await Pipeline(config(steps, budgets=False), host, clock=clock).run(IDS, clock() + 0.03)
 
 
 async def test_a_step_behind_schedule_takes_the_cheapest_variant() -> None:
