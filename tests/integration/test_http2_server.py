@@ -4,6 +4,7 @@ HTTP/2 client (h2's, the same state machine on the other side) on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -168,13 +169,22 @@ class Client:
         self.writer.close()
 
 
+@contextlib.asynccontextmanager
+async def serving(**options: Any) -> AsyncIterator[tuple[Http2Server, App]]:
+    """A server of an `App` on a free loopback port (the body limit LIMIT), closed after."""
+    app = App()
+    server = Http2Server(app, max_body_bytes=LIMIT, **options)
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server, app
+    finally:
+        server.close()
+
+
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Http2Server, App]]:
-    app = App()
-    server = Http2Server(app, max_body_bytes=LIMIT)
-    await server.start("127.0.0.1", 0)
-    yield server, app
-    server.close()
+    async with serving() as running:
+        yield running
 
 
 async def test_a_request_is_answered_with_headers_body_and_trailers(
@@ -212,10 +222,7 @@ async def test_a_body_over_the_limit_is_not_kept_and_the_application_answers(
 
 
 async def test_a_connection_holds_a_bounded_sum_of_unanswered_bodies() -> None:
-    app = App()
-    server = Http2Server(app, max_body_bytes=LIMIT, max_held_bytes=250_000)
-    await server.start("127.0.0.1", 0)
-    try:
+    async with serving(max_held_bytes=250_000) as (server, _):
         client = await Client.to(server.port)
         kept = []
         for fill in b"ab":
@@ -243,8 +250,6 @@ async def test_a_connection_holds_a_bounded_sum_of_unanswered_bodies() -> None:
         client.flush()
         assert await client.echo(b"f" * 200_000) == b"f" * 200_000
         client.close()
-    finally:
-        server.close()
 
 
 async def test_what_a_conversing_task_has_not_read_holds_the_client_back(
@@ -344,10 +349,7 @@ async def test_a_drain_answers_the_streams_begun_and_refuses_later_ones(
 
 
 async def test_a_request_that_stops_coming_is_reset_and_the_connection_serves_on() -> None:
-    app = App()
-    server = Http2Server(app, max_body_bytes=LIMIT, read_timeout_s=0.2)
-    await server.start("127.0.0.1", 0)
-    try:
+    async with serving(read_timeout_s=0.2) as (server, _):
         client = await Client.to(server.port)
         stalled = client.request("/echo", b"half of it", end=False)
         await client.until(lambda: client.ended(stalled))
@@ -355,5 +357,3 @@ async def test_a_request_that_stops_coming_is_reset_and_the_connection_serves_on
         assert reset.error_code == h2.errors.ErrorCodes.CANCEL
         assert await client.echo(b"whole") == b"whole"
         client.close()
-    finally:
-        server.close()
