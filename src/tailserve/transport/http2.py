@@ -1,5 +1,6 @@
 """An HTTP/2 server over plain TCP (h2c with prior knowledge, as gRPC's clients and HAProxy's
-``proto h2`` speak it): h2's state machine on a bare asyncio protocol.
+``proto h2`` speak it): the protocol's state machine (`http2_wire`) on a bare asyncio
+protocol.
 
 A stream is handed to the application in one of two ways, as it asks (`Http2Application`):
 whole, once its request has ended (`answer`: a task with the body read, as for a unary gRPC
@@ -21,7 +22,6 @@ client retries them elsewhere), and each connection closes once its streams are 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -29,19 +29,18 @@ from collections import deque
 from collections.abc import Coroutine
 from typing import Any, Protocol, cast
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-from hyperframe.frame import GoAwayFrame
-
+from tailserve.transport.http2_wire import (
+    CANCEL,
+    INTERNAL_ERROR,
+    REFUSED_STREAM,
+    Http2Wire,
+    WireError,
+)
 from tailserve.transport.server import until_set
 
 log = logging.getLogger(__name__)
 
-Headers = list[tuple[bytes, bytes]]
+Headers = list[tuple[bytes, bytes]]  # (as `http2_wire.Headers`)
 
 # Streams a connection may have open at once (a client opens more once one ends).
 MAX_CONCURRENT_STREAMS = 1024
@@ -74,6 +73,7 @@ class Http2Stream:
     __slots__ = (
         "_chunks",
         "_connection",
+        "_unread",
         "_waiter",
         "active_at",
         "body",
@@ -118,6 +118,7 @@ class Http2Stream:
         self.size = 0
         self.held = 0  # what of it the connection holds (counted against `max_held_bytes`)
         self._chunks: deque[bytes] = deque()
+        self._unread = 0  # (`converse`'s) the flow-controlled bytes come and not yet read
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -146,11 +147,13 @@ class Http2Stream:
                 self._waiter = None
         data = b"".join(self._chunks)
         self._chunks.clear()
-        self._connection.acknowledge(self, len(data))
+        flow, self._unread = self._unread, 0
+        self._connection.acknowledge(self, flow)
         return data
 
-    def _received(self, data: bytes) -> None:
+    def _received(self, data: bytes, flow_length: int) -> None:
         self._chunks.append(data)
+        self._unread += flow_length  # (padding included)
         self._wake()
 
     def _wake(self) -> None:
@@ -289,15 +292,16 @@ class Http2Server:
 
 
 class _Connection(asyncio.Protocol):
+    """One connection: the socket's side of an `Http2Wire`, and the owner of its events."""
+
     def __init__(self, server: Http2Server) -> None:
         self._server = server
-        config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
+        self._wire = Http2Wire(
+            self,
+            max_concurrent_streams=MAX_CONCURRENT_STREAMS,
+            stream_window=STREAM_WINDOW,
+            connection_window=CONNECTION_WINDOW,
         )
-        self._h2 = h2.connection.H2Connection(config)
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Http2Stream] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -314,61 +318,29 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's is none by type)
         self._server._added(self)
-        # (as initial values, so that the first SETTINGS frame carries them)
-        self._h2.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-            },
-        )
-        self._h2.initiate_connection()
-        self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        self._wire.initiate()
         self.flush()
         if self._server.draining:
             self.go_away()
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self._h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            log.info("HTTP/2 peer broke the protocol: %s; closing its connection", exc)
-            # (h2 has put a GOAWAY naming the error in what it sends, but not for a preface
-            # that is not HTTP/2's)
-            if self._h2.state_machine.state is not h2.connection.ConnectionState.CLOSED:
-                with contextlib.suppress(h2.exceptions.ProtocolError):
-                    self._h2.close_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            self.flush()
+            self._wire.receive(data)
+        except WireError as error:
+            log.info("HTTP/2 peer broke the protocol: %s; closing its connection", error)
+            self.flush()  # (the GOAWAY naming the error)
+            for stream_id in list(self._streams):
+                self._drop(stream_id)
             if self._transport is not None:
-                self._transport.close()  # (after what is written: the GOAWAY)
+                self._transport.close()  # (after what is written)
             return
-        event: Any
-        for event in events:
-            kind = type(event)
-            if kind is h2.events.DataReceived:
-                self._data(event)
-            elif kind is h2.events.RequestReceived:
-                self._opened(event)
-            elif kind is h2.events.StreamEnded:
-                self._ended(event.stream_id)
-            elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
-                _wake(self._window)
-            elif kind is h2.events.StreamReset:
-                self._reset(event.stream_id)
-            elif kind is h2.events.TrailersReceived:
-                pass  # (a request's trailers carry nothing served here; its end follows)
-            elif kind is h2.events.ConnectionTerminated:
-                # The peer is leaving (h2 sends nothing more once it has had a GOAWAY).
-                for stream_id in list(self._streams):
-                    self._reset(stream_id)
-                self._closing = True
         self.flush()
         self._close_if_done()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         for stream_id in list(self._streams):
-            self._reset(stream_id)
+            self._drop(stream_id)
         _wake(self._window)
         _wake(self._paused)
         self._server._lost(self)
@@ -386,36 +358,32 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
 
     def flush(self) -> None:
-        data = self._h2.data_to_send()
+        data = self._wire.data_to_send()
         if data and self._transport is not None:
             self._transport.write(data)
 
-    # --- streams -----------------------------------------------------------------------------
+    # --- what the peer does (`WireEvents`) ---------------------------------------------------
 
-    def _opened(self, event: h2.events.RequestReceived) -> None:
-        stream_id = event.stream_id
+    def opened(self, stream_id: int, headers: Headers) -> None:
         if self._away and stream_id > self._last_stream:
             # After the GOAWAY: not begun, so the client may send it elsewhere.
-            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._wire.reset_stream(stream_id, REFUSED_STREAM)
             return
-        headers: Any = event.headers
         stream = Http2Stream(self, stream_id, headers, time.monotonic())
         self._streams[stream_id] = stream
         if self._server.app.converses(stream):
             self._start(stream, self._server.app.converse(stream))
 
-    def _data(self, event: h2.events.DataReceived) -> None:
-        stream = self._streams.get(event.stream_id)
-        length = event.flow_controlled_length
-        if stream is None:  # (one refused, or reset by this side)
-            self._h2.acknowledge_received_data(length, event.stream_id)
+    def data(self, stream_id: int, data: bytes, flow_length: int) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:  # (one this side has reset, or answered early)
+            self._wire.acknowledge(stream_id, flow_length)
             return
-        data: bytes = event.data
-        if event.stream_id in self.tasks:
+        if stream_id in self.tasks:
             # A conversing task's: acknowledged as it reads (it bounds what it keeps).
-            stream._received(data)
+            stream._received(data, flow_length)
             return
-        self._h2.acknowledge_received_data(length, event.stream_id)
+        self._wire.acknowledge(stream_id, flow_length)
         stream.active_at = time.monotonic()
         stream.size += len(data)
         if stream.too_large or stream.crowded:
@@ -432,12 +400,7 @@ class _Connection(asyncio.Protocol):
         stream._chunks.clear()
         self._release(stream)
 
-    def _release(self, stream: Http2Stream) -> None:
-        """What the connection held of a stream's body, no longer held."""
-        self._held -= stream.held
-        stream.held = 0
-
-    def _ended(self, stream_id: int) -> None:
+    def ended(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)
         if stream is None:
             return
@@ -449,6 +412,23 @@ class _Connection(asyncio.Protocol):
         stream._chunks.clear()
         self._start(stream, self._server.app.answer(stream))
 
+    def reset(self, stream_id: int) -> None:
+        self._drop(stream_id)
+
+    def window_opened(self) -> None:
+        _wake(self._window)
+
+    def peer_left(self) -> None:
+        # It opens no more streams: those open are answered, then the connection closes.
+        self._closing = True
+
+    # --- streams -----------------------------------------------------------------------------
+
+    def _release(self, stream: Http2Stream) -> None:
+        """What the connection held of a stream's body, no longer held."""
+        self._held -= stream.held
+        stream.held = 0
+
     def _start(self, stream: Http2Stream, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self.tasks[stream.id] = task
@@ -459,15 +439,14 @@ class _Connection(asyncio.Protocol):
         self.tasks.pop(stream.id, None)
         self._release(stream)
         self._server._ended()
-        open_ = self._h2.state_machine.state is not h2.connection.ConnectionState.CLOSED
-        if self._streams.pop(stream.id, None) is not None and not stream.gone and open_:
+        if self._streams.pop(stream.id, None) is not None and not stream.gone:
             # The task ended without ending the stream (it failed): the peer is told.
-            with contextlib.suppress(h2.exceptions.StreamClosedError):
-                self._h2.reset_stream(stream.id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            self._wire.reset_stream(stream.id, INTERNAL_ERROR)
         self.flush()
         self._close_if_done()
 
-    def _reset(self, stream_id: int) -> None:
+    def _drop(self, stream_id: int) -> None:
+        """The stream can no longer be answered: its task cancelled, what it held let go."""
         stream = self._streams.pop(stream_id, None)
         if stream is None:
             return
@@ -489,16 +468,15 @@ class _Connection(asyncio.Protocol):
         ]
         for stream in late:
             log.info("HTTP/2 stream %d: the request stopped coming; reset", stream.id)
-            self._reset(stream.id)
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self._h2.reset_stream(stream.id, h2.errors.ErrorCodes.CANCEL)
+            self._drop(stream.id)
+            self._wire.reset_stream(stream.id, CANCEL)
         if late:
             self.flush()
             self._close_if_done()
 
     def acknowledge(self, stream: Http2Stream, length: int) -> None:
         if length and not stream.gone and self._transport is not None:
-            self._h2.acknowledge_received_data(length, stream.id)
+            self._wire.acknowledge(stream.id, length)
             self.flush()
 
     def send_headers(
@@ -506,7 +484,7 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         if stream.gone or self._transport is None:
             raise StreamGone(f"stream {stream.id} was closed")
-        self._h2.send_headers(stream.id, headers, end_stream=end)
+        self._wire.send_headers(stream.id, headers, end)
         if end:
             self._streams.pop(stream.id, None)
         if flush:
@@ -517,16 +495,17 @@ class _Connection(asyncio.Protocol):
         and the socket takes more (False: nothing was done; `send_data` waits for room)."""
         if stream.gone or self._transport is None or self._paused is not None:
             return False
-        room = min(self._h2.local_flow_control_window(stream.id), self._h2.max_outbound_frame_size)
-        if len(data) > room:
+        wire = self._wire
+        if len(data) > min(wire.window(stream.id), wire.max_outbound_frame_size):
             return False
-        self._h2.send_data(stream.id, data, end_stream=end)
+        wire.send_data(stream.id, data, end)
         if end:
             self._streams.pop(stream.id, None)
         return True
 
     async def send_data(self, stream: Http2Stream, data: bytes, end: bool) -> None:
         view = memoryview(data)
+        wire = self._wire
         while True:
             if stream.gone or self._transport is None:
                 raise StreamGone(f"stream {stream.id} was closed")
@@ -534,9 +513,7 @@ class _Connection(asyncio.Protocol):
                 self.flush()
                 await asyncio.shield(self._paused)
                 continue
-            room = min(
-                self._h2.local_flow_control_window(stream.id), self._h2.max_outbound_frame_size
-            )
+            room = min(wire.window(stream.id), wire.max_outbound_frame_size)
             if room <= 0 and len(view):
                 if self._window is None or self._window.done():
                     self._window = asyncio.get_running_loop().create_future()
@@ -545,7 +522,7 @@ class _Connection(asyncio.Protocol):
                 continue
             chunk, view = view[:room], view[room:]
             last = end and not len(view)
-            self._h2.send_data(stream.id, chunk.tobytes(), end_stream=last)
+            wire.send_data(stream.id, chunk.tobytes(), last)
             if last:
                 self._streams.pop(stream.id, None)
             self.flush()
@@ -560,14 +537,9 @@ class _Connection(asyncio.Protocol):
         if self._transport is None or self._away:
             return
         self._away = True
-        self._last_stream = self._h2.highest_inbound_stream_id
+        self._last_stream = self._wire.highest_inbound_stream_id
+        self._wire.go_away(self._last_stream)
         self.flush()
-        # Written as it is: h2 would take a GOAWAY of its own for the connection's end and
-        # send nothing more, where the streams named are still to be answered.
-        frame = GoAwayFrame(0)
-        frame.last_stream_id = self._last_stream
-        frame.error_code = 0
-        self._transport.write(frame.serialize())
         self._closing = True
         self._close_if_done()
 
