@@ -5,6 +5,13 @@ example repository writer. Everything else is reached through the command line o
 protocols.
 """
 
+import os
+
+# ONNX Runtime (1.29 on) sends usage events to Microsoft from every process that loads it,
+# Linux included, unless this is set before it starts: a server sends nothing anywhere it was
+# not asked to. (Set it to 0 to let ONNX Runtime send them.)
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
 from tailserve.errors import TailserveError
 from tailserve.settings import Settings, load_settings
 from tailserve.version import __version__
