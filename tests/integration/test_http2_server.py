@@ -15,6 +15,7 @@ import h2.events
 import pytest
 from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
+from support.http2_frames import parse
 from tailserve.transport.http2 import Http2Server, Http2Stream
 
 LIMIT = 256 * 1024
@@ -301,13 +302,7 @@ async def test_a_peer_that_breaks_the_protocol_is_told_and_the_others_are_served
     writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # no HTTP/2 preface
     async with asyncio.timeout(10):
         data = await reader.read()  # until the server closes
-    frames = []
-    while data:
-        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        frame.parse_body(memoryview(data[9 : 9 + length]))
-        frames.append(frame)
-        data = data[9 + length :]
-    (away,) = [frame for frame in frames if isinstance(frame, GoAwayFrame)]
+    (away,) = [frame for frame in parse(data) if isinstance(frame, GoAwayFrame)]
     assert away.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
     writer.close()
     client = await Client.to(server.port)

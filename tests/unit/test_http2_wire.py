@@ -26,6 +26,7 @@ from hyperframe.frame import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.http2_frames import parse
 from tailserve.transport import http2_wire
 from tailserve.transport.http2_wire import Http2Wire, WireError
 
@@ -104,16 +105,6 @@ class Pair:
             self.client.send_data(stream_id, body, end_stream=True)
         self.to_server()
         return stream_id
-
-
-def parse(data: bytes) -> list[Frame]:
-    frames = []
-    while data:
-        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        frame.parse_body(memoryview(data[9 : 9 + length]))
-        frames.append(frame)
-        data = data[9 + length :]
-    return frames
 
 
 def headers_frame(stream_id: int, headers: list[tuple[bytes, bytes]], **kwargs: Any) -> Frame:
