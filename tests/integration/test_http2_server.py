@@ -352,3 +352,17 @@ async def test_a_request_that_stops_coming_is_reset_and_the_connection_serves_on
         assert reset.error_code == h2.errors.ErrorCodes.CANCEL
         assert await client.echo(b"whole") == b"whole"
         client.close()
+
+
+async def test_a_server_without_connections_sleeps() -> None:
+    async with serving(read_timeout_s=0.2) as (server, _):
+        assert server._sweeper is None  # (no timer while nobody is connected)
+        client = await Client.to(server.port)
+        assert await client.echo(b"awake") == b"awake"
+        assert server._sweeper is not None
+        client.close()
+        await asyncio.wait_for(server._gone.wait(), 5)
+        if server._sweeper is not None:  # (the sweep after the last one, run now)
+            server._sweeper.cancel()
+        server._sweep()
+        assert server._sweeper is None

@@ -501,3 +501,24 @@ async def test_many_pipelined_requests_in_large_reads_are_all_answered(
         server.port, b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n" * count, count=count
     )
     assert len(replies) == count and all(body == b"now" for _, body in replies)
+
+
+async def test_a_server_without_connections_sleeps_and_wakes_with_a_fresh_date(
+    served: tuple[HttpServer, App],
+) -> None:
+    server, _ = served
+    assert server._sweeper is None  # (no timer while nobody is connected)
+    server.date = b"date: a stale one\r\n"  # as if it had slept a long while
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /now HTTP/1.1\r\nhost: w\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert b"date: " in head and b"stale" not in head
+    assert server._sweeper is not None
+    # The keep-alive sweep closes the idle connection; the sweep after finds none and stops.
+    assert await asyncio.wait_for(reader.read(), 5) == b"now"
+    writer.close()
+    await asyncio.wait_for(server.wait_no_connections(), 5)
+    if server._sweeper is not None:  # (the sweep after the last one, run now)
+        server._sweeper.cancel()
+    server._sweep()
+    assert server._sweeper is None

@@ -239,14 +239,18 @@ class Http2Server:
             lambda: _Connection(self), host, port, reuse_address=True, backlog=backlog
         )
         self._servers.append(server)
-        self._sweep()
 
     def _sweep(self) -> None:
-        """Every so often (a tenth of the read timeout, at most a second): the requests that
-        stopped coming."""
+        """Every so often (a tenth of the read timeout, at most a second) while a connection
+        is open (a server with none sleeps): the requests that stopped coming."""
         quiet_since = time.monotonic() - self.read_timeout_s
         for connection in list(self._connections):
             connection.expire(quiet_since)
+        self._sweeper = None
+        if self._connections:
+            self._sweep_later()
+
+    def _sweep_later(self) -> None:
         every = min(1.0, self.read_timeout_s / 10)
         self._sweeper = asyncio.get_running_loop().call_later(every, self._sweep)
 
@@ -284,6 +288,8 @@ class Http2Server:
     def _added(self, connection: _Connection) -> None:
         self._connections.add(connection)
         self._gone.clear()
+        if self._sweeper is None:
+            self._sweep_later()
 
     def _lost(self, connection: _Connection) -> None:
         self._connections.discard(connection)

@@ -177,18 +177,30 @@ class HttpServer:
                 lambda: _Connection(self), host, port, reuse_address=True, backlog=backlog
             )
             self._servers.append(server)
-        self._sweep()
+        self._date()
+
+    def _date(self) -> None:
+        self.date = b"date: " + email.utils.formatdate(usegmt=True).encode() + b"\r\n"
 
     def _sweep(self) -> None:
-        """Once a second: the Date header's value, idle connections past their time, and
-        requests that stopped coming."""
-        assert self._loop is not None
-        self.date = b"date: " + email.utils.formatdate(usegmt=True).encode() + b"\r\n"
+        """Once a second while a connection is open (a server with none sleeps): the Date
+        header's value, idle connections past their time, and requests that stopped coming."""
+        self._date()
         now = time.monotonic()
         for connection in list(self._connections):
             connection.close_if_idle(now - self.keep_alive_s)
             connection.expire_read(now, self.read_timeout_s, self.head_timeout_s)
-        self._sweeper = self._loop.call_later(1.0, self._sweep)
+        if self._connections and self._loop is not None:
+            self._sweeper = self._loop.call_later(1.0, self._sweep)
+        else:
+            self._sweeper = None
+
+    def _added(self, connection: _Connection) -> None:
+        self._connections.add(connection)
+        self._gone.clear()
+        if self._sweeper is None and self._loop is not None:
+            self._date()  # (it may have slept)
+            self._sweeper = self._loop.call_later(1.0, self._sweep)
 
     async def drain(self, timeout_s: float, forced: asyncio.Event | None = None) -> None:
         """Stop accepting and close idle connections; let the requests in flight finish (up
@@ -291,8 +303,7 @@ class _Connection(HeadReading, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
-        self._server._connections.add(self)
-        self._server._gone.clear()
+        self._server._added(self)
         if self._server.access_log:
             peer = transport.get_extra_info("peername")
             self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
