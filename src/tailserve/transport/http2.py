@@ -36,7 +36,7 @@ from tailserve.transport.http2_wire import (
     Http2Wire,
     WireError,
 )
-from tailserve.transport.server import until_set
+from tailserve.transport.waits import until_set
 
 log = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ from tailserve.transport.inbound import (
     too_long,
 )
 from tailserve.transport.request import HttpRequest
+from tailserve.transport.waits import until_set
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("tailserve.access")
@@ -185,15 +186,13 @@ class HttpServer:
     def _sweep(self) -> None:
         """Once a second while a connection is open (a server with none sleeps): the Date
         header's value, idle connections past their time, and requests that stopped coming."""
+        assert self._loop is not None
         self._date()
         now = time.monotonic()
         for connection in list(self._connections):
             connection.close_if_idle(now - self.keep_alive_s)
             connection.expire_read(now, self.read_timeout_s, self.head_timeout_s)
-        if self._connections and self._loop is not None:
-            self._sweeper = self._loop.call_later(1.0, self._sweep)
-        else:
-            self._sweeper = None
+        self._sweeper = self._loop.call_later(1.0, self._sweep) if self._connections else None
 
     def _added(self, connection: _Connection) -> None:
         self._connections.add(connection)
@@ -246,16 +245,6 @@ class HttpServer:
         self._connections.discard(connection)
         if not self._connections:
             self._gone.set()
-
-
-async def until_set(event: asyncio.Event, forced: asyncio.Event | None, timeout_s: float) -> None:
-    """Until ``event`` (or ``forced``) is set, for at most ``timeout_s``."""
-    waits = [asyncio.ensure_future(event.wait())]
-    if forced is not None:
-        waits.append(asyncio.ensure_future(forced.wait()))
-    await asyncio.wait(waits, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
-    for wait in waits:
-        wait.cancel()
 
 
 class _Connection(HeadReading, asyncio.Protocol):
