@@ -99,13 +99,17 @@ _MAX_EXTENT = 2**58
 
 def check_shape(name: str, shape: Sequence[int]) -> None:
     # Shapes arrive as lists of ints (the decoder checks the type); sign and size are left.
-    if shape and min(shape) < 0:
+    if not shape:
+        return
+    least = min(shape)
+    if least < 0:
         raise InvalidInput(f"tensor {name!r}: shape {list(shape)} must hold integers >= 0")
     if len(shape) > MAX_DIMS:
         raise InvalidInput(
             f"tensor {name!r}: shape has {len(shape)} dimensions, more than {MAX_DIMS}"
         )
-    if math.prod(d for d in shape if d) > _MAX_EXTENT:
+    extent = math.prod(shape) if least else math.prod(d for d in shape if d)
+    if extent > _MAX_EXTENT:
         raise InvalidInput(
             f"tensor {name!r}: shape {list(shape)} is too large: its dimensions may multiply "
             f"to at most 2**58 elements, and its data must fit the request body limit"
@@ -288,7 +292,7 @@ def from_binary(name: str, datatype: str, shape: Sequence[int], buffer: bytes | 
     """Decode raw little-endian bytes (BYTES: 4-byte length-prefixed items) into ``shape``."""
     dtype = numpy_dtype(datatype)
     check_shape(name, shape)
-    count = element_count(shape)
+    count = math.prod(shape)
     if datatype == "BYTES":
         items = _split_bytes(name, buffer)
         if len(items) != count:

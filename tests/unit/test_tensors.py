@@ -98,6 +98,27 @@ def test_binary_size_mismatch_is_an_error() -> None:
         from_binary("s", "BYTES", [1], struct.pack("<I", 10) + b"abc")
 
 
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ([2**30, 2**29], "is too large"),  # every dimension counts
+        ([2**30, 0, 2**29], "is too large"),  # a zero does not hide the others
+        ([3, -1], "must hold integers >= 0"),
+        ([1] * 33, "more than 32"),
+    ],
+)
+def test_a_binary_tensor_of_an_impossible_shape_is_refused_by_its_shape(
+    shape: list[int], message: str
+) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        from_binary("x", "FP32", shape, b"")
+
+
+def test_a_binary_tensor_with_a_zero_dimension_holds_nothing() -> None:
+    assert from_binary("x", "FP32", [4, 0, 3], b"").shape == (4, 0, 3)
+    assert from_binary("x", "FP32", [], b"\x00\x00\x80\x3f").item() == 1.0
+
+
 SHORT_LISTS = [
     [3],
     [0, -7, 2**40],

@@ -63,22 +63,23 @@ def decode_request(message: Any) -> InferRequest:
     raw = raw_contents(message)
     inputs = []
     for index, tensor in enumerate(message.inputs):
-        shape = list(tensor.shape)
+        name, datatype, given = tensor.name, tensor.datatype, tensor.parameters
         if raw:
-            data = from_binary(tensor.name, tensor.datatype, shape, raw[index])
+            data = from_binary(name, datatype, list(tensor.shape), raw[index])
         else:
             data = typed_array(tensor)
-        inputs.append(Tensor(tensor.name, tensor.datatype, data, parameters_of(tensor.parameters)))
+        inputs.append(Tensor(name, datatype, data, parameters_of(given) if given else {}))
     outputs = None
     if message.outputs:
         outputs = [RequestedOutput(o.name, parameters_of(o.parameters)) for o in message.outputs]
+    given = message.parameters
     return InferRequest(
         model=message.model_name,
         inputs=inputs,
         version=message.model_version or None,
         id=message.id or None,
         outputs=outputs,
-        parameters=parameters_of(message.parameters),
+        parameters=parameters_of(given) if given else {},
     )
 
 
