@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -366,3 +367,51 @@ async def test_a_server_without_connections_sleeps() -> None:
             server._sweeper.cancel()
         server._sweep()
         assert server._sweeper is None
+
+
+async def test_a_peer_that_does_not_read_is_read_no_further_and_loses_nothing(
+    served: tuple[Http2Server, App],
+) -> None:
+    """PING after PING, the answers left unread: once what the server has to send is past its
+    transport's high-water mark it stops reading the connection, so the peer cannot grow its
+    memory; as the peer reads, it reads on, and every PING is answered in turn."""
+    server, _ = served
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (the answers back up soon)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    client = Client(*await asyncio.open_connection(sock=sock))
+    client.h2.initiate_connection()
+    client.flush()
+    await client.pump()  # (the server's SETTINGS: it has the connection)
+    (connection,) = server._connections
+    transport = connection._transport
+    assert transport is not None
+    paused = asyncio.Event()
+    pause_writing = connection.pause_writing
+
+    def pausing() -> None:
+        pause_writing()
+        paused.set()
+
+    connection.pause_writing = pausing  # type: ignore[method-assign]
+    count = 8 * 2**20 // 17  # 8 MiB of PINGs: past any socket buffer between the two
+    client.writer.write(b"".join(_ping(n, ack=False) for n in range(count)))
+    await asyncio.wait_for(paused.wait(), 15)
+    assert not transport.is_reading()
+    assert transport.get_write_buffer_size() < 2**20
+
+    expected = b"".join(_ping(n, ack=True) for n in range(count))
+    received = bytearray()
+    async with asyncio.timeout(60):
+        while not received.endswith(expected[-17:]):
+            data = await client.reader.read(2**20)
+            assert data, "the server closed the connection"
+            received += data
+    assert received[received.index(expected[:17]) :] == expected
+    client.close()
+
+
+def _ping(number: int, *, ack: bool) -> bytes:
+    """A PING frame (its acknowledgement with ``ack``) of payload ``number``."""
+    return b"\x00\x00\x08\x06" + (b"\x01" if ack else b"\x00") + bytes(4) + number.to_bytes(8)

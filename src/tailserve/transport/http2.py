@@ -354,10 +354,17 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._paused is None:
             self._paused = asyncio.get_running_loop().create_future()
+        # A peer that does not read what it is sent (a PING after another, answers it leaves
+        # unread) is read no further until it has: what it makes this side write stays
+        # within the transport's high-water mark and one read's answers.
+        if self._transport is not None:
+            self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         _wake(self._paused)
         self._paused = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
 
     def abort(self) -> None:
         if self._transport is not None:
