@@ -418,3 +418,63 @@ def test_an_answer_before_the_request_ends_tells_the_peer_to_stop_sending() -> N
     pair.raw(DataFrame(1, b"x" * 1_000, flags=["END_STREAM"]))  # (it crossed the reset)
     assert pair.owner.of("data") == [] and pair.frames() == []
     assert pair.wire.window(1) == 0
+
+
+# A request's header block by hand: :method POST, :scheme http, :path / (the static table's),
+# then :authority t as a literal not indexed.
+BASE = b"\x83\x86\x84\x01\x01t"
+
+
+def _indexed_tag(value: bytes) -> bytes:
+    """``x-tag: value`` as a literal added to the dynamic table."""
+    return b"\x40\x05x-tag" + bytes([len(value)]) + value
+
+
+def _opened(pair: Pair, block: bytes) -> list[tuple[bytes, bytes]]:
+    """The fields of a request sent as ``block``."""
+    stream = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(stream, REQUEST, end_stream=True)  # (keeps h2's ids in step)
+    pair.client.data_to_send()
+    pair.raw(HeadersFrame(stream, block, flags=["END_HEADERS", "END_STREAM"]))
+    (opened,) = [event for event in pair.owner.of("opened") if event[1] == stream]
+    fields: list[tuple[bytes, bytes]] = opened[2]
+    return fields
+
+
+def test_a_header_block_sent_again_is_read_as_the_table_now_reads_it() -> None:
+    pair = Pair()
+    tag = (b"x-tag", b"A")
+    assert _opened(pair, BASE + _indexed_tag(b"A"))[-1] == tag
+    newest = BASE + b"\xbe"  # (the dynamic table's newest entry)
+    assert _opened(pair, newest)[-1] == tag
+    assert _opened(pair, newest)[-1] == tag
+    assert _opened(pair, BASE + _indexed_tag(b"B"))[-1] == (b"x-tag", b"B")
+    assert _opened(pair, newest)[-1] == (b"x-tag", b"B")
+    assert _opened(pair, BASE + b"\xbf")[-1] == tag
+    # The same bytes adding to the table each time are decoded each time.
+    again = BASE + _indexed_tag(b"C")
+    assert _opened(pair, again)[-1] == _opened(pair, again)[-1] == (b"x-tag", b"C")
+    assert _opened(pair, BASE + b"\xbf")[-1] == (b"x-tag", b"C")
+    assert _opened(pair, BASE + b"\xc0")[-1] == (b"x-tag", b"B")
+
+
+def test_a_header_block_that_leaves_the_table_alone_is_decoded_once() -> None:
+    pair = Pair()
+    decoder = pair.wire._decoder
+    calls = []
+    decode = decoder.decode
+
+    def counted(data: bytes, raw: bool = False) -> Any:
+        calls.append(data)
+        return decode(data, raw=raw)
+
+    decoder.decode = counted  # type: ignore[method-assign]
+    block = BASE + b"\x00\x05x-tag\x01A"  # (x-tag: A as a literal not indexed)
+    first = _opened(pair, block)
+    first.append((b"x-more", b"1"))  # (what one stream's owner does is its own)
+    assert (
+        _opened(pair, block)
+        == _opened(pair, block)
+        == [*RAW_REQUEST[:2], (b":path", b"/"), (b":authority", b"t"), (b"x-tag", b"A")]
+    )
+    assert calls == [block]

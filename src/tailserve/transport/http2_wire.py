@@ -14,12 +14,17 @@ stream resets that stream; one against the connection sends a GOAWAY naming it a
 Only what a request and response server needs is here: no server push, no priorities, and
 header blocks encoded without HPACK's dynamic table (each field a literal, or the static
 table's ``:status: 200``), so that nothing the peer says about its table matters.
+
+A client sends the same header block again and again (the same method, path and metadata):
+the last block that left the decoder's table as it found it is kept with that table's state,
+and the same bytes against the same state are not decoded again (HPACK's decoder, in Python,
+is a good part of a small call's cost).
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Protocol
+from typing import Any, Protocol
 
 import hpack
 
@@ -122,6 +127,12 @@ class Http2Wire:
         self._streams: dict[int, _Stream] = {}
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = HEADER_LIST_SIZE
+        # The last header block that did not change the decoder's table, that table's state
+        # and the block's fields (`_decoded`).
+        self._last_block = b""
+        self._last_state: tuple[int, int] = (-1, -1)
+        self._last_front: Any = None  # (held: its identity is compared)
+        self._last_headers: Headers = []
         self._in = bytearray()
         self._out: list[bytes] = []
         self._preface = False  # the peer's preface has come
@@ -369,9 +380,23 @@ class Http2Wire:
             self._block = None
             self._on_block(first_flags, stream_id, b"".join(parts))
 
+    def _decoded(self, block: bytes) -> Headers:
+        """A header block's fields, decoded, or as they were the last time these bytes came
+        with the decoder's table as it is now."""
+        table = self._decoder.header_table
+        state = _table_state(table)
+        front = _newest(table)
+        if block == self._last_block and state == self._last_state and front is self._last_front:
+            return list(self._last_headers)
+        headers: Headers = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
+        if _table_state(table) == state and _newest(table) is front:  # (nothing added or evicted)
+            self._last_block, self._last_headers = block, list(headers)
+            self._last_state, self._last_front = state, front
+        return headers
+
     def _on_block(self, flags: int, stream_id: int, block: bytes) -> None:
         try:
-            headers: Headers = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
+            headers = self._decoded(block)
         except hpack.OversizedHeaderListError:
             raise _ConnectionError(ENHANCE_YOUR_CALM, "a header list past its limit") from None
         except hpack.HPACKError as error:
@@ -471,6 +496,18 @@ class Http2Wire:
         if self._streams.pop(stream_id, None) is not None:
             self._frame(RST_STREAM, 0, stream_id, _U32.pack(code))
             self._events.reset(stream_id)
+
+
+def _table_state(table: Any) -> tuple[int, int]:
+    """An HPACK decoder's dynamic table: its size limit and its entry count. With its newest
+    entry the same object (`_newest`: HPACK adds entries only at the front, a new object each),
+    nothing was added, and with the same count nothing was evicted."""
+    return table.maxsize, len(table.dynamic_entries)
+
+
+def _newest(table: Any) -> Any:
+    entries = table.dynamic_entries
+    return entries[0] if entries else None
 
 
 def _unpadded(flags: int, payload: bytes) -> bytes:
