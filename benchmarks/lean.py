@@ -16,18 +16,22 @@ workers started with PYTHONPATH=SRC/..., the same interpreter and packages):
    rate about half of what one worker serves within the SLO (``--rate churn=1000,
    sentiment=400``), over HTTP/JSON, HTTP/binary and gRPC unary: the worker's CPU (user +
    system, every thread, /proc) over the requests sent. ``--rounds`` (3) alternating rounds;
-   each round's ratio of this tree to the baseline is printed.
+   each round's ratio of this tree to the baseline is printed. ``--half``: each tree at half
+   its own SLO capacity instead (searched first: wrk2 over HTTP/JSON, the same worker),
+   the same rate for its three protocols.
 4. capacity: one worker of the example churn model as shipped (its cache on, unique inputs),
    its SLO capacity (p99 <= 50 ms, no error) searched by wrk2 over 64 connections, the trees
    in turns.
 5. stack: `tailserve up --workers 2` on churn alone (cache off): SLO capacity over HTTP/JSON
    (wrk2) and over gRPC unary calls (h2load: the same message every call, which the cache off
-   computes each time); then at a tenth of the HTTP capacity, wrk2's p50 and the front door's
-   own CPU a request (HAProxy's process).
+   computes each time), ``--stack-rounds`` (1) pairs of searches in turn, their medians;
+   then at a tenth of the HTTP capacity, wrk2's p50 and the front door's own CPU a request
+   (HAProxy's process).
 
     python benchmarks/lean.py --baseline /tmp/main/src [--this SRC]
         [--only memory,idle,cpu,capacity,stack]
         [--rounds 3] [--idle-s 60] [--cpu-s 15] [--step-s 5] [--rate churn=1000,sentiment=400]
+        [--half] [--stack-rounds 1]
 
 Needs wrk2 (WRK2=... or on the PATH) and h2load (Debian's nghttp2-client). Check with `ps` that
 nothing else runs. Prints one table a section.
@@ -233,20 +237,43 @@ def bench_cpu(
     used = h.cpu_seconds(pid) - before
     result = orjson.loads(result_path.read_bytes())
     sent = result["overall"]["count"] + rate * 2.0  # the warm-up's requests too
+    answered = result["overall"]["count"] / seconds
+    print(f"    ({protocol} at {rate:,.0f} req/s: {answered:,.0f} answered a second)")
     return used / max(1.0, sent) * 1e6
 
 
+def half_capacities(trees: list[Tree], work: Path, step_s: float) -> dict[tuple[str, str], float]:
+    """Half of each tree's SLO capacity for each model alone (wrk2, HTTP/JSON), by (tree,
+    model)."""
+    rates = {}
+    for model in ("churn", "sentiment"):
+        workload = {"script": _wrk2.SENTIMENT} if model == "sentiment" else {}
+        for tree in trees:
+            print(f"  {tree.name}, {model}: SLO capacity")
+            with worker(work / f"only-{model}", tree, grpc=False) as (url, _, _):
+                found = _wrk2.slo_capacity(url, step_s, SLO_MS[model], 1000, **workload)
+            rates[(tree.name, model)] = max(50.0, found / 2)
+            print(f"  {tree.name}, {model}: {found:,.0f} req/s, so {found / 2:,.0f}")
+    return rates
+
+
 def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace) -> None:
-    print("\n## cpu: the worker's CPU a request at about half its capacity, µs")
+    how = "at half its own SLO capacity" if args.half else "at about half its capacity"
+    print(f"\n## cpu: the worker's CPU a request {how}, µs")
     repository = h.models_alone(examples, work / "computed", ["churn", "sentiment"])
+    for model in ("churn", "sentiment"):
+        single = work / f"only-{model}"
+        if not single.exists():
+            single.mkdir()
+            shutil.copytree(repository / model, single / model)
+    rates = {(t.name, m): args.rates[m] for t in trees for m in ("churn", "sentiment")}
+    if args.half:
+        rates = half_capacities(trees, work, args.step_s)
     figures: dict[tuple[str, str, str], list[float]] = {}
     for round_no in range(args.rounds):
         order = trees if round_no % 2 == 0 else trees[::-1]
         for model in ("churn", "sentiment"):
             single = work / f"only-{model}"
-            if not single.exists():
-                single.mkdir()
-                shutil.copytree(repository / model, single / model)
             for protocol in PROTOCOLS:
                 for tree in order:
                     with worker(single, tree) as (url, pid, grpc):
@@ -256,7 +283,7 @@ def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace)
                             url,
                             grpc,
                             pid,
-                            args.rates[model],
+                            rates[(tree.name, model)],
                             args.cpu_s,
                             work,
                             trees[0],
@@ -267,6 +294,12 @@ def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace)
                 )
                 print(f"  round {round_no + 1}, {model} {protocol}: {line}")
     names = [t.name for t in trees]
+    if args.half:
+        print("\n| rate (half the SLO capacity) | " + " | ".join(names) + " |")
+        print("| --- |" + " ---: |" * len(names))
+        for model in ("churn", "sentiment"):
+            cells = [f"{rates[(n, model)]:,.0f} req/s" for n in names]
+            print(f"| {model} | " + " | ".join(cells) + " |")
     print("\n| model, protocol | " + " | ".join(names) + " | ratio each round |")
     print("| --- |" + " ---: |" * len(names) + " --- |")
     for model in ("churn", "sentiment"):
@@ -297,7 +330,9 @@ def capacity(trees: list[Tree], examples: Path, work: Path, step_s: float) -> No
     print("| SLO capacity | " + " | ".join(cells) + f" | {ratio(values[0], values[-1])} |")
 
 
-def stack_section(trees: list[Tree], examples: Path, work: Path, step_s: float) -> None:
+def stack_section(
+    trees: list[Tree], examples: Path, work: Path, step_s: float, rounds: int = 1
+) -> None:
     print("\n## stack: `up --workers 2`, churn with its cache off: HTTP/JSON and gRPC unary")
     repository = work / "stack-churn"
     if not repository.exists():
@@ -309,10 +344,21 @@ def stack_section(trees: list[Tree], examples: Path, work: Path, step_s: float) 
     for tree in trees:
         print(f"  {tree.name}:")
         with stack(repository, tree) as (url, root, grpc):
-            http = _wrk2.slo_capacity(url, step_s, SLO_MS["churn"], start_rps=2000)
-            calls = _h2load.slo_capacity(
-                grpc, message, step_s, SLO_MS["churn"], start_rps=2000, metrics_url=f"{url}/metrics"
-            )
+            pairs = []
+            for _ in range(rounds):  # (each search one sample of a noisy machine: in turns)
+                http = _wrk2.slo_capacity(url, step_s, SLO_MS["churn"], start_rps=2000)
+                calls = _h2load.slo_capacity(
+                    grpc,
+                    message,
+                    step_s,
+                    SLO_MS["churn"],
+                    start_rps=2000,
+                    metrics_url=f"{url}/metrics",
+                )
+                pairs.append((http, calls))
+                print(f"  HTTP/JSON {http:,.0f}, gRPC {calls:,.0f}: {ratio(calls, http)}")
+            http = statistics.median(p[0] for p in pairs)
+            calls = statistics.median(p[1] for p in pairs)
             hop = haproxy_pid(root)
             rate = max(50.0, http / 10)
             before = h.cpu_seconds(hop) if hop else 0.0
@@ -367,6 +413,8 @@ def main() -> None:
     parser.add_argument("--cpu-s", type=float, default=15.0)
     parser.add_argument("--step-s", type=float, default=5.0)
     parser.add_argument("--rate", type=rates, default=rates(""), dest="rates")
+    parser.add_argument("--half", action="store_true", help="cpu: each tree at half its capacity")
+    parser.add_argument("--stack-rounds", type=int, default=1, help="stack: searches in turn")
     parser.add_argument("--work", type=Path, help="a folder kept between runs (examples)")
     args = parser.parse_args()
     if not os.environ.get("WRK2") and Path("/work/tools/wrk2").is_file():
@@ -387,7 +435,7 @@ def main() -> None:
             "idle": lambda: idle(trees, examples, args.idle_s),
             "cpu": lambda: cpu(trees, examples, work, args),
             "capacity": lambda: capacity(trees, examples, work, args.step_s),
-            "stack": lambda: stack_section(trees, examples, work, args.step_s),
+            "stack": lambda: stack_section(trees, examples, work, args.step_s, args.stack_rounds),
         }
         for name in SECTIONS:
             if name in only:
