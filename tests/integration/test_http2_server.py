@@ -311,6 +311,33 @@ async def test_a_peer_that_breaks_the_protocol_is_told_and_the_others_are_served
     client.close()
 
 
+async def test_a_peer_resetting_each_stream_as_it_opens_it_is_cut_off(
+    served: tuple[Http2Server, App],
+) -> None:
+    server, app = served
+    client = await Client.to(server.port)
+    await client.pump()  # (the server's SETTINGS)
+    for _ in range(150):  # (past the wire's RESET_AT_ONCE, in one write)
+        stream = client.h2.get_next_available_stream_id()
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/hold"),
+            (":authority", "t"),
+        ]
+        client.h2.send_headers(stream, headers, end_stream=True)
+        client.h2.reset_stream(stream)
+    client.flush()
+    await client.until(lambda: client.away)
+    (ended,) = [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ended.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert not app.held.is_set()  # (no request it reset was begun)
+    other = await Client.to(server.port)
+    assert await other.echo(b"fine") == b"fine"
+    other.close()
+    client.close()
+
+
 async def test_a_drain_answers_the_streams_begun_and_refuses_later_ones(
     served: tuple[Http2Server, App],
 ) -> None:

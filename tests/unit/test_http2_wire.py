@@ -478,3 +478,38 @@ def test_a_header_block_that_leaves_the_table_alone_is_decoded_once() -> None:
         == [*RAW_REQUEST[:2], (b":path", b"/"), (b":authority", b"t"), (b"x-tag", b"A")]
     )
     assert calls == [block]
+
+
+def _opened_and_reset(pair: Pair, count: int) -> bytes:
+    """``count`` requests, each reset by the client as soon as it is sent, as bytes."""
+    for _ in range(count):
+        stream = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream, REQUEST, end_stream=True)
+        pair.client.reset_stream(stream)
+    data: bytes = pair.client.data_to_send()
+    return data
+
+
+def test_a_peer_resetting_each_stream_as_it_opens_it_is_cut_off() -> None:
+    pair = Pair(streams=1000)
+    limit = http2_wire.RESET_AT_ONCE
+    with pytest.raises(WireError, match="reset in the read that opened them") as raised:
+        pair.to_server(_opened_and_reset(pair, limit + 50))
+    assert raised.value.code == http2_wire.ENHANCE_YOUR_CALM
+    assert the_goaway(pair).error_code == http2_wire.ENHANCE_YOUR_CALM
+    assert len(pair.owner.of("opened")) == len(pair.owner.of("reset")) == limit + 1
+
+
+def test_a_client_cancelling_calls_later_or_now_and_then_is_served_on() -> None:
+    pair = Pair(streams=2000)
+    limit = http2_wire.RESET_AT_ONCE
+    for _ in range(limit + 50):  # (each reset in a read after the one that opened it)
+        stream = pair.request()
+        pair.client.reset_stream(stream)
+        pair.to_server()
+    for _ in range(4 * limit):
+        pair.request()
+    pair.to_server(_opened_and_reset(pair, limit + 50))  # (a minority of its streams)
+    stream = pair.request()
+    assert pair.owner.heard[-2:] == [("opened", stream, RAW_REQUEST), ("ended", stream)]
+    assert not pair.wire.closed

@@ -9,7 +9,9 @@ request's or trailers' must be; flow control both ways, with WINDOW_UPDATE sent 
 acknowledges what it has read, and data sent only as far as the peer's windows go; PING,
 RST_STREAM, GOAWAY and PRIORITY; unknown frame types ignored. A fault of the peer's on one
 stream resets that stream; one against the connection sends a GOAWAY naming it and raises
-`WireError`, after which the connection takes nothing more.
+`WireError`, after which the connection takes nothing more. A peer that resets its streams in
+the same read that opened them, again and again (more than `RESET_AT_ONCE`, and most of the
+streams it opened: each costs the server a stream begun for nothing), is such a fault.
 
 Only what a request and response server needs is here: no server push, no priorities, and
 header blocks encoded without HPACK's dynamic table (each field a literal, or the static
@@ -41,6 +43,9 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0x5, 0x6, 0x7, 0x8
 COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x9, 0xB
+# Streams a connection may reset in the read that opened them before it is cut off (when they
+# are most of the streams it opened): a client cancels a call at once only now and then.
+RESET_AT_ONCE = 100
 # settings
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
 INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
@@ -140,6 +145,9 @@ class Http2Wire:
         self._block: tuple[int, int, list[bytes]] | None = None  # a header block continued
         self._block_size = 0
         self.highest_inbound_stream_id = 0
+        self._opened = 0  # streams the peer opened
+        self._opened_now: set[int] = set()  # opened in the read being taken
+        self._reset_at_once = 0  # reset by the peer in the read that opened them
         self.closed = False  # a GOAWAY for an error sent: nothing more is taken
         # what this side may send
         self._send_window = DEFAULT_WINDOW
@@ -261,6 +269,8 @@ class Http2Wire:
             raise WireError(error.code, str(error)) from None
 
     def _receive(self, data: bytes) -> None:
+        if self._opened_now:
+            self._opened_now.clear()
         buffer = self._in
         buffer += data
         at = 0
@@ -420,6 +430,8 @@ class Http2Wire:
             self._frame(RST_STREAM, 0, stream_id, _U32.pack(PROTOCOL_ERROR))
             return
         self._streams[stream_id] = _Stream(self._peer_stream_window, self._stream_window)
+        self._opened += 1
+        self._opened_now.add(stream_id)
         self._events.opened(stream_id, headers)
         if flags & END_STREAM:
             self._end_remote(stream_id)
@@ -484,6 +496,12 @@ class Http2Wire:
             raise _ConnectionError(PROTOCOL_ERROR, f"RST_STREAM on stream {stream_id}, not opened")
         if self._streams.pop(stream_id, None) is not None:
             self._events.reset(stream_id)
+        if stream_id in self._opened_now:
+            self._reset_at_once += 1
+            if self._reset_at_once > RESET_AT_ONCE and 2 * self._reset_at_once > self._opened:
+                raise _ConnectionError(
+                    ENHANCE_YOUR_CALM, "streams reset in the read that opened them, again and again"
+                )
 
     def _end_remote(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)
