@@ -86,10 +86,6 @@ def numpy_dtype(datatype: str) -> np.dtype[Any]:
         raise InvalidInput(f"unknown datatype {datatype!r} (known: {known})") from None
 
 
-def element_count(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 # The most dimensions a tensor may have (numpy 1 allows 32; no model has nearly as many), and
 # the most elements its non-zero dimensions may multiply to: numpy refuses to make an array
 # beyond that even when another dimension is 0, so that it would hold nothing.
@@ -97,10 +93,11 @@ MAX_DIMS = 32
 _MAX_EXTENT = 2**58
 
 
-def check_shape(name: str, shape: Sequence[int]) -> None:
+def check_shape(name: str, shape: Sequence[int]) -> int:
+    """The number of elements of ``shape``, a shape a tensor may have."""
     # Shapes arrive as lists of ints (the decoder checks the type); sign and size are left.
     if not shape:
-        return
+        return 1
     least = min(shape)
     if least < 0:
         raise InvalidInput(f"tensor {name!r}: shape {list(shape)} must hold integers >= 0")
@@ -114,6 +111,7 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
             f"tensor {name!r}: shape {list(shape)} is too large: its dimensions may multiply "
             f"to at most 2**58 elements, and its data must fit the request body limit"
         )
+    return extent if least else 0
 
 
 # --- JSON -----------------------------------------------------------------------------------
@@ -129,7 +127,7 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
         array = _small_numbers(dtype, data) if dtype.kind != "O" else _small_texts(data)
         if array is not None:
             return array if len(shape) == 1 else array.reshape(shape)
-    check_shape(name, shape)
+    count = check_shape(name, shape)
     if data is None:
         raise InvalidInput(f"tensor {name!r}: 'data' is missing")
     if not isinstance(data, list):
@@ -140,7 +138,6 @@ def from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.n
             array = _bytes_array(name, data)
         else:
             array = _number_array(name, datatype, dtype, data)
-    count = math.prod(shape)
     if array.size != count:
         raise InvalidInput(
             f"tensor {name!r}: shape {list(shape)} needs {count} elements, data has {array.size}"
@@ -291,8 +288,7 @@ def _text(item: Any) -> str:
 def from_binary(name: str, datatype: str, shape: Sequence[int], buffer: bytes | memoryview) -> Any:
     """Decode raw little-endian bytes (BYTES: 4-byte length-prefixed items) into ``shape``."""
     dtype = numpy_dtype(datatype)
-    check_shape(name, shape)
-    count = math.prod(shape)
+    count = check_shape(name, shape)
     if datatype == "BYTES":
         items = _split_bytes(name, buffer)
         if len(items) != count:

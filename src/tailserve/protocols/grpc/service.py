@@ -72,14 +72,14 @@ def decode_request(message: Any) -> InferRequest:
     outputs = None
     if message.outputs:
         outputs = [RequestedOutput(o.name, parameters_of(o.parameters)) for o in message.outputs]
-    given = message.parameters
+    sent = message.parameters
     return InferRequest(
         model=message.model_name,
         inputs=inputs,
         version=message.model_version or None,
         id=message.id or None,
         outputs=outputs,
-        parameters=parameters_of(given) if given else {},
+        parameters=parameters_of(sent) if sent else {},
     )
 
 
