@@ -9,7 +9,7 @@ router, side by side, measured from outside with wrk2 (open loop, churn with uni
 3. A fresh worker while two neighbour processes each burn half a core: 0.6x its clean capacity
    (goodput over offered); the neighbours stop, and the first 5 s at that load count refusals.
 
-    python benchmarks/front_door.py [--seconds 10] [--only stack,router,worker]
+    python benchmarks/front_door.py [--seconds 10] [--step-seconds 5] [--skip-contention]
 
 Needs wrk2 on the PATH (see benchmarks/_wrk2.py). Check with `ps` that nothing else runs.
 """
