@@ -290,7 +290,7 @@ def from_binary(name: str, datatype: str, shape: Sequence[int], buffer: bytes | 
     dtype = numpy_dtype(datatype)
     count = check_shape(name, shape)
     if datatype == "BYTES":
-        items = _split_bytes(name, buffer)
+        items = split_bytes(name, buffer)
         if len(items) != count:
             raise InvalidInput(
                 f"tensor {name!r}: shape {list(shape)} needs {count} elements, "
@@ -308,7 +308,7 @@ def from_binary(name: str, datatype: str, shape: Sequence[int], buffer: bytes | 
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
-def _split_bytes(name: str, buffer: bytes | memoryview) -> list[bytes]:
+def split_bytes(name: str, buffer: bytes | memoryview) -> list[bytes]:
     view = memoryview(buffer)
     items: list[bytes] = []
     offset, end = 0, len(view)
