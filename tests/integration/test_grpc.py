@@ -186,6 +186,39 @@ def test_errors_are_grpc_statuses_naming_the_problem(worker: tuple[RunningWorker
     assert 'protocol="grpc"' in metrics and 'status="400"' in metrics
 
 
+def test_calls_of_a_layout_met_before_answer_as_the_first_did(
+    worker: tuple[RunningWorker, str],
+) -> None:
+    # The first call of three rows is read the general way and its layout kept; the next
+    # ones are read in one pass (grpc/layouts.py): the same answers as over HTTP, the same
+    # refusal for a value out of range.
+    running, address = worker
+    client = triton_grpc.InferenceServerClient(address)
+    http = triton_http.InferenceServerClient(f"127.0.0.1:{running.port}")
+    try:
+        for seed in (11, 12, 13):
+            data = columns(3, seed=seed)
+            over_grpc = client.infer("churn", grpc_inputs(data)).as_numpy(OUTPUT)
+            inputs = []
+            for name, array in data.items():
+                tensor = triton_http.InferInput(name, list(array.shape), FIELDS[name])
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            np.testing.assert_array_equal(over_grpc, http.infer("churn", inputs).as_numpy(OUTPUT))
+        data = columns(3, seed=14)
+        data["tenure_months"][2, 0] = 121
+        data["contract_type"][0, 0] = b"weekly"
+        with pytest.raises(triton_grpc.InferenceServerException) as bad:
+            client.infer("churn", grpc_inputs(data))
+        assert bad.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "'tenure_months': value 121 is outside the allowed range [1, 120]" in (
+            bad.value.message()
+        )
+    finally:
+        client.close()
+        http.close()
+
+
 def test_a_taken_grpc_port_leaves_http_serving(
     example_repository: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -32,7 +32,9 @@ import grpc
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
+from tailserve.engine.served import ServedVersion
 from tailserve.engine.traffic import Traffic
+from tailserve.engine.validation import Checked
 from tailserve.errors import TailserveError
 from tailserve.observability.metrics import Metrics
 from tailserve.observability.tracing import Tracing
@@ -45,6 +47,7 @@ from tailserve.protocols.grpc.common import (
     time_left_s,
     typed_array,
 )
+from tailserve.protocols.grpc.layouts import LayoutReader, reader_for
 from tailserve.protocols.grpc.traced import Heads, RequestTrace
 from tailserve.protocols.http.errors import status_of
 from tailserve.protocols.refusals import refusal_reason
@@ -69,6 +72,11 @@ def decode_request(message: Any) -> InferRequest:
         else:
             data = typed_array(tensor)
         inputs.append(Tensor(name, datatype, data, parameters_of(given) if given else {}))
+    return request_of(message, inputs)
+
+
+def request_of(message: Any, inputs: list[Tensor]) -> InferRequest:
+    """A ``ModelInferRequest`` as the engine's request, its inputs read."""
     outputs = None
     if message.outputs:
         outputs = [RequestedOutput(o.name, parameters_of(o.parameters)) for o in message.outputs]
@@ -208,6 +216,33 @@ class InferenceService:
                 task.cancel()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
+    def _decode(self, message: Any) -> InferRequest:
+        """The request, its inputs checked where the model's layout reader judged them
+        (`grpc.layouts`); read the general way otherwise, and its layout learnt."""
+        reader = self._reader(message.model_name, message.model_version or None)
+        if reader is None:
+            return decode_request(message)
+        found = reader.read(message)
+        checked: Checked | None
+        if found is not None:
+            inputs, checked = found
+            request = request_of(message, inputs)
+        else:
+            request = decode_request(message)
+            checked = reader.learn(message, request.inputs)
+        if checked is not None:
+            request.checked = (reader.plan, checked)
+        return request
+
+    def _reader(self, model: str, version: str | None) -> LayoutReader | None:
+        try:
+            served = self.dataplane.manager.peek(model, version)
+        except TailserveError:
+            return None
+        if not isinstance(served, ServedVersion):
+            return None
+        return reader_for(served.config, served.plan)
+
     async def _infer(self, request: Any, left_s: float | None, trace: RequestTrace | None) -> Any:
         """One inference request (of a unary call or a stream): ``left_s`` of the call's gRPC
         deadline counts as X-Deadline-Ms does; ``trace``: its spans, while tracing is on."""
@@ -231,7 +266,7 @@ class InferenceService:
                 )
                 if kept is not None:
                     raise kept.error.with_traceback(None)
-            infer = decode_request(request)
+            infer = self._decode(request)
             infer.received_at = received
             infer.deadline_ms = deadline_ms
             if trace is None:

@@ -1,0 +1,265 @@
+"""A model version's reader of ModelInferRequests whose inputs' layout it has met before.
+
+The general way (`service.decode_request`, then the data plane's `InputPlan.check`) reads each
+input's name, datatype, shape and parameters from the message, makes an array and a tensor of
+each buffer and checks each against its rule: about 28 µs for churn's nine inputs, where the
+typed JSON decoder (`protocols.http.oip_typed`) takes 13. A client sends the same inputs (names,
+datatypes, shapes, no parameters) call after call, only the raw buffers differing. So once a
+request has been read and checked the general way, its layout is kept, and a later request
+whose ``inputs`` equal it (one comparison, in C) is read in one pass: each datatype's buffers
+joined into one array and held to their ranges at once, the inputs cut from it.
+
+It reads only requests with ``raw_input_contents`` whose layout it keeps (the newest few a model
+version has met; inputs with no parameters or typed contents). Anything it cannot judge exactly
+as the general way would (a buffer of another length, a value out of range or not a number, a
+BYTES item not allowed) goes the general way, which says what is wrong in the same words as
+ever: a request is answered alike whichever way reads it; this one is only faster.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tailserve.engine.validation import Checked, InputPlan
+from tailserve.errors import InvalidInput
+from tailserve.modelconfig import ModelConfig
+from tailserve.protocols.grpc import schema
+from tailserve.protocols.http.oip_typed import takes
+from tailserve.tensors import DATATYPES, Tensor, split_bytes
+
+# The layouts a model version keeps: the newest first.
+KEPT = 4
+_INT64 = np.iinfo(np.int64)
+_LENGTH = struct.Struct("<I")
+# A group of at most this many values is held to its ranges value by value.
+_FEW = 32
+
+
+class _Group:
+    """The numeric inputs of one datatype in a layout: their buffers are read joined."""
+
+    __slots__ = ("bounds", "checked", "dtype", "high", "lengths", "low", "positions", "stacked")
+
+    def __init__(self, dtype: np.dtype[Any], positions: list[int], lengths: list[int]) -> None:
+        self.dtype = dtype
+        self.positions = positions
+        self.lengths = lengths
+        self.low: np.ndarray[Any, Any] | None = None
+        self.high: np.ndarray[Any, Any] | None = None
+        self.checked = False
+        # A few values' ranges as lists, compared one by one in Python (cheaper than numpy's
+        # three passes for a handful of values).
+        self.bounds: tuple[list[Any], list[Any]] | None = None
+        # Where its inputs share one shape: the joined array's shape, an input a row (each
+        # input is then one index of it).
+        self.stacked: tuple[int, ...] | None = None
+
+
+class _Piece:
+    """One input of a layout, in the message's order."""
+
+    __slots__ = ("allowed", "count", "datatype", "group", "name", "shape", "start")
+
+    def __init__(self, name: str, datatype: str, shape: tuple[int, ...], count: int) -> None:
+        self.name = name
+        self.datatype = datatype
+        self.shape = shape
+        self.count = count
+        self.group = -1  # (the index of its `_Group`; -1: BYTES, read on its own)
+        self.start = 0  # (its first value in its group's array; its row, where stacked)
+        self.allowed: frozenset[Any] | None = None
+
+
+class _Layout:
+    """What a kept request's inputs were, and how to read another of the same."""
+
+    __slots__ = ("group", "groups", "holder", "order", "pieces", "rows")
+
+    def __init__(self, message: Any, checked: Checked) -> None:
+        # (a message of its own holding a copy of the inputs: compared with each request's)
+        self.holder = schema.ModelInferRequest()
+        self.holder.inputs.extend(message.inputs)
+        self.rows = checked.rows
+        self.group = checked.group
+        self.pieces: list[_Piece] = []
+        self.groups: list[_Group] = []
+        # (each checked input's name, its place in the message, its shape if reshaped)
+        self.order: list[tuple[str, int, tuple[int, ...] | None]] = []
+
+    def read(self, raw: Sequence[bytes]) -> tuple[list[Tensor], Checked] | None:
+        """The inputs of a request of this layout and their checked arrays; None: not one
+        this reader judges (the general way decides)."""
+        if len(raw) != len(self.pieces):
+            return None
+        values: list[Any] = []
+        for group in self.groups:
+            parts = [raw[i] for i in group.positions]
+            if list(map(len, parts)) != group.lengths:
+                return None
+            array = np.frombuffer(b"".join(parts), dtype=group.dtype)
+            if group.bounds is not None:
+                for value, least, most in zip(array.tolist(), *group.bounds, strict=True):
+                    if not least <= value <= most:  # (False for NaN too)
+                        return None
+            elif group.checked and not ((array >= group.low) & (array <= group.high)).all():
+                return None
+            values.append(array if group.stacked is None else array.reshape(group.stacked))
+        data: list[Any] = []
+        for index, piece in enumerate(self.pieces):
+            if piece.group >= 0:
+                if self.groups[piece.group].stacked is not None:
+                    data.append(values[piece.group][piece.start])
+                    continue
+                start = piece.start
+                data.append(values[piece.group][start : start + piece.count].reshape(piece.shape))
+                continue
+            texts = _texts(raw[index], piece)
+            if texts is None:
+                return None
+            data.append(texts)
+        tensors = [
+            Tensor(piece.name, piece.datatype, array, {})
+            for piece, array in zip(self.pieces, data, strict=True)
+        ]
+        arrays = {
+            name: data[index] if shape is None else data[index].reshape(shape)
+            for name, index, shape in self.order
+        }
+        return tensors, Checked(arrays, self.rows, self.group)
+
+
+class LayoutReader:
+    """One model version's kept layouts (`reader_for`)."""
+
+    def __init__(self, config: ModelConfig, plan: InputPlan) -> None:
+        self.plan = plan
+        self._specs = {spec.name: spec for spec in config.inputs}
+        self._layouts: list[_Layout] = []
+
+    def read(self, message: Any) -> tuple[list[Tensor], Checked] | None:
+        """A request of a kept layout's inputs, checked; None: the general way reads it."""
+        raw = message.raw_input_contents
+        if not raw:
+            return None
+        inputs = message.inputs
+        for layout in self._layouts:
+            if inputs == layout.holder.inputs:
+                return layout.read(raw)
+        return None
+
+    def learn(self, message: Any, tensors: list[Tensor]) -> Checked | None:
+        """``tensors``, read from ``message`` the general way, checked by the plan (None where
+        they fail: the data plane checks them again and says why); a layout it can read is
+        kept."""
+        try:
+            checked = self.plan.check(tensors)
+        except InvalidInput:
+            return None
+        if message.raw_input_contents and len(message.raw_input_contents) == len(tensors):
+            layout = self._layout(message, tensors, checked)
+            if layout is not None:
+                self._layouts = [layout, *self._layouts[: KEPT - 1]]
+        return checked
+
+    def _layout(self, message: Any, tensors: list[Tensor], checked: Checked) -> _Layout | None:
+        if any(item.parameters or item.HasField("contents") for item in message.inputs):
+            return None
+        layout = _Layout(message, checked)
+        by_dtype: dict[np.dtype[Any], _Group] = {}
+        for index, tensor in enumerate(tensors):
+            spec = self._specs.get(tensor.name)
+            dtype = DATATYPES.get(tensor.datatype)
+            if spec is None or dtype is None or tensor.name not in checked.arrays:
+                return None
+            piece = _Piece(tensor.name, tensor.datatype, tuple(tensor.data.shape), tensor.data.size)
+            if dtype.kind == "O":
+                if spec.values is not None:
+                    piece.allowed = frozenset(v.encode() for v in spec.values)
+            elif dtype.kind in "biuf" and dtype != np.uint64:
+                group = by_dtype.get(dtype)
+                if group is None:
+                    group = by_dtype[dtype] = _Group(dtype, [], [])
+                    layout.groups.append(group)
+                piece.group = layout.groups.index(group)
+                piece.start = sum(layout.pieces[i].count for i in group.positions)
+                group.positions.append(index)
+                group.lengths.append(piece.count * dtype.itemsize)
+            else:
+                return None
+            layout.pieces.append(piece)
+        for group in layout.groups:
+            _bounds(group, [self._specs[layout.pieces[i].name] for i in group.positions], layout)
+            shapes = {layout.pieces[i].shape for i in group.positions}
+            if len(shapes) == 1:
+                group.stacked = (len(group.positions), *shapes.pop())
+                for row, position in enumerate(group.positions):
+                    layout.pieces[position].start = row
+        positions = {piece.name: index for index, piece in enumerate(layout.pieces)}
+        for name, array in checked.arrays.items():
+            piece = layout.pieces[positions[name]]
+            shape = None if array.shape == piece.shape else tuple(array.shape)
+            layout.order.append((name, positions[name], shape))
+        return layout
+
+
+def _bounds(group: _Group, specs: list[Any], layout: _Layout) -> None:
+    """A group's ranges, a value each, as its values are held (ints exactly, floats as
+    doubles: NaN is never within them, and goes the general way)."""
+    if not any(spec.range is not None for spec in specs):
+        return
+    integral = group.dtype.kind in "iu"
+    low: list[Any] = []
+    high: list[Any] = []
+    for spec, position in zip(specs, group.positions, strict=True):
+        count = layout.pieces[position].count
+        least, most = spec.range if spec.range is not None else (-math.inf, math.inf)
+        if integral:
+            least = _INT64.min if least == -math.inf else max(_INT64.min, math.ceil(least))
+            most = _INT64.max if most == math.inf else min(_INT64.max, math.floor(most))
+        low += [least] * count
+        high += [most] * count
+    kind = np.int64 if integral else np.float64
+    group.low, group.high = np.array(low, dtype=kind), np.array(high, dtype=kind)
+    group.checked = True
+    if len(low) <= _FEW:
+        group.bounds = (low, high)
+
+
+def _texts(buffer: bytes, piece: _Piece) -> np.ndarray[Any, Any] | None:
+    """A BYTES input's items as an object array of its shape; None where they are not all
+    there or not all allowed."""
+    if piece.count == 1 and len(buffer) >= 4 and _LENGTH.unpack_from(buffer)[0] == len(buffer) - 4:
+        items = [buffer[4:]]
+    else:
+        try:
+            items = split_bytes(piece.name, buffer)
+        except InvalidInput:
+            return None
+        if len(items) != piece.count:
+            return None
+    if piece.allowed is not None and not piece.allowed.issuperset(items):
+        return None
+    array = np.empty(piece.count, dtype=object)
+    array[:] = items
+    return array.reshape(piece.shape)
+
+
+_readers: weakref.WeakKeyDictionary[InputPlan, LayoutReader | None] = weakref.WeakKeyDictionary()
+
+
+def reader_for(config: ModelConfig, plan: InputPlan) -> LayoutReader | None:
+    """The layout reader of a model version (made on first use, kept while its plan lives);
+    None for a model whose inputs it cannot judge (as `oip_typed.takes`)."""
+    try:
+        return _readers[plan]
+    except KeyError:
+        pass
+    reader = LayoutReader(config, plan) if takes(config) else None
+    _readers[plan] = reader
+    return reader
