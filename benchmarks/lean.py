@@ -23,15 +23,17 @@ workers started with PYTHONPATH=SRC/..., the same interpreter and packages):
    its SLO capacity (p99 <= 50 ms, no error) searched by wrk2 over 64 connections, the trees
    in turns.
 5. stack: `tailserve up --workers 2` on churn alone (cache off): SLO capacity over HTTP/JSON
-   (wrk2) and over gRPC unary calls (h2load: the same message every call, which the cache off
-   computes each time), ``--stack-rounds`` (1) pairs of searches in turn, their medians;
+   (wrk2, 64 connections) and over gRPC unary calls (h2load: the same message every call,
+   which the cache off computes each time; 64 calls in flight over each of
+   ``--grpc-connections``, 8 and 64: 8 streams on each of 8, and one a connection as wrk2's),
+   ``--stack-rounds`` (1) rounds of searches in turn, their medians;
    then at a tenth of the HTTP capacity, wrk2's p50 and the front door's own CPU a request
    (HAProxy's process).
 
     python benchmarks/lean.py --baseline /tmp/main/src [--this SRC]
         [--only memory,idle,cpu,capacity,stack]
         [--rounds 3] [--idle-s 60] [--cpu-s 15] [--step-s 5] [--rate churn=1000,sentiment=400]
-        [--half] [--stack-rounds 1]
+        [--half] [--stack-rounds 1] [--grpc-connections 8,64]
 
 Needs wrk2 (WRK2=... or on the PATH) and h2load (Debian's nghttp2-client). Check with `ps` that
 nothing else runs. Prints one table a section.
@@ -331,8 +333,14 @@ def capacity(trees: list[Tree], examples: Path, work: Path, step_s: float) -> No
 
 
 def stack_section(
-    trees: list[Tree], examples: Path, work: Path, step_s: float, rounds: int = 1
+    trees: list[Tree],
+    examples: Path,
+    work: Path,
+    step_s: float,
+    rounds: int = 1,
+    shapes: tuple[int, ...] = (8, 64),
 ) -> None:
+    """``shapes``: h2load's connection counts, 64 calls in flight over each."""
     print("\n## stack: `up --workers 2`, churn with its cache off: HTTP/JSON and gRPC unary")
     repository = work / "stack-churn"
     if not repository.exists():
@@ -344,41 +352,59 @@ def stack_section(
     for tree in trees:
         print(f"  {tree.name}:")
         with stack(repository, tree) as (url, root, grpc):
-            pairs = []
+            searched: list[list[float]] = []
             for _ in range(rounds):  # (each search one sample of a noisy machine: in turns)
-                http = _wrk2.slo_capacity(url, step_s, SLO_MS["churn"], start_rps=2000)
-                calls = _h2load.slo_capacity(
-                    grpc,
-                    message,
-                    step_s,
-                    SLO_MS["churn"],
-                    start_rps=2000,
-                    metrics_url=f"{url}/metrics",
+                found = [_wrk2.slo_capacity(url, step_s, SLO_MS["churn"], start_rps=2000)]
+                for connections in shapes:
+                    print(f"  gRPC over {connections} connections:")
+                    found.append(
+                        _h2load.slo_capacity(
+                            grpc,
+                            message,
+                            step_s,
+                            SLO_MS["churn"],
+                            start_rps=2000,
+                            metrics_url=f"{url}/metrics",
+                            connections=connections,
+                        )
+                    )
+                searched.append(found)
+                print(
+                    f"  HTTP/JSON {found[0]:,.0f}, gRPC "
+                    + ", ".join(
+                        f"{calls:,.0f} over {n} ({ratio(calls, found[0])})"
+                        for n, calls in zip(shapes, found[1:], strict=True)
+                    )
                 )
-                pairs.append((http, calls))
-                print(f"  HTTP/JSON {http:,.0f}, gRPC {calls:,.0f}: {ratio(calls, http)}")
-            http = statistics.median(p[0] for p in pairs)
-            calls = statistics.median(p[1] for p in pairs)
+            medians = [statistics.median(f[i] for f in searched) for i in range(len(shapes) + 1)]
             hop = haproxy_pid(root)
-            rate = max(50.0, http / 10)
+            rate = max(50.0, medians[0] / 10)
             before = h.cpu_seconds(hop) if hop else 0.0
             light = _wrk2.run(url, rate, 15, connections=16)
             hop_us = (h.cpu_seconds(hop) - before) / max(1, light.total) * 1e6 if hop else 0.0
-        rows[tree.name] = (http, calls, light.quantile(0.5), hop_us, rate)
+        rows[tree.name] = (medians, light.quantile(0.5), hop_us, rate)
     names = list(rows)
     print("\n| | " + " | ".join(names) + " |")
     print("| --- |" + " ---: |" * len(names))
-    print("| HTTP/JSON capacity (wrk2) | " + " | ".join(f"{r[0]:,.0f}" for r in rows.values()))
-    print("| gRPC unary capacity (h2load) | " + " | ".join(f"{r[1]:,.0f}" for r in rows.values()))
     print(
-        "| gRPC / HTTP | "
-        + " | ".join(f"{r[1] / r[0]:.2f}x" if r[0] else "-" for r in rows.values())
+        "| HTTP/JSON capacity (wrk2, 64 connections) | "
+        + " | ".join(f"{r[0][0]:,.0f}" for r in rows.values())
     )
+    for i, connections in enumerate(shapes, start=1):
+        streams = max(1, 64 // connections)
+        print(
+            f"| gRPC unary capacity (h2load, {connections} connections x {streams}) | "
+            + " | ".join(f"{r[0][i]:,.0f}" for r in rows.values())
+        )
+        print(
+            f"| gRPC / HTTP ({connections} x {streams}) | "
+            + " | ".join(f"{r[0][i] / r[0][0]:.2f}x" if r[0][0] else "-" for r in rows.values())
+        )
     print(
         "| p50 at a tenth of HTTP's capacity | "
-        + " | ".join(f"{r[2]:.2f} ms ({r[4]:,.0f} req/s)" for r in rows.values())
+        + " | ".join(f"{r[1]:.2f} ms ({r[3]:,.0f} req/s)" for r in rows.values())
     )
-    print("| front door CPU a request | " + " | ".join(f"{r[3]:,.0f} µs" for r in rows.values()))
+    print("| front door CPU a request | " + " | ".join(f"{r[2]:,.0f} µs" for r in rows.values()))
 
 
 def haproxy_pid(root: int) -> int | None:
@@ -416,6 +442,11 @@ def main() -> None:
     parser.add_argument("--half", action="store_true", help="cpu: each tree at half its capacity")
     parser.add_argument("--stack-rounds", type=int, default=1, help="stack: searches in turn")
     parser.add_argument("--work", type=Path, help="a folder kept between runs (examples)")
+    parser.add_argument(
+        "--grpc-connections",
+        default="8,64",
+        help="stack: h2load's connection counts, 64 calls in flight over each",
+    )
     args = parser.parse_args()
     if not os.environ.get("WRK2") and Path("/work/tools/wrk2").is_file():
         os.environ["WRK2"] = "/work/tools/wrk2"
@@ -435,7 +466,14 @@ def main() -> None:
             "idle": lambda: idle(trees, examples, args.idle_s),
             "cpu": lambda: cpu(trees, examples, work, args),
             "capacity": lambda: capacity(trees, examples, work, args.step_s),
-            "stack": lambda: stack_section(trees, examples, work, args.step_s, args.stack_rounds),
+            "stack": lambda: stack_section(
+                trees,
+                examples,
+                work,
+                args.step_s,
+                args.stack_rounds,
+                tuple(int(n) for n in args.grpc_connections.split(",")),
+            ),
         }
         for name in SECTIONS:
             if name in only:
