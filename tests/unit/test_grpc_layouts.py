@@ -21,7 +21,7 @@ from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import parse_model_config
 from tailserve.protocols.grpc import schema
-from tailserve.protocols.grpc.layouts import KEPT, LayoutReader, reader_for
+from tailserve.protocols.grpc.layouts import KEPT, SEEN, LayoutReader, reader_for
 from tailserve.protocols.grpc.service import decode_request
 from tailserve.tensors import DATATYPES, Tensor
 
@@ -88,10 +88,15 @@ def _message(
     return message
 
 
+def _learnt(reader: LayoutReader, message: Any) -> None:
+    """``message`` read the general way twice (a layout is kept the second time)."""
+    for _ in range(2):
+        assert reader.learn(message, decode_request(message).inputs) is not None
+
+
 def _reader() -> LayoutReader:
     reader = LayoutReader(CONFIG, InputPlan(CONFIG))
-    first = _message(GOOD)
-    assert reader.learn(first, decode_request(first).inputs) is not None
+    _learnt(reader, _message(GOOD))
     return reader
 
 
@@ -195,7 +200,7 @@ def test_inputs_with_parameters_or_typed_contents_are_not_kept() -> None:
     reader = LayoutReader(CONFIG, InputPlan(CONFIG))
     message = _message(GOOD)
     message.inputs[0].parameters["note"].string_param = "x"
-    assert reader.learn(message, decode_request(message).inputs) is not None
+    _learnt(reader, message)
     assert reader.read(message) is None
     typed = schema.ModelInferRequest(model_name="m")
     typed.inputs.add(name="age", datatype="INT64", shape=[1, 1]).contents.int64_contents.append(3)
@@ -210,14 +215,35 @@ def test_inputs_with_parameters_or_typed_contents_are_not_kept() -> None:
         source="test",
     )
     reader = LayoutReader(one, InputPlan(one))
-    assert reader.learn(typed, decode_request(typed).inputs) is not None
+    _learnt(reader, typed)
     assert reader.read(typed) is None  # (no raw contents: the general way)
+
+
+def test_a_layout_is_kept_once_a_recent_request_had_it_too() -> None:
+    # Token sequences of every length (a layout a call) are never kept; two clients' layouts
+    # interleaved are both kept on their second requests.
+    reader = LayoutReader(CONFIG, InputPlan(CONFIG))
+    lengths = range(1, SEEN + 3)
+    for n in lengths:
+        message = _message(dict(GOOD, tokens=list(range(n))))
+        assert reader.learn(message, decode_request(message).inputs) is not None
+    assert all(reader.read(_message(dict(GOOD, tokens=list(range(n))))) is None for n in lengths)
+    one, other = (_message(dict(GOOD, tokens=list(range(n)))) for n in (20, 21))
+    for message in (one, other, one, other):
+        assert reader.read(message) is None
+        assert reader.learn(message, decode_request(message).inputs) is not None
+    assert reader.read(one) is not None and reader.read(other) is not None
+    # (the first lengths were let go of: one of them again is not yet kept)
+    first = _message(dict(GOOD, tokens=[0]))
+    reader.learn(first, decode_request(first).inputs)
+    assert reader.read(first) is None
 
 
 def test_a_request_that_fails_its_check_is_not_learnt() -> None:
     reader = LayoutReader(CONFIG, InputPlan(CONFIG))
     bad = _message(dict(GOOD, age=[500]))
-    assert reader.learn(bad, decode_request(bad).inputs) is None
+    for _ in range(2):
+        assert reader.learn(bad, decode_request(bad).inputs) is None
     assert reader.read(_message(GOOD)) is None
 
 
@@ -225,7 +251,7 @@ def test_the_newest_layouts_are_kept() -> None:
     reader = LayoutReader(CONFIG, InputPlan(CONFIG))
     messages = [_message(dict(GOOD, tokens=list(range(n)))) for n in range(1, KEPT + 2)]
     for message in messages:
-        assert reader.learn(message, decode_request(message).inputs) is not None
+        _learnt(reader, message)
     assert reader.read(messages[0]) is None  # (the oldest, let go)
     for message in messages[1:]:
         assert reader.read(message) is not None

@@ -4,10 +4,11 @@ The general way (`service.decode_request`, then the data plane's `InputPlan.chec
 input's name, datatype, shape and parameters from the message, makes an array and a tensor of
 each buffer and checks each against its rule: about 28 µs for churn's nine inputs, where the
 typed JSON decoder (`protocols.http.oip_typed`) takes 13. A client sends the same inputs (names,
-datatypes, shapes, no parameters) call after call, only the raw buffers differing. So once a
-request has been read and checked the general way, its layout is kept, and a later request
-whose ``inputs`` equal it (one comparison, in C) is read in one pass: each datatype's buffers
-joined into one array and held to their ranges at once, the inputs cut from it.
+datatypes, shapes, no parameters) call after call, only the raw buffers differing. So once
+two recent requests of a layout have been read and checked the general way, the layout is
+kept, and a later request whose ``inputs`` equal it (one comparison, in C) is read in one
+pass: each datatype's buffers joined into one array and held to their ranges at once, the
+inputs cut from it.
 
 It reads only requests with ``raw_input_contents`` whose layout it keeps (the newest few a model
 version has met; inputs with no parameters or typed contents). Anything it cannot judge exactly
@@ -35,6 +36,10 @@ from tailserve.tensors import DATATYPES, Tensor, split_bytes
 
 # The layouts a model version keeps: the newest first.
 KEPT = 4
+# The layouts of recent requests read the general way, remembered by their inputs' names,
+# datatypes and shapes: one is kept only when a request repeats one of these (a model whose
+# shapes vary call by call, as token sequences do, would otherwise pay for a layout a call).
+SEEN = 8
 _INT64 = np.iinfo(np.int64)
 _LENGTH = struct.Struct("<I")
 # A group of at most this many values is held to its ranges value by value.
@@ -141,6 +146,7 @@ class LayoutReader:
         self.plan = plan
         self._specs = {spec.name: spec for spec in config.inputs}
         self._layouts: list[_Layout] = []
+        self._seen: dict[tuple[Any, ...], None] = {}
 
     def read(self, message: Any) -> tuple[list[Tensor], Checked] | None:
         """A request of a kept layout's inputs, checked; None: the general way reads it."""
@@ -156,12 +162,19 @@ class LayoutReader:
     def learn(self, message: Any, tensors: list[Tensor]) -> Checked | None:
         """``tensors``, read from ``message`` the general way, checked by the plan (None where
         they fail: the data plane checks them again and says why); a layout it can read is
-        kept."""
+        kept once a recent request has had it too."""
         try:
             checked = self.plan.check(tensors)
         except InvalidInput:
             return None
         if message.raw_input_contents and len(message.raw_input_contents) == len(tensors):
+            signature = tuple((t.name, t.datatype, t.data.shape) for t in tensors)
+            if signature not in self._seen:
+                if len(self._seen) >= SEEN:
+                    del self._seen[next(iter(self._seen))]
+                self._seen[signature] = None
+                return checked
+            del self._seen[signature]
             layout = self._layout(message, tensors, checked)
             if layout is not None:
                 self._layouts = [layout, *self._layouts[: KEPT - 1]]
