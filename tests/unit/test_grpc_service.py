@@ -96,18 +96,10 @@ def test_a_response_goes_back_raw_with_its_parameters() -> None:
     assert p["lineage"].string_param == '{"computed_by":"w1"}'
 
 
-class Models:
-    """A model manager serving no model version its layout reader could read."""
-
-    def peek(self, name: str, version: str | None = None) -> None:
-        return None
-
-
 class Plane:
     """A data plane that records what it is asked to shed and infer."""
 
     def __init__(self) -> None:
-        self.manager = Models()
         self.seen: list[InferRequest] = []
         self.sheds: list[float | None] = []
         self.screened: list[bool] = []
@@ -115,6 +107,9 @@ class Plane:
 
     def knows(self, model: str) -> bool:
         return True
+
+    def serving(self, model: str, version: str | None = None) -> None:
+        return None  # (no model version a layout reader could read)
 
     def shed(
         self, name: str, version: str | None, *, received_at: float, deadline_ms: float | None

@@ -77,6 +77,15 @@ class DataPlane:
             return False
         return True
 
+    def serving(self, model: str, version: str | None = None) -> ServedVersion | None:
+        """The model version serving now, for a decoder made from its inputs; None for a
+        pipeline, a model not loaded (unloaded to fit the memory budget) or not known."""
+        try:
+            served = self.manager.peek(model, version)
+        except TailserveError:
+            return None
+        return served if isinstance(served, ServedVersion) else None
+
     def live(self) -> bool:
         return True
 

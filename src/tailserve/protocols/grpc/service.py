@@ -32,7 +32,6 @@ import grpc
 
 from tailserve.engine.dataplane import DataPlane
 from tailserve.engine.messages import InferRequest, InferResponse, RequestedOutput
-from tailserve.engine.served import ServedVersion
 from tailserve.engine.traffic import Traffic
 from tailserve.engine.validation import Checked
 from tailserve.errors import TailserveError
@@ -235,13 +234,8 @@ class InferenceService:
         return request
 
     def _reader(self, model: str, version: str | None) -> LayoutReader | None:
-        try:
-            served = self.dataplane.manager.peek(model, version)
-        except TailserveError:
-            return None
-        if not isinstance(served, ServedVersion):
-            return None
-        return reader_for(served.config, served.plan)
+        served = self.dataplane.serving(model, version)
+        return None if served is None else reader_for(served.config, served.plan)
 
     async def _infer(self, request: Any, left_s: float | None, trace: RequestTrace | None) -> Any:
         """One inference request (of a unary call or a stream): ``left_s`` of the call's gRPC

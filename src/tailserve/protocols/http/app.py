@@ -26,7 +26,6 @@ import orjson
 from tailserve.cache.replies import ReplyMemo
 from tailserve.engine.dataplane import DataPlane, Hit
 from tailserve.engine.messages import InferRequest
-from tailserve.engine.served import ServedVersion
 from tailserve.errors import (
     Forbidden,
     InvalidInput,
@@ -416,13 +415,8 @@ class HttpApp:
 
     def _typed(self, model: str, version: str | None) -> TypedDecoder | None:
         """The model's own decoder, where it has one (`oip_typed`); None: the general one."""
-        try:
-            served = self.dataplane.manager.peek(model, version)
-        except TailserveError:
-            return None
-        if not isinstance(served, ServedVersion):
-            return None
-        return decoder_for(served.config, served.plan)
+        served = self.dataplane.serving(model, version)
+        return None if served is None else decoder_for(served.config, served.plan)
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
