@@ -78,8 +78,7 @@ class DataPlane:
         return True
 
     def serving(self, model: str, version: str | None = None) -> ServedVersion | None:
-        """The model version serving now, for a decoder made from its inputs; None for a
-        pipeline, a model not loaded (unloaded to fit the memory budget) or not known."""
+        """The version serving now, for a decoder made from its inputs (None: none is)."""
         try:
             served = self.manager.peek(model, version)
         except TailserveError:

@@ -49,7 +49,7 @@ _FEW = 32
 class _Group:
     """The numeric inputs of one datatype in a layout: their buffers are read joined."""
 
-    __slots__ = ("bounds", "checked", "dtype", "high", "lengths", "low", "positions", "stacked")
+    __slots__ = ("bounds", "dtype", "high", "lengths", "low", "positions", "stacked")
 
     def __init__(self, dtype: np.dtype[Any], positions: list[int], lengths: list[int]) -> None:
         self.dtype = dtype
@@ -57,7 +57,6 @@ class _Group:
         self.lengths = lengths
         self.low: np.ndarray[Any, Any] | None = None
         self.high: np.ndarray[Any, Any] | None = None
-        self.checked = False
         # A few values' ranges as lists, compared one by one in Python (cheaper than numpy's
         # three passes for a handful of values).
         self.bounds: tuple[list[Any], list[Any]] | None = None
@@ -112,7 +111,7 @@ class _Layout:
                 for value, least, most in zip(array.tolist(), *group.bounds, strict=True):
                     if not least <= value <= most:  # (False for NaN too)
                         return None
-            elif group.checked and not ((array >= group.low) & (array <= group.high)).all():
+            elif group.low is not None and not ((array >= group.low) & (array <= group.high)).all():
                 return None
             values.append(array if group.stacked is None else array.reshape(group.stacked))
         data: list[Any] = []
@@ -239,7 +238,6 @@ def _bounds(group: _Group, specs: list[Any], layout: _Layout) -> None:
         high += [most] * count
     kind = np.int64 if integral else np.float64
     group.low, group.high = np.array(low, dtype=kind), np.array(high, dtype=kind)
-    group.checked = True
     if len(low) <= _FEW:
         group.bounds = (low, high)
 
