@@ -14,11 +14,12 @@ workers started with PYTHONPATH=SRC/..., the same interpreter and packages):
 3. cpu: churn and sentiment each alone in a worker (result cache off, no variants: every
    request computed by the whole model), sent unique inputs by `tailserve bench` at a fixed
    rate about half of what one worker serves within the SLO (``--rate churn=1000,
-   sentiment=400``), over HTTP/JSON, HTTP/binary and gRPC unary: the worker's CPU (user +
-   system, every thread, /proc) over the requests sent. ``--rounds`` (3) alternating rounds;
+   sentiment=400``), over HTTP/JSON, HTTP/binary, gRPC unary and gRPC streams (one
+   ModelStreamInfer stream carrying every request; ``--protocols`` picks): the worker's CPU
+   (user + system, every thread, /proc) over the requests sent. ``--rounds`` (3) alternating rounds;
    each round's ratio of this tree to the baseline is printed. ``--half``: each tree at half
    its own SLO capacity instead (searched first: wrk2 over HTTP/JSON, the same worker),
-   the same rate for its three protocols.
+   the same rate for each protocol.
 4. capacity: one worker of the example churn model as shipped (its cache on, unique inputs),
    its SLO capacity (p99 <= 50 ms, no error) searched by wrk2 over 64 connections, the trees
    in turns.
@@ -29,9 +30,12 @@ workers started with PYTHONPATH=SRC/..., the same interpreter and packages):
    ``--stack-rounds`` (1) rounds of searches in turn, their medians;
    then at a tenth of the HTTP capacity, wrk2's p50 and the front door's own CPU a request
    (HAProxy's process).
+6. stack-cpu: the same stack at ``--stack-rate`` (2,000) req/s from `tailserve bench` over each
+   of ``--protocols`` in turn (gRPC to the front door's gRPC port): CPU a request of the
+   workers and supervisor, and of HAProxy, and their sum against HTTP/JSON's in each round.
 
     python benchmarks/lean.py --baseline /tmp/main/src [--this SRC]
-        [--only memory,idle,cpu,capacity,stack]
+        [--only memory,idle,cpu,capacity,stack,stack-cpu] [--protocols ...] [--stack-rate 2000]
         [--rounds 3] [--idle-s 60] [--cpu-s 15] [--step-s 5] [--rate churn=1000,sentiment=400]
         [--half] [--stack-rounds 1] [--grpc-connections 8,64]
 
@@ -64,8 +68,13 @@ import _wrk2
 
 SLO_MS = {"churn": 50.0, "sentiment": 100.0}
 WORKLOADS = {"churn": "churn-unique.yaml", "sentiment": "sentiment-skewed.yaml"}
-PROTOCOLS = {"http-json": "v2-json", "http-binary": "v2-binary", "grpc-unary": "grpc"}
-SECTIONS = ("memory", "idle", "cpu", "capacity", "stack")
+PROTOCOLS = {
+    "http-json": "v2-json",
+    "http-binary": "v2-binary",
+    "grpc-unary": "grpc",
+    "grpc-stream": "grpc-stream",
+}
+SECTIONS = ("memory", "idle", "cpu", "capacity", "stack", "stack-cpu")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -204,6 +213,42 @@ def idle(trees: list[Tree], examples: Path, seconds: float) -> None:
     print("| idle worker's CPU | " + " | ".join(cells) + " |")
 
 
+def send(
+    model: str,
+    protocol: str,
+    url: str,
+    grpc: str,
+    rate: float,
+    seconds: float,
+    out: Path,
+    generator: Tree,
+) -> float:
+    """A `tailserve bench` run at ``rate``: the requests it sent (the warm-up's too)."""
+    wire = PROTOCOLS[protocol]
+    repository = out / "computed"
+    spec = h.workload(
+        WORKLOADS[model],
+        out,
+        name=f"{model}-{protocol}",
+        target=grpc if wire.startswith("grpc") else url,
+        protocol=wire,
+        model_config=str(repository / model / "model.yaml"),
+        schedule={"kind": "poisson", "rate": rate},
+        duration_s=seconds,
+        warmup_s=2.0,
+    )
+    result_path = out / f"{model}-{protocol}.json"
+    command = [sys.executable, "-m", "tailserve.cli", "bench", str(spec), "--quiet"]
+    # (The generator from the first tree's source, whatever the checkout holds meanwhile.)
+    subprocess.run(
+        [*command, "--out", str(result_path)], env=generator.env(), check=True, **h.QUIET
+    )
+    result = orjson.loads(result_path.read_bytes())
+    answered = result["overall"]["count"] / seconds
+    print(f"    ({protocol} at {rate:,.0f} req/s: {answered:,.0f} answered a second)")
+    return float(result["overall"]["count"] + rate * 2.0)
+
+
 def bench_cpu(
     model: str,
     protocol: str,
@@ -216,32 +261,9 @@ def bench_cpu(
     generator: Tree,
 ) -> float:
     """The worker's CPU a request (µs) over a `tailserve bench` run at ``rate``."""
-    wire = PROTOCOLS[protocol]
-    repository = out / "computed"
-    spec = h.workload(
-        WORKLOADS[model],
-        out,
-        name=f"{model}-{protocol}",
-        target=grpc if wire == "grpc" else url,
-        protocol=wire,
-        model_config=str(repository / model / "model.yaml"),
-        schedule={"kind": "poisson", "rate": rate},
-        duration_s=seconds,
-        warmup_s=2.0,
-    )
-    result_path = out / f"{model}-{protocol}.json"
-    command = [sys.executable, "-m", "tailserve.cli", "bench", str(spec), "--quiet"]
     before = h.cpu_seconds(pid)
-    # (The generator from the first tree's source, whatever the checkout holds meanwhile.)
-    subprocess.run(
-        [*command, "--out", str(result_path)], env=generator.env(), check=True, **h.QUIET
-    )
-    used = h.cpu_seconds(pid) - before
-    result = orjson.loads(result_path.read_bytes())
-    sent = result["overall"]["count"] + rate * 2.0  # the warm-up's requests too
-    answered = result["overall"]["count"] / seconds
-    print(f"    ({protocol} at {rate:,.0f} req/s: {answered:,.0f} answered a second)")
-    return used / max(1.0, sent) * 1e6
+    sent = send(model, protocol, url, grpc, rate, seconds, out, generator)
+    return (h.cpu_seconds(pid) - before) / max(1.0, sent) * 1e6
 
 
 def half_capacities(trees: list[Tree], work: Path, step_s: float) -> dict[tuple[str, str], float]:
@@ -276,7 +298,7 @@ def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace)
         order = trees if round_no % 2 == 0 else trees[::-1]
         for model in ("churn", "sentiment"):
             single = work / f"only-{model}"
-            for protocol in PROTOCOLS:
+            for protocol in args.protocols:
                 for tree in order:
                     with worker(single, tree) as (url, pid, grpc):
                         used = bench_cpu(
@@ -305,7 +327,7 @@ def cpu(trees: list[Tree], examples: Path, work: Path, args: argparse.Namespace)
     print("\n| model, protocol | " + " | ".join(names) + " | ratio each round |")
     print("| --- |" + " ---: |" * len(names) + " --- |")
     for model in ("churn", "sentiment"):
-        for protocol in PROTOCOLS:
+        for protocol in args.protocols:
             runs = [figures[(model, protocol, n)] for n in names]
             cells = [f"{statistics.median(r):,.0f}" for r in runs]
             ratios = ""
@@ -407,6 +429,65 @@ def stack_section(
     print("| front door CPU a request | " + " | ".join(f"{r[2]:,.0f} µs" for r in rows.values()))
 
 
+def stack_cpu(trees: list[Tree], work: Path, args: argparse.Namespace) -> None:
+    """CPU a request through `tailserve up --workers 2` for each protocol at one rate: the
+    workers' and supervisor's, and the front door's (HAProxy's processes)."""
+    rate = args.stack_rate
+    print(f"\n## stack-cpu: `up --workers 2`, churn with its cache off, {rate:,.0f} req/s, µs")
+    repository = work / "stack-churn"
+    if not repository.exists():
+        repository.mkdir()
+        shutil.copytree(work / "computed" / "churn", repository / "churn")
+    figures: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for round_no in range(args.rounds):
+        order = trees if round_no % 2 == 0 else trees[::-1]
+        for tree in order:
+            with stack(repository, tree) as (url, root, grpc):
+                for protocol in args.protocols:
+                    before = tree_cpu(root)
+                    sent = send("churn", protocol, url, grpc, rate, args.cpu_s, work, trees[0])
+                    after = tree_cpu(root)
+                    per = 1e6 / max(1.0, sent)
+                    used = ((after[0] - before[0]) * per, (after[1] - before[1]) * per)
+                    figures.setdefault((protocol, tree.name), []).append(used)
+                    print(
+                        f"  round {round_no + 1}, {tree.name} {protocol}: stack "
+                        f"{used[0]:,.0f}, front door {used[1]:,.0f}"
+                    )
+    names = [t.name for t in trees]
+    heads = " | ".join(f"{n}: workers + front door" for n in names)
+    print(f"\n| protocol | {heads} | of HTTP/JSON's, each round |")
+    print("| --- |" + " ---: |" * len(names) + " --- |")
+    for protocol in args.protocols:
+        cells = []
+        for name in names:
+            runs = figures[(protocol, name)]
+            stack_us = statistics.median(r[0] for r in runs)
+            door_us = statistics.median(r[1] for r in runs)
+            cells.append(f"{stack_us:,.0f} + {door_us:,.0f}")
+        mine, http = figures[(protocol, names[0])], figures.get(("http-json", names[0]))
+        ratios = ""
+        if http is not None:
+            ratios = ", ".join(ratio(sum(a), sum(b)) for a, b in zip(mine, http, strict=True))
+        print(f"| {protocol} | " + " | ".join(cells) + f" | {ratios} |")
+
+
+def tree_cpu(root: int) -> tuple[float, float]:
+    """CPU seconds used so far under ``root``: the rest of the tree's, and HAProxy's."""
+    rest = door = 0.0
+    for pid in h.process_tree(root):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            used = h.cpu_seconds(pid)
+        except OSError:
+            continue
+        if comm == "haproxy":
+            door += used
+        else:
+            rest += used
+    return rest, door
+
+
 def haproxy_pid(root: int) -> int | None:
     for pid in h.process_tree(root):
         try:
@@ -439,7 +520,16 @@ def main() -> None:
     parser.add_argument("--cpu-s", type=float, default=15.0)
     parser.add_argument("--step-s", type=float, default=5.0)
     parser.add_argument("--rate", type=rates, default=rates(""), dest="rates")
+    parser.add_argument(
+        "--protocols",
+        type=lambda text: [p for p in text.split(",") if p],
+        default=list(PROTOCOLS),
+        help="cpu: of " + ", ".join(PROTOCOLS),
+    )
     parser.add_argument("--half", action="store_true", help="cpu: each tree at half its capacity")
+    parser.add_argument(
+        "--stack-rate", type=float, default=2000.0, help="stack-cpu: requests a second"
+    )
     parser.add_argument("--stack-rounds", type=int, default=1, help="stack: searches in turn")
     parser.add_argument("--work", type=Path, help="a folder kept between runs (examples)")
     parser.add_argument(
@@ -474,6 +564,7 @@ def main() -> None:
                 args.stack_rounds,
                 tuple(int(n) for n in args.grpc_connections.split(",")),
             ),
+            "stack-cpu": lambda: stack_cpu(trees, work, args),
         }
         for name in SECTIONS:
             if name in only:
