@@ -7,8 +7,8 @@ typed JSON decoder (`protocols.http.oip_typed`) takes 13. A client sends the sam
 datatypes, shapes, no parameters) call after call, only the raw buffers differing. So once
 two recent requests of a layout have been read and checked the general way, the layout is
 kept, and a later request whose ``inputs`` equal it (one comparison, in C) is read in one
-pass: each datatype's buffers joined into one array and held to their ranges at once, the
-inputs cut from it.
+pass by the layout (`protocols.layouts`): each datatype's buffers joined into one array and held
+to their ranges at once, the inputs cut from it.
 
 It reads only requests with ``raw_input_contents`` whose layout it keeps (the newest few a model
 version has met; inputs with no parameters or typed contents). Anything it cannot judge exactly
@@ -19,123 +19,18 @@ ever: a request is answered alike whichever way reads it; this one is only faste
 
 from __future__ import annotations
 
-import math
-import struct
 import weakref
-from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import ModelConfig
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.http.oip_typed import takes
-from tailserve.tensors import DATATYPES, Tensor, split_bytes
+from tailserve.protocols.layouts import KEPT, SEEN, Layout, Recent, layout_of
+from tailserve.tensors import Tensor
 
-# The layouts a model version keeps: the newest first.
-KEPT = 4
-# The layouts of recent requests read the general way, remembered by their inputs' names,
-# datatypes and shapes: one is kept only when a request repeats one of these (a model whose
-# shapes vary call by call, as token sequences do, would otherwise pay for a layout a call).
-SEEN = 8
-_INT64 = np.iinfo(np.int64)
-_LENGTH = struct.Struct("<I")
-# A group of at most this many values is held to its ranges value by value.
-_FEW = 32
-
-
-class _Group:
-    """The numeric inputs of one datatype in a layout: their buffers are read joined."""
-
-    __slots__ = ("bounds", "dtype", "high", "lengths", "low", "positions", "stacked")
-
-    def __init__(self, dtype: np.dtype[Any], positions: list[int], lengths: list[int]) -> None:
-        self.dtype = dtype
-        self.positions = positions
-        self.lengths = lengths
-        self.low: np.ndarray[Any, Any] | None = None
-        self.high: np.ndarray[Any, Any] | None = None
-        # A few values' ranges as lists, compared one by one in Python (cheaper than numpy's
-        # three passes for a handful of values).
-        self.bounds: tuple[list[Any], list[Any]] | None = None
-        # Where its inputs share one shape: the joined array's shape, an input a row (each
-        # input is then one index of it).
-        self.stacked: tuple[int, ...] | None = None
-
-
-class _Piece:
-    """One input of a layout, in the message's order."""
-
-    __slots__ = ("allowed", "count", "datatype", "group", "name", "shape", "start")
-
-    def __init__(self, name: str, datatype: str, shape: tuple[int, ...], count: int) -> None:
-        self.name = name
-        self.datatype = datatype
-        self.shape = shape
-        self.count = count
-        self.group = -1  # (the index of its `_Group`; -1: BYTES, read on its own)
-        self.start = 0  # (its first value in its group's array; its row, where stacked)
-        self.allowed: frozenset[Any] | None = None
-
-
-class _Layout:
-    """What a kept request's inputs were, and how to read another of the same."""
-
-    __slots__ = ("group", "groups", "holder", "order", "pieces", "rows")
-
-    def __init__(self, message: Any, checked: Checked) -> None:
-        # (a message of its own holding a copy of the inputs: compared with each request's)
-        self.holder = schema.ModelInferRequest()
-        self.holder.inputs.extend(message.inputs)
-        self.rows = checked.rows
-        self.group = checked.group
-        self.pieces: list[_Piece] = []
-        self.groups: list[_Group] = []
-        # (each checked input's name, its place in the message, its shape if reshaped)
-        self.order: list[tuple[str, int, tuple[int, ...] | None]] = []
-
-    def read(self, raw: Sequence[bytes]) -> tuple[list[Tensor], Checked] | None:
-        """The inputs of a request of this layout and their checked arrays; None: not one
-        this reader judges (the general way decides)."""
-        if len(raw) != len(self.pieces):
-            return None
-        values: list[Any] = []
-        for group in self.groups:
-            parts = [raw[i] for i in group.positions]
-            if list(map(len, parts)) != group.lengths:
-                return None
-            array = np.frombuffer(b"".join(parts), dtype=group.dtype)
-            if group.bounds is not None:
-                for value, least, most in zip(array.tolist(), *group.bounds, strict=True):
-                    if not least <= value <= most:  # (False for NaN too)
-                        return None
-            elif group.low is not None and not ((array >= group.low) & (array <= group.high)).all():
-                return None
-            values.append(array if group.stacked is None else array.reshape(group.stacked))
-        data: list[Any] = []
-        for index, piece in enumerate(self.pieces):
-            if piece.group >= 0:
-                if self.groups[piece.group].stacked is not None:
-                    data.append(values[piece.group][piece.start])
-                    continue
-                start = piece.start
-                data.append(values[piece.group][start : start + piece.count].reshape(piece.shape))
-                continue
-            texts = _texts(raw[index], piece)
-            if texts is None:
-                return None
-            data.append(texts)
-        tensors = [
-            Tensor(piece.name, piece.datatype, array, {})
-            for piece, array in zip(self.pieces, data, strict=True)
-        ]
-        arrays = {
-            name: data[index] if shape is None else data[index].reshape(shape)
-            for name, index, shape in self.order
-        }
-        return tensors, Checked(arrays, self.rows, self.group)
+__all__ = ["KEPT", "SEEN", "LayoutReader", "reader_for"]
 
 
 class LayoutReader:
@@ -144,8 +39,10 @@ class LayoutReader:
     def __init__(self, config: ModelConfig, plan: InputPlan) -> None:
         self.plan = plan
         self._specs = {spec.name: spec for spec in config.inputs}
-        self._layouts: list[_Layout] = []
-        self._seen: dict[tuple[Any, ...], None] = {}
+        # (each kept layout with a message of its own holding a copy of its inputs, compared
+        # with each request's)
+        self._layouts: list[tuple[Any, Layout]] = []
+        self._recent = Recent()
 
     def read(self, message: Any) -> tuple[list[Tensor], Checked] | None:
         """A request of a kept layout's inputs, checked; None: the general way reads it."""
@@ -153,8 +50,8 @@ class LayoutReader:
         if not raw:
             return None
         inputs = message.inputs
-        for layout in self._layouts:
-            if inputs == layout.holder.inputs:
+        for holder, layout in self._layouts:
+            if inputs == holder.inputs:
                 return layout.read(raw)
         return None
 
@@ -168,97 +65,16 @@ class LayoutReader:
             return None
         if message.raw_input_contents and len(message.raw_input_contents) == len(tensors):
             signature = tuple((t.name, t.datatype, t.data.shape) for t in tensors)
-            if signature not in self._seen:
-                if len(self._seen) >= SEEN:
-                    del self._seen[next(iter(self._seen))]
-                self._seen[signature] = None
+            if not self._recent.repeats(signature):
                 return checked
-            del self._seen[signature]
-            layout = self._layout(message, tensors, checked)
+            if any(item.parameters or item.HasField("contents") for item in message.inputs):
+                return checked
+            layout = layout_of(tensors, checked, self._specs)
             if layout is not None:
-                self._layouts = [layout, *self._layouts[: KEPT - 1]]
+                holder = schema.ModelInferRequest()
+                holder.inputs.extend(message.inputs)
+                self._layouts = [(holder, layout), *self._layouts[: KEPT - 1]]
         return checked
-
-    def _layout(self, message: Any, tensors: list[Tensor], checked: Checked) -> _Layout | None:
-        if any(item.parameters or item.HasField("contents") for item in message.inputs):
-            return None
-        layout = _Layout(message, checked)
-        by_dtype: dict[np.dtype[Any], _Group] = {}
-        for index, tensor in enumerate(tensors):
-            spec = self._specs.get(tensor.name)
-            dtype = DATATYPES.get(tensor.datatype)
-            if spec is None or dtype is None or tensor.name not in checked.arrays:
-                return None
-            piece = _Piece(tensor.name, tensor.datatype, tuple(tensor.data.shape), tensor.data.size)
-            if dtype.kind == "O":
-                if spec.values is not None:
-                    piece.allowed = frozenset(v.encode() for v in spec.values)
-            elif dtype.kind in "biuf" and dtype != np.uint64:
-                group = by_dtype.get(dtype)
-                if group is None:
-                    group = by_dtype[dtype] = _Group(dtype, [], [])
-                    layout.groups.append(group)
-                piece.group = layout.groups.index(group)
-                piece.start = sum(layout.pieces[i].count for i in group.positions)
-                group.positions.append(index)
-                group.lengths.append(piece.count * dtype.itemsize)
-            else:
-                return None
-            layout.pieces.append(piece)
-        for group in layout.groups:
-            _bounds(group, [self._specs[layout.pieces[i].name] for i in group.positions], layout)
-            shapes = {layout.pieces[i].shape for i in group.positions}
-            if len(shapes) == 1:
-                group.stacked = (len(group.positions), *shapes.pop())
-                for row, position in enumerate(group.positions):
-                    layout.pieces[position].start = row
-        positions = {piece.name: index for index, piece in enumerate(layout.pieces)}
-        for name, array in checked.arrays.items():
-            piece = layout.pieces[positions[name]]
-            shape = None if array.shape == piece.shape else tuple(array.shape)
-            layout.order.append((name, positions[name], shape))
-        return layout
-
-
-def _bounds(group: _Group, specs: list[Any], layout: _Layout) -> None:
-    """A group's ranges, a value each, as its values are held (ints exactly, floats as
-    doubles: NaN is never within them, and goes the general way)."""
-    if not any(spec.range is not None for spec in specs):
-        return
-    integral = group.dtype.kind in "iu"
-    low: list[Any] = []
-    high: list[Any] = []
-    for spec, position in zip(specs, group.positions, strict=True):
-        count = layout.pieces[position].count
-        least, most = spec.range if spec.range is not None else (-math.inf, math.inf)
-        if integral:
-            least = _INT64.min if least == -math.inf else max(_INT64.min, math.ceil(least))
-            most = _INT64.max if most == math.inf else min(_INT64.max, math.floor(most))
-        low += [least] * count
-        high += [most] * count
-    kind = np.int64 if integral else np.float64
-    group.low, group.high = np.array(low, dtype=kind), np.array(high, dtype=kind)
-    if len(low) <= _FEW:
-        group.bounds = (low, high)
-
-
-def _texts(buffer: bytes, piece: _Piece) -> np.ndarray[Any, Any] | None:
-    """A BYTES input's items as an object array of its shape; None where they are not all
-    there or not all allowed."""
-    if piece.count == 1 and len(buffer) >= 4 and _LENGTH.unpack_from(buffer)[0] == len(buffer) - 4:
-        items = [buffer[4:]]
-    else:
-        try:
-            items = split_bytes(piece.name, buffer)
-        except InvalidInput:
-            return None
-        if len(items) != piece.count:
-            return None
-    if piece.allowed is not None and not piece.allowed.issuperset(items):
-        return None
-    array = np.empty(piece.count, dtype=object)
-    array[:] = items
-    return array.reshape(piece.shape)
 
 
 _readers: weakref.WeakKeyDictionary[InputPlan, LayoutReader | None] = weakref.WeakKeyDictionary()
