@@ -9,67 +9,20 @@ and batching group) or left to the general way, which says what is wrong.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.layouts import CONFIG, EDGES, GOOD, INPUTS, SPECS, VALID, raw, same
 from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import parse_model_config
 from tailserve.protocols.grpc import schema
 from tailserve.protocols.grpc.layouts import KEPT, SEEN, LayoutReader, reader_for
 from tailserve.protocols.grpc.service import decode_request
-from tailserve.tensors import DATATYPES, Tensor
-
-INPUTS: list[dict[str, Any]] = [
-    {"name": "age", "datatype": "INT64", "shape": [1], "range": [1, 120]},
-    {"name": "spend", "datatype": "FP32", "shape": [1], "range": [0, 0.1]},
-    {"name": "free", "datatype": "FP32", "shape": [1]},
-    {"name": "exact", "datatype": "FP64", "shape": [1], "range": [-1.5, 1.5]},
-    {"name": "half", "datatype": "FP16", "shape": [1]},
-    {"name": "small", "datatype": "UINT8", "shape": [1], "range": [0.5, 200.5]},
-    {"name": "plan", "datatype": "BYTES", "shape": [1], "values": ["a", "b"]},
-    {"name": "text", "datatype": "BYTES", "shape": [1]},
-    {"name": "flag", "datatype": "BOOL", "shape": [1]},
-    {"name": "vec", "datatype": "FP32", "shape": [3]},
-    {"name": "tokens", "datatype": "INT64", "shape": [-1], "range": [0, 999]},
-    {"name": "extra", "datatype": "INT32", "shape": [1], "optional": True},
-]
-CONFIG = parse_model_config(
-    {
-        "name": "m",
-        "runtime": "python",
-        "max_batch_size": 4,
-        "inputs": INPUTS,
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-    },
-    source="test",
-)
-SPECS = {spec["name"]: spec for spec in INPUTS}
-
-GOOD: dict[str, list[Any]] = {
-    "age": [30],
-    "spend": [0.05],
-    "free": [-1e10],
-    "exact": [1.25],
-    "half": [2.5],
-    "small": [200],
-    "plan": [b"b"],
-    "text": [b"hello"],
-    "flag": [True],
-    "vec": [1, 2.5, -3],
-    "tokens": [5, 6, 7, 8],
-}
-
-
-def _raw(datatype: str, values: list[Any]) -> bytes:
-    if datatype == "BYTES":
-        return b"".join(struct.pack("<I", len(v)) + v for v in values)
-    return np.array(values, dtype=DATATYPES[datatype]).tobytes()
+from tailserve.tensors import Tensor
 
 
 def _message(
@@ -84,7 +37,7 @@ def _message(
         width = 3 if name == "vec" else len(data)
         shape = shapes.get(name, [max(1, len(data) // width), width])
         message.inputs.add(name=name, datatype=spec["datatype"], shape=shape)
-        message.raw_input_contents.append(raws.get(name, _raw(spec["datatype"], data)))
+        message.raw_input_contents.append(raws.get(name, raw(spec["datatype"], data)))
     return message
 
 
@@ -108,23 +61,6 @@ def _general(reader: LayoutReader, message: Any) -> tuple[list[Tensor], Checked]
         return exc.message
 
 
-def _same(found: tuple[list[Tensor], Checked], general: tuple[list[Tensor], Checked]) -> None:
-    (tensors, checked), (expected_tensors, expected) = found, general
-    assert (checked.rows, checked.group) == (expected.rows, expected.group)
-    assert list(checked.arrays) == list(expected.arrays)
-    for name, array in expected.arrays.items():
-        _same_array(checked.arrays[name], array)
-    assert [t.name for t in tensors] == [t.name for t in expected_tensors]
-    for a, b in zip(tensors, expected_tensors, strict=True):
-        assert (a.datatype, a.parameters) == (b.datatype, b.parameters)
-        _same_array(a.data, b.data)
-
-
-def _same_array(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> None:
-    assert (a.dtype, a.shape) == (b.dtype, b.shape)
-    assert a.tolist() == b.tolist() or (a.dtype.kind == "f" and np.array_equal(a, b, True))
-
-
 def test_a_layout_met_once_is_read_in_one_pass_as_the_general_way_reads_it() -> None:
     reader = _reader()
     other = dict(GOOD, age=[120], spend=[0.0], plan=[b"a"], text=[b""], tokens=[0, 999, 3, 4])
@@ -133,7 +69,7 @@ def test_a_layout_met_once_is_read_in_one_pass_as_the_general_way_reads_it() -> 
     assert found is not None
     general = _general(reader, message)
     assert not isinstance(general, str)
-    _same(found, general)
+    same(found, general)
     assert found[0][0].data.tolist() == [[120]]
 
 
@@ -176,7 +112,7 @@ def test_a_value_no_rule_bounds_is_read_even_when_it_is_not_a_number() -> None:
     assert not isinstance(general, str)  # (no range: the general way takes it)
     found = reader.read(message)
     if found is not None:  # (a NaN may take the general way; if read here, read alike)
-        _same(found, general)
+        same(found, general)
 
 
 @pytest.mark.parametrize(
@@ -272,54 +208,23 @@ def test_models_it_cannot_judge_have_no_reader() -> None:
     assert reader_for(CONFIG, plan) is reader_for(CONFIG, plan)
 
 
-_F32_SPEND = float(np.nextafter(np.float32(0.1), np.float32(0)))  # (the last FP32 <= 0.1)
-_F32_WIDE = float(np.float32(1e30))
-_VALID: dict[str, st.SearchStrategy[Any]] = {
-    "age": st.integers(1, 120),
-    "spend": st.floats(0, _F32_SPEND, width=32),
-    "free": st.floats(-_F32_WIDE, _F32_WIDE, width=32),
-    "exact": st.floats(-1.5, 1.5),
-    "half": st.floats(-65504, 65504, width=16),
-    "small": st.integers(1, 200),
-    "plan": st.sampled_from([b"a", b"b"]),
-    "text": st.binary(max_size=5),
-    "flag": st.booleans(),
-    "vec": st.floats(-_F32_WIDE, _F32_WIDE, width=32),
-    "tokens": st.integers(0, 999),
-}
-# Values on and past each input's bounds, and values no rule takes.
-_EDGES: dict[str, list[Any]] = {
-    "age": [0, 1, 120, 121, -(2**63), 2**63 - 1],
-    "spend": [0.1, 0.10000000149011612, -0.0, -1e-45, math.nan, math.inf],
-    "free": [math.nan, math.inf, -math.inf, 3.4028235e38],
-    "exact": [1.5, 1.5000000000000002, -1.5, math.nan, -math.inf],
-    "half": [65504.0, math.nan, math.inf],
-    "small": [0, 1, 200, 201, 255],
-    "plan": [b"c", b"A", b""],
-    "text": [b"", b"\x00\xff"],
-    "flag": [False, True],
-    "vec": [math.nan, math.inf],
-    "tokens": [-1, 0, 999, 1000],
-}
-
-
 @st.composite
 def _messages(draw: st.DrawFn) -> Any:
     """A message of the learnt layout (one row; four tokens), with up to three values on or
     past their bounds, or a buffer cut short or grown."""
     values = {
         name: draw(st.lists(valid, min_size=len(GOOD[name]), max_size=len(GOOD[name])))
-        for name, valid in _VALID.items()
+        for name, valid in VALID.items()
     }
-    for name in draw(st.lists(st.sampled_from(sorted(_EDGES)), max_size=3)):
+    for name in draw(st.lists(st.sampled_from(sorted(EDGES)), max_size=3)):
         at = draw(st.integers(0, len(values[name]) - 1))
-        values[name][at] = draw(st.sampled_from(_EDGES[name]))
+        values[name][at] = draw(st.sampled_from(EDGES[name]))
     raws: dict[str, bytes] = {}
     if draw(st.booleans()):
-        name = draw(st.sampled_from(sorted(_VALID)))
-        raw = _raw(SPECS[name]["datatype"], values[name])
+        name = draw(st.sampled_from(sorted(VALID)))
+        buffer = raw(SPECS[name]["datatype"], values[name])
         cut = draw(st.integers(-3, 3))
-        raws[name] = raw[:cut] if cut < 0 else raw + b"\x00" * cut
+        raws[name] = buffer[:cut] if cut < 0 else buffer + b"\x00" * cut
     return _message(values, raws=raws)
 
 
@@ -336,4 +241,4 @@ def test_any_request_of_a_kept_layout_is_read_alike_or_left_to_the_general_way(
         return
     general = _general(READER, message)
     assert not isinstance(general, str), general
-    _same(found, general)
+    same(found, general)

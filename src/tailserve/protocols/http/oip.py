@@ -54,16 +54,7 @@ def decode_request(
                 f"{len(body)} bytes"
             )
         header, binary = body[:header_length], memoryview(body)[header_length:]
-    try:
-        raw = _decoder.decode(header)
-    except msgspec.ValidationError as exc:
-        raise InvalidInput(f"invalid inference request: {field_message(str(exc))}") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidInput("request body is not valid JSON: nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: not valid UTF-8 ({exc})") from None
+    raw = read_header(header)
     inputs = []
     offset = 0
     for item in raw.inputs:
@@ -90,6 +81,21 @@ def decode_request(
             f"{len(binary) - offset} bytes of binary data follow the header that no input claims"
         )
     return request_of(model, version, raw, inputs)
+
+
+def read_header(header: bytes) -> Any:
+    """A JSON body, or a binary request's header, read as a request (its inputs' data as
+    sent)."""
+    try:
+        return _decoder.decode(header)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"invalid inference request: {field_message(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("request body is not valid JSON: nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: not valid UTF-8 ({exc})") from None
 
 
 def request_of(model: str, version: str | None, raw: Any, inputs: list[Tensor]) -> InferRequest:
