@@ -19,7 +19,7 @@ import pytest
 
 from support.models import doubler_config, write_model
 from support.servers import RunningWorker, run_worker
-from tailserve.protocols.http import oip, oip_typed
+from tailserve.protocols.http import binary_layouts, oip, oip_typed
 from tailserve.protocols.http.routes import ROUTES
 from tailserve.settings import Settings
 
@@ -171,6 +171,50 @@ def test_binary_request_and_binary_response(worker: RunningWorker) -> None:
     assert output["parameters"]["binary_data_size"] == 12
     data = np.frombuffer(reply.content[length:], dtype="<f4")
     np.testing.assert_array_equal(data, [4.0, 6.0, 8.0])
+
+
+def test_binary_requests_under_a_header_met_before_answer_from_their_own_bytes(
+    worker: RunningWorker,
+) -> None:
+    # The first two requests under a header are read the general way and the header kept; the
+    # next ones are read by it (http/binary_layouts.py): each answered from its own bytes, and
+    # bytes that do not fit the header refused in the general way's words.
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": [2, 1],
+                    "parameters": {"binary_data_size": 8},
+                }
+            ]
+        }
+    )
+
+    def post(content: bytes) -> httpx.Response:
+        return httpx.post(
+            f"{worker.url}/v2/models/doubler/infer",
+            content=content,
+            headers={"Inference-Header-Content-Length": str(len(header))},
+        )
+
+    for n in range(5):
+        values = np.array([[n], [n + 0.5]], dtype=np.float32)
+        reply = post(header + values.tobytes())
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["outputs"][0]["data"] == (values * 2 + 2).ravel().tolist()
+    served = worker.worker.dataplane.serving("doubler", None)
+    assert served is not None
+    reader = binary_layouts.reader_for(served.config, served.plan)
+    assert reader is not None and reader.keeps(header)
+    short = post(header + b"\x00" * 4)
+    assert short.status_code == 400
+    assert "binary_data_size 8 runs past the binary data (4 bytes left)" in short.json()["error"]
+    longer = post(header + b"\x00" * 12)
+    assert longer.status_code == 400
+    assert "4 bytes of binary data follow the header that no input claims" in longer.text
+    assert post(header + np.float32([[1], [2]]).tobytes()).json()["outputs"][0]["data"] == [4, 6]
 
 
 def test_bytes_and_fp16_tensors_round_trip_json_and_binary(worker: RunningWorker) -> None:

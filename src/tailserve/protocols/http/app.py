@@ -40,6 +40,7 @@ from tailserve.observability.trace_log import TraceRecorder
 from tailserve.observability.tracing import MARKS, Marks, Tracing
 from tailserve.observability.worker_spans import Arrival, record
 from tailserve.protocols.http import jobs, kserve_v1, oip
+from tailserve.protocols.http.binary_layouts import reader_for as binary_reader_for
 from tailserve.protocols.http.errors import headers_of, status_of
 from tailserve.protocols.http.headers import (
     HeaderOptions,
@@ -49,7 +50,7 @@ from tailserve.protocols.http.headers import (
     request_options,
     served_headers,
 )
-from tailserve.protocols.http.oip_typed import TypedDecoder, decoder_for
+from tailserve.protocols.http.oip_typed import decoder_for
 from tailserve.protocols.http.openapi import openapi_document
 from tailserve.protocols.http.replay import Replayer
 from tailserve.protocols.http.routes import Route, Router
@@ -383,13 +384,26 @@ class HttpApp:
         p = request.params
         header_length = _header_length(request.header(b"inference-header-content-length"))
         model, version = p["model"], p.get("version")
-        typed = self._typed(model, version) if header_length is None else None
+        served = self.dataplane.serving(model, version)
+        typed = binary = None
+        if served is not None:
+            if header_length is None:
+                typed = decoder_for(served.config, served.plan)
+            else:
+                binary = binary_reader_for(served.config, served.plan)
 
         def decode(body: bytes) -> InferRequest:
             if typed is not None:
                 decoded = typed.decode(model, version, body)
                 if decoded is not None:
                     return decoded
+            elif binary is not None and header_length is not None:
+                found = binary.read(model, version, body, header_length)
+                if found is not None:
+                    return found
+                read = oip.decode_request(model, version, body, header_length)
+                binary.learn(body, header_length, read)
+                return read
             return oip.decode_request(model, version, body, header_length)
 
         infer_request = await self._decode(request, decode)
@@ -412,11 +426,6 @@ class HttpApp:
         if hits and replayer is not None:
             replayer.keep(request, hits[0], headers, payload)
         return 200, headers, payload
-
-    def _typed(self, model: str, version: str | None) -> TypedDecoder | None:
-        """The model's own decoder, where it has one (`oip_typed`); None: the general one."""
-        served = self.dataplane.serving(model, version)
-        return None if served is None else decoder_for(served.config, served.plan)
 
     async def _predict_v1(self, request: HttpRequest) -> Reply:
         name = request.params["model"]
