@@ -28,6 +28,7 @@ from tailserve.engine.messages import InferRequest
 from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import ModelConfig, TensorSpec
+from tailserve.protocols.http.json_layouts import JsonLayouts
 from tailserve.protocols.http.oip import Output, request_of
 from tailserve.tensors import DATATYPES, Tensor
 
@@ -88,6 +89,8 @@ class TypedDecoder:
             ],
         )
         self._decode: Callable[[bytes], Any] = msgspec.json.Decoder(request).decode
+        dtypes = {name: shaped.dtype for name, shaped in self._shapes.items()}
+        self.layouts = JsonLayouts(self._names, dtypes)
 
     def decode(self, model: str, version: str | None, body: bytes) -> InferRequest | None:
         """The request, its inputs checked; None: not one this decoder takes."""
@@ -95,6 +98,14 @@ class TypedDecoder:
             raw = self._decode(body)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
             return None
+        read = self.layouts.read(raw.inputs)
+        if read is not None:
+            try:
+                request = request_of(model, version, raw, read[0])
+            except InvalidInput:
+                return None
+            request.checked = (self.plan, read[1])
+            return request
         given: dict[str, Any] = {}
         names = self._names
         for item in raw.inputs:
@@ -143,7 +154,9 @@ class TypedDecoder:
             request = request_of(model, version, raw, tensors)
         except InvalidInput:
             return None
-        request.checked = (self.plan, Checked(arrays, rows, (tuple(arrays), tuple(row_shapes))))
+        checked = Checked(arrays, rows, (tuple(arrays), tuple(row_shapes)))
+        request.checked = (self.plan, checked)
+        self.layouts.learn(raw.inputs, tensors, checked)
         return request
 
 
