@@ -39,6 +39,16 @@ CONFIG = parse_model_config(
     },
     source="test",
 )
+# A model no reader judges: its inputs are not batched.
+UNBATCHED = parse_model_config(
+    {
+        "name": "u",
+        "runtime": "python",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+    },
+    source="test",
+)
 SPECS = {spec["name"]: spec for spec in INPUTS}
 
 GOOD: dict[str, list[Any]] = {

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.layouts import CONFIG, EDGES, GOOD, SPECS, VALID, raw, same
+from support.layouts import CONFIG, EDGES, GOOD, SPECS, UNBATCHED, VALID, raw, same
 from tailserve.engine.messages import InferRequest
 from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
@@ -217,16 +217,7 @@ def test_the_newest_headers_are_kept() -> None:
 
 
 def test_models_it_cannot_judge_have_no_reader() -> None:
-    unbatched = parse_model_config(
-        {
-            "name": "u",
-            "runtime": "python",
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-            "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-        },
-        source="test",
-    )
-    assert reader_for(unbatched, InputPlan(unbatched)) is None
+    assert reader_for(UNBATCHED, InputPlan(UNBATCHED)) is None
     plan = InputPlan(CONFIG)
     assert reader_for(CONFIG, plan) is reader_for(CONFIG, plan)
 

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.layouts import UNBATCHED
 from tailserve.engine.messages import InferRequest
 from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
@@ -184,17 +185,8 @@ def test_missing_duplicate_and_unknown_inputs_go_the_general_way() -> None:
 
 
 def test_models_it_cannot_judge_have_none() -> None:
-    unbatched = parse_model_config(
-        {
-            "name": "u",
-            "runtime": "python",
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-            "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-        },
-        source="test",
-    )
-    assert not takes(unbatched)
-    assert decoder_for(unbatched, InputPlan(unbatched)) is None
+    assert not takes(UNBATCHED)
+    assert decoder_for(UNBATCHED, InputPlan(UNBATCHED)) is None
 
 
 _WILD = st.one_of(

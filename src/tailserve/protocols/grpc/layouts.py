@@ -19,14 +19,13 @@ ever: a request is answered alike whichever way reads it; this one is only faste
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import ModelConfig
 from tailserve.protocols.grpc import schema
-from tailserve.protocols.http.oip_typed import takes
+from tailserve.protocols.http.oip_typed import PerPlan
 from tailserve.protocols.layouts import KEPT, SEEN, Layout, Recent, layout_of
 from tailserve.tensors import Tensor
 
@@ -77,16 +76,5 @@ class LayoutReader:
         return checked
 
 
-_readers: weakref.WeakKeyDictionary[InputPlan, LayoutReader | None] = weakref.WeakKeyDictionary()
-
-
-def reader_for(config: ModelConfig, plan: InputPlan) -> LayoutReader | None:
-    """The layout reader of a model version (made on first use, kept while its plan lives);
-    None for a model whose inputs it cannot judge (as `oip_typed.takes`)."""
-    try:
-        return _readers[plan]
-    except KeyError:
-        pass
-    reader = LayoutReader(config, plan) if takes(config) else None
-    _readers[plan] = reader
-    return reader
+# The layout reader of a model version.
+reader_for = PerPlan(LayoutReader)

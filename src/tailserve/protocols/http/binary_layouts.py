@@ -21,14 +21,13 @@ request is answered alike whichever way reads it; this one is only faster.
 from __future__ import annotations
 
 import threading
-import weakref
 
 from tailserve.engine.messages import InferRequest
 from tailserve.engine.validation import InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import ModelConfig
 from tailserve.protocols.http import oip
-from tailserve.protocols.http.oip_typed import takes
+from tailserve.protocols.http.oip_typed import PerPlan
 from tailserve.protocols.layouts import Layout, Recent, layout_of
 
 # The headers a model version keeps (a dict lookup finds one, so more than gRPC's comparisons
@@ -122,16 +121,5 @@ def _spans(request: InferRequest, start: int, length: int) -> list[tuple[int, in
     return spans if start == length else None
 
 
-_readers: weakref.WeakKeyDictionary[InputPlan, BinaryReader | None] = weakref.WeakKeyDictionary()
-
-
-def reader_for(config: ModelConfig, plan: InputPlan) -> BinaryReader | None:
-    """The binary reader of a model version (made on first use, kept while its plan lives);
-    None for a model whose inputs it cannot judge (as `oip_typed.takes`)."""
-    try:
-        return _readers[plan]
-    except KeyError:
-        pass
-    reader = BinaryReader(config, plan) if takes(config) else None
-    _readers[plan] = reader
-    return reader
+# The binary reader of a model version.
+reader_for = PerPlan(BinaryReader)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 import msgspec
 import numpy as np
@@ -32,6 +32,7 @@ from tailserve.protocols.http.json_layouts import JsonLayouts
 from tailserve.protocols.http.oip import Output, request_of
 from tailserve.tensors import DATATYPES, Tensor
 
+R = TypeVar("R")
 # Floats from JSON integers past 2**53 may round twice on the general path: past it, the
 # general path decides.
 _EXACT = float(2**53)
@@ -232,16 +233,23 @@ def _narrowed_bound(dtype: np.dtype[Any], bound: float, side: int) -> float:
     return float(np.nextafter(middle, -side * np.inf))
 
 
-_decoders: weakref.WeakKeyDictionary[InputPlan, TypedDecoder | None] = weakref.WeakKeyDictionary()
+class PerPlan(Generic[R]):
+    """A reader of a model version's requests, made by ``make`` on first use and kept while
+    the version's input plan lives; None for a model whose inputs it cannot judge (`takes`)."""
+
+    def __init__(self, make: Callable[[ModelConfig, InputPlan], R]) -> None:
+        self._make = make
+        self._made: weakref.WeakKeyDictionary[InputPlan, R | None] = weakref.WeakKeyDictionary()
+
+    def __call__(self, config: ModelConfig, plan: InputPlan) -> R | None:
+        try:
+            return self._made[plan]
+        except KeyError:
+            pass
+        made = self._make(config, plan) if takes(config) else None
+        self._made[plan] = made
+        return made
 
 
-def decoder_for(config: ModelConfig, plan: InputPlan) -> TypedDecoder | None:
-    """The typed decoder of a model version (made on first use, kept while its plan lives);
-    None for a model it cannot judge."""
-    try:
-        return _decoders[plan]
-    except KeyError:
-        pass
-    decoder = TypedDecoder(config, plan) if takes(config) else None
-    _decoders[plan] = decoder
-    return decoder
+# The typed decoder of a model version.
+decoder_for = PerPlan(TypedDecoder)
