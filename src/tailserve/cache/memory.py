@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,6 +48,9 @@ class Lookup(enum.Enum):
 Entry = tuple[Any, int, float, float]
 
 
+_48_BITS = 0xFFFFFFFFFFFF
+
+
 class FrequencySketch:
     """Count-min sketch of 4 rows of small counters (capped at 15) that halves every
     ``sample`` increments, so popularity is recent popularity."""
@@ -63,26 +66,43 @@ class FrequencySketch:
         self._sample = 10 * max(capacity, 16)
         self._additions = 0
 
-    def _indexes(self, key: str) -> Iterator[tuple[bytearray, int]]:
+    def _slots(self, key: str) -> tuple[int, int, int, int]:
+        """The key's counter in each of the four rows, from one hash: rotated and mixed with
+        an odd constant a row (written out: a generator's turns cost more than the sums)."""
         h = hash(key)
-        for i, row in enumerate(self._rows):
-            # Four indexes from one hash: rotate and mix with an odd constant per row.
-            mixed = ((h >> (i * 16)) ^ (h * (0x9E3779B1 + 2 * i))) & 0xFFFFFFFFFFFF
-            yield row, mixed & self._mask
+        mask = self._mask
+        return (
+            (h ^ (h * 0x9E3779B1)) & _48_BITS & mask,
+            ((h >> 16) ^ (h * 0x9E3779B3)) & _48_BITS & mask,
+            ((h >> 32) ^ (h * 0x9E3779B5)) & _48_BITS & mask,
+            ((h >> 48) ^ (h * 0x9E3779B7)) & _48_BITS & mask,
+        )
 
     def increment(self, key: str) -> None:
+        a, b, c, d = self._rows
+        i, j, k, m = self._slots(key)
         added = False
-        for row, index in self._indexes(key):
-            if row[index] < 15:
-                row[index] += 1
-                added = True
+        if a[i] < 15:
+            a[i] += 1
+            added = True
+        if b[j] < 15:
+            b[j] += 1
+            added = True
+        if c[k] < 15:
+            c[k] += 1
+            added = True
+        if d[m] < 15:
+            d[m] += 1
+            added = True
         if added:
             self._additions += 1
             if self._additions >= self._sample:
                 self._halve()
 
     def estimate(self, key: str) -> int:
-        return min(row[index] for row, index in self._indexes(key))
+        a, b, c, d = self._rows
+        i, j, k, m = self._slots(key)
+        return min(a[i], b[j], c[k], d[m])
 
     def _halve(self) -> None:
         self._additions //= 2
