@@ -330,6 +330,13 @@ def slo_capacity(
         connections = max(2, min(64, int(rate // 4)))
         found = run(url, rate, seconds, connections=connections, **workload)
         achieved = found.answered / found.seconds if found.seconds else 0.0
-        print(f"  {rate:8.0f} req/s: p99 {found.quantile(0.99):8.2f} ms, errors {found.errors}")
+        why = ""
+        if found.errors:
+            why = (
+                f" (429 {found.refused}, 503 {found.unavailable}, other {found.other}, "
+                f"socket {found.socket_errors})"
+            )
+        p99 = found.quantile(0.99)
+        print(f"  {rate:8.0f} req/s: p99 {p99:8.2f} ms, errors {found.errors}{why}")
         search.record(Step(rate, achieved, found.quantile(0.99), found.errors))
     return search.capacity_rps or 0.0
