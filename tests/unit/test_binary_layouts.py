@@ -171,6 +171,16 @@ def test_bytes_that_do_not_fit_the_header_go_the_general_way(
     assert isinstance(_general(reader, body), str)
 
 
+def test_a_body_held_in_a_bytearray_goes_the_general_way() -> None:
+    body, header_length = _body(GOOD)
+    assert _read(_reader(), (body, header_length)) is not None
+    assert _read(_reader(), (bytearray(body), header_length)) is None
+    reader = BinaryReader(CONFIG, InputPlan(CONFIG))
+    for _ in range(2):
+        _learn(reader, (bytearray(body), header_length))
+    assert not reader.keeps(body[:header_length])
+
+
 def test_inputs_with_other_parameters_or_json_data_are_not_kept() -> None:
     with_note = _body(GOOD, parameters={"note": "x"})
     assert _read(_reader(with_note), with_note) is None

@@ -64,6 +64,8 @@ class BinaryReader:
     ) -> InferRequest | None:
         """The request, its inputs checked, where its header is kept; None: the general way
         reads it."""
+        if type(body) is not bytes:  # (a layout reads bytes; anything else the general way)
+            return None
         header = body[:header_length]
         kept = self._kept.get(header)
         if kept is None or len(body) != kept.length:
@@ -92,6 +94,8 @@ class BinaryReader:
         except InvalidInput:
             return
         request.checked = (self.plan, checked)
+        if type(body) is not bytes:
+            return
         header = body[:header_length]
         with self._learning:
             if not self._recent.repeats(header):
