@@ -22,7 +22,13 @@ from tailserve.engine.validation import Checked, InputPlan
 from tailserve.errors import InvalidInput
 from tailserve.modelconfig import parse_model_config
 from tailserve.protocols.http import oip
-from tailserve.protocols.http.binary_layouts import KEPT, SEEN, BinaryReader, reader_for
+from tailserve.protocols.http.binary_layouts import (
+    KEPT,
+    LONGEST,
+    SEEN,
+    BinaryReader,
+    reader_for,
+)
 from tailserve.tensors import Tensor
 
 Body = tuple[bytes, int]  # (the body, its header's length)
@@ -179,6 +185,12 @@ def test_a_body_held_in_a_bytearray_goes_the_general_way() -> None:
     for _ in range(2):
         _learn(reader, (bytearray(body), header_length))
     assert not reader.keeps(body[:header_length])
+
+
+def test_a_header_past_the_longest_remembered_is_never_kept() -> None:
+    long = _body(GOOD, extra={"parameters": {"note": "x" * LONGEST}})
+    assert _read(_reader(long), long) is None
+    assert _read(_reader(), _body(GOOD)) is not None
 
 
 def test_inputs_with_other_parameters_or_json_data_are_not_kept() -> None:

@@ -36,6 +36,8 @@ from tailserve.protocols.layouts import Layout, Recent, layout_of
 KEPT = 32
 # The headers of recent requests read the general way; one is kept when it comes again.
 SEEN = 32
+# A longer header is never remembered (what is kept is bounded: 64 headers at most).
+LONGEST = 64 * 1024
 
 
 class _Kept:
@@ -94,7 +96,7 @@ class BinaryReader:
         except InvalidInput:
             return
         request.checked = (self.plan, checked)
-        if type(body) is not bytes:
+        if type(body) is not bytes or header_length > LONGEST:
             return
         header = body[:header_length]
         with self._learning:
