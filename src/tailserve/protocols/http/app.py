@@ -398,12 +398,7 @@ class HttpApp:
                 if decoded is not None:
                     return decoded
             elif binary is not None and header_length is not None:
-                found = binary.read(model, version, body, header_length)
-                if found is not None:
-                    return found
-                read = oip.decode_request(model, version, body, header_length)
-                binary.learn(body, header_length, read)
-                return read
+                return binary.decode(model, version, body, header_length)
             return oip.decode_request(model, version, body, header_length)
 
         infer_request = await self._decode(request, decode)

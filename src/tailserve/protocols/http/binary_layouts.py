@@ -61,6 +61,18 @@ class BinaryReader:
         # at once must not race on what is remembered; reading only looks a header up)
         self._learning = threading.Lock()
 
+    def decode(
+        self, model: str, version: str | None, body: bytes, header_length: int
+    ) -> InferRequest:
+        """The request: read by its header's layout where it is kept, else the general way
+        (which raises what is wrong), its header then learnt."""
+        found = self.read(model, version, body, header_length)
+        if found is not None:
+            return found
+        request = oip.decode_request(model, version, body, header_length)
+        self.learn(body, header_length, request)
+        return request
+
     def read(
         self, model: str, version: str | None, body: bytes, header_length: int
     ) -> InferRequest | None:
