@@ -170,3 +170,43 @@ def test_an_idle_loop_sleeps_and_a_request_wakes_it() -> None:
     assert slept  # a second with nothing answered: asleep
     assert quiet == 0  # asleep: not a sample in half a second (a 5 ms timer takes 100)
     assert took < 2.0  # the slow tick (once a second) saw the count move; then every 5 ms
+
+
+def test_a_tick_of_other_work_does_not_read_as_a_dear_request() -> None:
+    # A worker's loop loads and warms its models (2.8 s of its CPU) and answers its first
+    # request within the same tick, five more in flight, against a 50 ms deadline. Read as
+    # one request's cost, the tick set the average to 141 ms, and the backlog to 700 ms:
+    # every call refused.
+    counts = [0, 0, 0]
+    lag = LoopLag(requests=lambda: (counts[0], counts[1], counts[2]))
+    lag.sample(0.0, 0.0, late=0.0)
+    counts[:2] = [5, 1]
+    lag.sample(2.9, 2.8, late=2.8)
+    assert lag.backlog_s < 0.010
+    # Then requests of 100 µs each, 40 a tick: the average learns them.
+    for tick in range(1, 200):
+        counts[1] += 40
+        lag.sample(2.9 + tick * 0.005, 2.8 + tick * 0.004, late=0.001)
+    assert lag.per_request_s == pytest.approx(0.0001, rel=0.02)
+    # A stall (a garbage collection of 300 ms) with one request answered and five held: it
+    # is charged at most four times the average for each of the six.
+    learnt = lag.per_request_s
+    counts[1] += 1
+    lag.sample(4.0, 3.9, late=0.3)
+    assert learnt < lag.per_request_s < learnt * (1 + 0.05 * (4 * 6 - 1)) * 1.01
+    assert lag.backlog_s < 0.002
+
+
+def test_a_true_rise_in_what_requests_cost_is_learnt_within_a_few_dozen_ticks() -> None:
+    # 100 µs a request, then 2 ms (another model's traffic): bounded at four times the
+    # average a tick, the average still reaches most of the new cost within 40 ticks.
+    counts = [0, 0, 0]
+    lag = LoopLag(requests=lambda: (counts[0], counts[1], counts[2]))
+    now = cpu = 0.0
+    lag.sample(now, cpu, late=0.0)
+    for cost, ticks in ((0.0001, 200), (0.002, 40)):
+        for _ in range(ticks):
+            counts[1] += 2
+            now, cpu = now + 0.005, cpu + 2 * cost
+            lag.sample(now, cpu, late=0.001)
+    assert lag.per_request_s > 0.5 * 0.002

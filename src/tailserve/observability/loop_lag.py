@@ -28,6 +28,13 @@ backlog of milliseconds a request, so refused more, and answered fewer. Churn at
 a rate it serves with a p99 of 6 ms, once served 9,000 a second and refused 3,000 (p50 17 ms);
 after a burst, with a sampling profiler slowing its loop, it answered 788 a second and refused
 the rest for six seconds.
+
+A tick's loop CPU is charged to requests up to four times the average so far (at first, one
+tick's interval) for each request answered or held: more than that was other work (a model
+loaded or warmed on the loop, a garbage collection, a scrape). Charged in full, 2.8 s of
+warm-up in the tick that answered a worker's first request set the average to 141 ms, and the
+worker, a few requests in flight, refused every call against a 50 ms deadline until the average
+decayed. A burst is charged in full: its requests are held, read but not yet answered.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ REFUSAL_WEIGHT = 0.25
 # The most of the loop's time refusals are taken to hold (the backlog is stretched by at most
 # 1 / (1 - this)).
 _MAX_REFUSING = 0.9
+# A tick charges requests at most this many times the average each (see the docstring).
+_MAX_RISE = 4.0
 _HOST_EVERY_S = 0.25
 # Unchanged counts for this long put the timer to sleep; asleep, it ticks this often.
 _IDLE_AFTER_S = 1.0
@@ -115,11 +124,13 @@ class LoopLag:
     def _count_requests(self, counts: tuple[int, int, int], used: float, wall: float) -> None:
         """Learn the loop CPU a request costs and the share of the loop refusals take, from
         the server's ``counts`` and the loop's CPU ``used`` over ``wall`` seconds."""
-        _, answered, refused = counts
+        held, answered, refused = counts
         done, self._answered = answered - self._answered, answered
         turned, self._refused = refused - self._refused, refused
         handled = done + REFUSAL_WEIGHT * turned
         if handled > 0:
+            each = _MAX_RISE * self.per_request_s if self.per_request_s else self.interval_s
+            used = min(used, each * (handled + held))
             self.per_request_s += 0.05 * (used / handled - self.per_request_s)
         refusing = REFUSAL_WEIGHT * turned * self.per_request_s / wall
         self.refusing += 0.05 * (min(_MAX_REFUSING, refusing) - self.refusing)
