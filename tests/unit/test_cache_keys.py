@@ -112,3 +112,41 @@ def test_the_key_is_the_documented_framing_so_stored_results_outlive_a_worker() 
     assert keys.key(tensors()) == expected
     # A new shape of a known tensor is framed anew, not taken for the old one.
     assert keys.key(tensors(a=((1.5, 2.5),))) != expected
+
+
+def test_a_kind_of_request_met_before_is_keyed_as_the_documented_framing() -> None:
+    # A builder keeps, per kind of request (names, datatypes and shapes in the order given),
+    # each input's framing; every kind, met first or again, in any order, with an input left
+    # out, of another memory layout or byte order, keys as the framing says.
+    def expected(arrays: dict[str, np.ndarray]) -> str:
+        digest = hashlib.blake2b(digest_size=16)
+        for part in ("churn", "1", SCHEMA, ""):
+            digest.update(struct.pack("<Q", len(part)) + part.encode())
+        for name in sorted(arrays):
+            if name == "skip":
+                continue
+            array = arrays[name]
+            head = f"{name}\x00{'FP32' if array.dtype.kind == 'f' else 'INT64'}\x00{array.shape}"
+            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            for data in (head.encode(), raw):
+                digest.update(struct.pack("<Q", len(data)) + data)
+        return version_prefix("churn", 1) + digest.hexdigest()
+
+    keys = builder(rule=KeyRule(exclude=frozenset({"skip"})))
+    rng = np.random.default_rng(7)
+    for step in range(60):
+        arrays = {
+            "b": rng.integers(0, 9, size=(1 + step % 2, 2)),
+            "a": rng.random((1 + step % 3, 2), dtype=np.float32),
+            "skip": rng.random((1,), dtype=np.float32),
+        }
+        if step % 4 == 1:
+            arrays["a"] = np.asfortranarray(arrays["a"])
+        if step % 5 == 2:
+            arrays["b"] = arrays["b"].astype(">i8")
+        given = [
+            Tensor(n, "FP32" if a.dtype.kind == "f" else "INT64", a) for n, a in arrays.items()
+        ]
+        if step % 2:
+            given.reverse()
+        assert keys.key(given) == expected(arrays), step

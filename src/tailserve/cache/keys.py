@@ -59,7 +59,7 @@ class KeyRule:
 class KeyBuilder:
     """The keys of one served version of one model."""
 
-    __slots__ = ("_head", "_heads", "_rule", "prefix")
+    __slots__ = ("_head", "_heads", "_plans", "_rule", "prefix")
 
     def __init__(
         self,
@@ -77,6 +77,11 @@ class KeyBuilder:
         self._head = head
         # Each tensor's framed name, datatype and shape, made once per kind of tensor seen.
         self._heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
+        # Per kind of request (each tensor's name, datatype, dtype and shape, in the order
+        # given) whose inputs are all plain numbers: the included tensors' places in name
+        # order, each with its framed head and data length, so that such a request's key
+        # takes one pass over its arrays' bytes (None: a kind the general way keys).
+        self._plans: dict[tuple[Any, ...], tuple[tuple[int, bytes], ...] | None] = {}
 
     @property
     def lossy(self) -> bool:
@@ -85,8 +90,59 @@ class KeyBuilder:
         return bool(self._rule.exclude or self._rule.round)
 
     def key(self, tensors: Sequence[Tensor], parameters: Mapping[str, Any] | None = None) -> str:
-        rule = self._rule
+        kind = tuple([(t.name, t.datatype, t.data.dtype, t.data.shape) for t in tensors])
+        try:
+            plan = self._plans[kind]
+        except KeyError:
+            plan = self._plan(tensors, kind)
         # One buffer, one hash update: per-field digest calls cost more than the hashing.
+        parts: list[bytes]
+        if plan is None:
+            parts = self._parts(tensors)
+        else:
+            parts = []
+            for place, head in plan:
+                parts += (head, tensors[place].data.tobytes())
+        rule = self._rule
+        if rule.parameters:
+            given = parameters or {}
+            for name in rule.parameters:
+                value = f"{name}\x00{given.get(name)!r}".encode()
+                parts += (_LENGTH.pack(len(value)), value)
+        digest = self._head.copy()
+        digest.update(b"".join(parts))
+        return self.prefix + digest.hexdigest()
+
+    def _plan(
+        self, tensors: Sequence[Tensor], kind: tuple[Any, ...]
+    ) -> tuple[tuple[int, bytes], ...] | None:
+        """The plan for requests of this ``kind`` (see `_plans`), kept."""
+        rule = self._rule
+        plan: tuple[tuple[int, bytes], ...] | None = None
+        plain = all(
+            t.data.dtype.kind in "biuf"
+            and t.data.dtype.byteorder != ">"
+            and t.name not in rule.round
+            for t in tensors
+        )
+        if plain:
+            plan = tuple(
+                (
+                    place,
+                    self._framed_head(t.name, t.datatype, t.data.shape)
+                    + _LENGTH.pack(t.data.nbytes),
+                )
+                for place, t in sorted(enumerate(tensors), key=lambda each: each[1].name)
+                if t.name not in rule.exclude
+            )
+        if len(self._plans) >= _HEADS_KEPT:  # kinds a client can vary without end
+            self._plans.clear()
+        self._plans[kind] = plan
+        return plan
+
+    def _parts(self, tensors: Sequence[Tensor]) -> list[bytes]:
+        """Each included tensor's framed head, length and canonical bytes, in name order."""
+        rule = self._rule
         parts: list[bytes] = []
         for tensor in sorted(tensors, key=_name):
             if tensor.name in rule.exclude:
@@ -98,14 +154,7 @@ class KeyBuilder:
                 _LENGTH.pack(len(data)),
                 data,
             )
-        if rule.parameters:
-            given = parameters or {}
-            for name in rule.parameters:
-                value = f"{name}\x00{given.get(name)!r}".encode()
-                parts += (_LENGTH.pack(len(value)), value)
-        digest = self._head.copy()
-        digest.update(b"".join(parts))
-        return self.prefix + digest.hexdigest()
+        return parts
 
     def _framed_head(self, name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
         known = (name, datatype, shape)
