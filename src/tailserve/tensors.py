@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -333,4 +334,10 @@ def to_binary(array: np.ndarray[Any, Any]) -> bytes:
             parts.append(struct.pack("<I", len(raw)))
             parts.append(raw)
         return b"".join(parts)
+    if array.dtype.byteorder in _LITTLE:  # (tobytes: C order whatever the memory layout)
+        return array.tobytes()
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+# The byte orders numpy names that are little-endian ("|": one byte; "=": the machine's).
+_LITTLE = ("<", "|", "=") if sys.byteorder == "little" else ("<", "|")

@@ -245,3 +245,12 @@ def test_floats_past_the_type_range_are_refused_not_made_infinite(
     with pytest.raises(InvalidInput, match=f"does not fit datatype {datatype}"):
         from_json("x", datatype, shape, data)
     assert np.isinf(from_json("x", datatype, [1], [float("inf")])).all()  # infinity itself is kept
+
+
+def test_binary_is_little_endian_c_order_whatever_the_arrays_layout() -> None:
+    values = np.arange(12, dtype=np.int32).reshape(3, 4)
+    expected = b"".join(struct.pack("<i", int(v)) for v in values.reshape(-1))
+    for array in (values, np.asfortranarray(values), values.astype(">i4"), values.T.T):
+        assert to_binary(array) == expected
+    assert to_binary(np.arange(8, dtype=np.int64)[::2]) == struct.pack("<4q", 0, 2, 4, 6)
+    assert to_binary(np.array([True, False])) == b"\x01\x00"

@@ -168,11 +168,11 @@ class HttpApp:
     def answer_now(self, request: HttpRequest) -> Reply | None:
         """The reply when it needs no waiting: no such route, a kept reply, or an inference
         refused before it is decoded. None: `answer` is called."""
+        if self._grpc is not None and request.path.startswith(self._grpc.prefix):
+            request.route = GRPC_ROUTE  # (no REST route lies under the service's prefix)
+            return None
         route, params, path_known = self._router.match(request.method, request.path)
         if route is None:
-            if self._grpc is not None and request.path.startswith(self._grpc.prefix):
-                request.route = GRPC_ROUTE
-                return None
             if path_known:
                 allow = (b"allow", self._router.allowed(request.path).encode())
                 message = f"method not allowed: {request.method} {request.path}"
