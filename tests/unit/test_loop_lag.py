@@ -183,6 +183,12 @@ def test_a_tick_of_other_work_does_not_read_as_a_dear_request() -> None:
     counts[:2] = [5, 1]
     lag.sample(2.9, 2.8, late=2.8)
     assert lag.backlog_s < 0.010
+    # The same with 63 requests held (clients that connected during the warm-up): nothing
+    # learnt yet, the held ones are not charged, and they read a backlog well within 50 ms.
+    early = LoopLag(requests=lambda: (63, 1, 0))
+    early.sample(0.0, 0.0, late=0.0)
+    early.sample(2.9, 2.8, late=2.8)
+    assert early.backlog_s < 0.025
     # Then requests of 100 µs each, 40 a tick: the average learns them.
     for tick in range(1, 200):
         counts[1] += 40

@@ -29,12 +29,13 @@ a rate it serves with a p99 of 6 ms, once served 9,000 a second and refused 3,00
 after a burst, with a sampling profiler slowing its loop, it answered 788 a second and refused
 the rest for six seconds.
 
-A tick's loop CPU is charged to requests up to four times the average so far (at first, one
-tick's interval) for each request answered or held: more than that was other work (a model
-loaded or warmed on the loop, a garbage collection, a scrape). Charged in full, 2.8 s of
-warm-up in the tick that answered a worker's first request set the average to 141 ms, and the
-worker, a few requests in flight, refused every call against a 50 ms deadline until the average
-decayed. A burst is charged in full: its requests are held, read but not yet answered.
+A tick's loop CPU is charged to requests up to four times the average so far for each request
+answered or held (before anything is learnt, one tick's interval for each answered): more than
+that was other work (a model loaded or warmed on the loop, a garbage collection, a scrape).
+Charged in full, 2.8 s of warm-up in the tick that answered a worker's first request set the
+average to 141 ms, and the worker, a few requests in flight, refused every call against a 50
+ms deadline until the average decayed. A burst is charged in full: its requests are held,
+read but not yet answered.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ class LoopLag:
         turned, self._refused = refused - self._refused, refused
         handled = done + REFUSAL_WEIGHT * turned
         if handled > 0:
-            each = _MAX_RISE * self.per_request_s if self.per_request_s else self.interval_s
-            used = min(used, each * (handled + held))
+            if self.per_request_s:
+                used = min(used, _MAX_RISE * self.per_request_s * (handled + held))
+            else:  # (nothing learnt yet: a tick's interval for each request answered)
+                used = min(used, self.interval_s * handled)
             self.per_request_s += 0.05 * (used / handled - self.per_request_s)
         refusing = REFUSAL_WEIGHT * turned * self.per_request_s / wall
         self.refusing += 0.05 * (min(_MAX_REFUSING, refusing) - self.refusing)
