@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.tensors import Tensor
+from tailserve.tensors import Tensor, to_binary
 
 PREFIX = "ts"
 _LENGTH = struct.Struct("<Q")
@@ -190,9 +190,7 @@ def canonical_bytes(array: np.ndarray[Any, Any], grid: float | None = None) -> b
         # -0.0 and 0.0 are one value on the grid.
         snapped = snapped + 0.0
         return np.ascontiguousarray(snapped, dtype="<f8").tobytes()
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    return array.tobytes()  # C order whatever the memory layout
+    return to_binary(array)  # little-endian, C order whatever the memory layout
 
 
 def _name(tensor: Tensor) -> str:
